@@ -1,0 +1,165 @@
+"""Paged KV bookkeeping in plain Python ints: free queue, ref counts, block tables, prefix cache.
+
+The pool holds `num_blocks` blocks of `block_size` token slots. Block 0 is reserved: it pads block
+tables and takes writes that must land somewhere harmless (the static engine's computed-but-wasted
+rows), so it is never handed to a request. The tensors themselves live in the model runner; this
+module only decides which block ids a request owns.
+
+Prefix caching: a full block is named by a chained key (the key of the block before it and its own
+token ids), so equal keys mean equal prefixes. A freed block keeps its key and goes to the back of
+the free queue; a later request whose prefix matches takes it back (a hit) and shares it by ref
+count. Blocks are evicted from the front of the free queue (least recently freed) only when an
+allocation needs them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.request import RequestState
+
+NULL_BLOCK = 0
+
+BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key, this block's tokens)
+
+
+@dataclass(slots=True)
+class PrefixCacheCounters:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        # Free blocks in eviction order (front first). OrderedDict: O(1) pop-front and removal
+        # of a cached block that a prefix hit takes back.
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self._key_of_block: dict[int, BlockKey] = {}
+        self._block_of_key: dict[BlockKey, int] = {}
+        self.counters = PrefixCacheCounters()
+
+    # -- queries -------------------------------------------------------------------------------
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free, cached or not)."""
+        return len(self._free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self._free if b in self._key_of_block)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache --------------------------------------------------------------------------
+
+    def _block_keys(self, token_ids: list[int], num_full_blocks: int) -> list[BlockKey]:
+        keys: list[BlockKey] = []
+        parent = 0
+        bs = self.block_size
+        for i in range(num_full_blocks):
+            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            keys.append(key)
+            parent = hash(key)
+        return keys
+
+    def lookup_prefix(self, state: RequestState) -> list[int]:
+        """Cached blocks for the longest run of full blocks of the request's tokens.
+
+        The last token is never served from cache: the step must compute at least one token to
+        produce the logits that sample the next.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (state.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for key in self._block_keys(state.token_ids, max_blocks):
+            block = self._block_of_key.get(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def cache_full_blocks(self, state: RequestState) -> None:
+        """Name every block of the request that is now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = state.num_computed_tokens // self.block_size
+        keys = self._block_keys(state.token_ids, num_full)
+        for block, key in zip(state.block_ids[:num_full], keys, strict=True):
+            if block in self._key_of_block:
+                continue
+            # A duplicate (two requests computed the same prefix at once) stays unnamed.
+            if key not in self._block_of_key:
+                self._key_of_block[block] = key
+                self._block_of_key[key] = block
+
+    # -- allocation ----------------------------------------------------------------------------
+
+    def allocate(self, state: RequestState, num_tokens: int, prefix_blocks: list[int] | None = None) -> bool:
+        """Make `state.block_ids` cover `num_tokens` tokens, starting from `prefix_blocks` if given.
+
+        All or nothing: returns False (and changes nothing) when the pool cannot deliver.
+        """
+        prefix_blocks = prefix_blocks or []
+        have = len(state.block_ids) + len(prefix_blocks)
+        need = self.blocks_for(num_tokens) - have
+        # Taking back cached blocks that sit in the free queue uses up free blocks too.
+        reclaimed = sum(1 for b in prefix_blocks if self.ref_counts[b] == 0)
+        if max(need, 0) + reclaimed > len(self._free):
+            return False
+        for b in prefix_blocks:
+            if self.ref_counts[b] == 0:
+                del self._free[b]
+            self.ref_counts[b] += 1
+        state.block_ids.extend(prefix_blocks)
+        for _ in range(max(need, 0)):
+            state.block_ids.append(self._take_free_block())
+        return True
+
+    def _take_free_block(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        key = self._key_of_block.pop(block, None)
+        if key is not None:
+            del self._block_of_key[key]
+            self.counters.evictions += 1
+        self.ref_counts[block] = 1
+        return block
+
+    def free(self, state: RequestState) -> None:
+        """Release the request's blocks. Tail blocks go first into the free queue, so they are
+        evicted before the shared prefix blocks that other requests are more likely to reuse."""
+        for block in reversed(state.block_ids):
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+            if self.ref_counts[block] == 0:
+                if block in self._key_of_block:
+                    self._free[block] = None
+                else:
+                    # Unnamed blocks hold nothing worth keeping: hand them out first.
+                    self._free[block] = None
+                    self._free.move_to_end(block, last=False)
+        state.block_ids = []
+
+    def reset_prefix_cache(self) -> None:
+        self._key_of_block.clear()
+        self._block_of_key.clear()

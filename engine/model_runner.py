@@ -1,0 +1,114 @@
+"""Turns scheduled work into flat tensors, runs the model once, returns logits for sampling rows.
+
+It owns the KV pool tensors: one `(layers, 2, num_blocks, block_size, kv_heads, head_dim)` tensor,
+allocated once from the block count. Per step it builds input ids, positions, the slot each new
+K/V goes to, block tables and context lengths; it never decides who runs.
+
+Rows that feed one token (decodes, and a prompt's last single-token chunk) form the batched decode
+group and come first; multi-token chunks follow. A wasted row (static batching's finished member)
+re-feeds its last computed token at its own position and writes the K/V into the reserved block 0,
+so it costs a full decode row without disturbing anything a live request reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.block_manager import NULL_BLOCK
+from engine.scheduler import ScheduledRequest
+from models.attention import AttentionMetadata, PrefillChunk
+from models.llama import LlamaForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+        c = model.config
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        # zeros, not empty: padded attention reads masked slots, and 0 * NaN from uninitialised
+        # memory would poison the output. torch.zeros maps pages lazily, so RSS grows with use.
+        self.kv = torch.zeros(
+            c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=c.dtype
+        )
+        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(c.num_layers)]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def _slot(self, block_ids: list[int], pos: int) -> int:
+        return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def execute(self, rows: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+        """Run one forward over all rows. Returns (logits (N, V), the N rows that sample)."""
+        decode_rows = [r for r in rows if r.wasted or r.num_new_tokens == 1]
+        chunk_rows = [r for r in rows if not r.wasted and r.num_new_tokens > 1]
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        ctx_lens: list[int] = []
+        sample_idx: list[int] = []
+        sample_rows: list[ScheduledRequest] = []
+
+        for r in decode_rows:
+            s = r.state
+            pos = s.num_computed_tokens - 1 if r.wasted else s.num_computed_tokens
+            input_ids.append(s.token_ids[pos])
+            positions.append(pos)
+            slots.append(NULL_BLOCK * self.block_size if r.wasted else self._slot(s.block_ids, pos))
+            tables.append(s.block_ids)
+            ctx_lens.append(pos + 1)
+            if r.samples:
+                sample_idx.append(len(input_ids) - 1)
+                sample_rows.append(r)
+
+        prefills: list[PrefillChunk] = []
+        for r in chunk_rows:
+            s, start, n = r.state, r.state.num_computed_tokens, r.num_new_tokens
+            token_start = len(input_ids)
+            input_ids.extend(s.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(self._slot(s.block_ids, p) for p in range(start, start + n))
+            nb = -(-(start + n) // self.block_size)
+            prefills.append(
+                PrefillChunk(token_start, n, start + n, torch.tensor(s.block_ids[:nb], dtype=torch.long))
+            )
+            if r.samples:
+                sample_idx.append(len(input_ids) - 1)
+                sample_rows.append(r)
+
+        decode_tables = decode_lens = None
+        if decode_rows:
+            width = max(-(-n // self.block_size) for n in ctx_lens)
+            decode_tables = torch.tensor(
+                [t[:width] + [NULL_BLOCK] * (width - len(t[:width])) for t in tables], dtype=torch.long
+            )
+            decode_lens = torch.tensor(ctx_lens, dtype=torch.long)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            num_decode_tokens=len(decode_rows),
+            decode_block_tables=decode_tables,
+            decode_context_lens=decode_lens,
+            prefills=prefills,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long)
+        pos_t = torch.tensor(positions, dtype=torch.long)
+        hidden = self.model(ids, pos_t, self.kv_caches, meta)  # (T, d)
+        if not sample_rows:
+            return hidden.new_empty((0, self.model.config.vocab_size)), []
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_idx)])  # (N, V)
+        return logits, sample_rows
+
+
+def run_full_sequence(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:
+    """No pool: attend causally over the whole sequence and return the last logits (1, V).
+
+    The naive engine's path: full recompute, nothing cached.
+    """
+    n = len(token_ids)
+    meta = AttentionMetadata(None, 0, None, None, [PrefillChunk(0, n, n, None)])
+    hidden = model(torch.tensor(token_ids, dtype=torch.long), torch.arange(n), None, meta)  # (T, d)
+    return model.compute_logits(hidden[-1:])

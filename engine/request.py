@@ -1,0 +1,220 @@
+"""Requests and their lifecycle: SamplingParams, Request, RequestState, StepOutput, finish reasons.
+
+`SamplingParams` validates itself (a ValueError naming the field). `RequestState` is the engine's
+mutable view of one request: its tokens, how many of them have KV in the pool
+(`num_computed_tokens`), its block table, its random generator. The one rule the scheduler
+follows is that `num_computed_tokens` catches up to `num_tokens`.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+_ids = itertools.count()
+
+
+def _next_request_id() -> str:
+    return f"req-{next(_ids)}"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Defaults are greedy decoding of 16 tokens."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF style, over prompt and output tokens
+    presence_penalty: float = 0.0  # OpenAI style, over output tokens
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-N logprobs with each sampled token (0: just the sampled one)
+    seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a finite number >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "must be -1, 0 (off) or a positive integer")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise bad("repetition_penalty", "must be > 0")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", "must be an integer in [0, max_tokens]")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "must be an integer in [0, 20]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an integer")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+        for tok, bias in self.logit_bias:
+            if not isinstance(tok, int) or tok < 0 or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias entries must map token ids to [-100, 100], got {tok}: {bias}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+@dataclass(slots=True)
+class Request:
+    """What a client asks for, in token ids. `request_id` is unique unless the caller sets it."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=_next_request_id)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything from FINISHED_STOPPED on is terminal."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+# The one table from internal finish states to OpenAI finish_reason.
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The sampled token's logprob and the top-N alternatives (id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one step produced for one request: new token ids, and whether it has finished."""
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class RequestState:
+    """The engine's mutable record of one request."""
+
+    __slots__ = (
+        "request",
+        "params",
+        "status",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "block_ids",
+        "generator",
+        "stop_ids",
+        "num_preemptions",
+        "first_scheduled_time",
+    )
+
+    def __init__(self, request: Request, eos_token_ids: tuple[int, ...]) -> None:
+        self.request = request
+        self.params = request.params
+        self.status = RequestStatus.WAITING
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_ids: list[int] = []
+        # Every request owns its generator: a seeded request then draws the same numbers
+        # whatever else shares its batch.
+        self.generator: torch.Generator | None = None
+        if not self.params.greedy:
+            self.generator = torch.Generator()
+            if self.params.seed is not None:
+                self.generator.manual_seed(self.params.seed)
+            else:
+                self.generator.seed()
+        eos = () if self.params.ignore_eos else tuple(eos_token_ids)
+        self.stop_ids = frozenset(eos) | frozenset(self.params.stop_token_ids)
+        self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestState({self.request_id}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+        )

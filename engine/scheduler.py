@@ -1,0 +1,181 @@
+"""Who runs this step, and how many tokens each.
+
+One rule explains it: every request has `num_computed_tokens` catching up to `num_tokens`.
+A new request is behind by its whole prompt (prefill), a running one by the token it just sampled
+(decode), a long prompt catches up across several steps when the token budget runs out (chunked
+prefill), a prefix-cache hit starts it further along, and a preempted request falls back to zero
+and catches up again (recompute), keeping the tokens it already generated.
+
+Each step: retire what finished, schedule running requests first (oldest first), then admit
+waiting ones while the batch has slots, the step has token budget and the pool has blocks. When
+a running request needs a block and none is free, the newest running request is preempted.
+
+The static and continuous engines differ only in `_admission_open` and in what happens to a
+finished member: continuous batching admits whenever a slot is free and retires a finished request
+at once; static batching admits only into an empty batch, and a finished member keeps its slot and
+is still computed (a wasted row) until the whole batch is done.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.request import RequestState, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    state: RequestState
+    num_new_tokens: int  # tokens fed this step (0 for a wasted row)
+    wasted: bool = False  # static batching: a finished member computed for nothing
+
+    @property
+    def samples(self) -> bool:
+        """Does this row produce a token? Only when it catches up with all its tokens."""
+        s = self.state
+        return not self.wasted and s.num_computed_tokens + self.num_new_tokens == s.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    rows: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[RequestState] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.rows)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_batch_size: int,
+        max_num_batched_tokens: int,
+        static: bool = False,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_num_batched_tokens < max_batch_size:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_batch_size "
+                f"({max_batch_size}) so every running request can decode each step"
+            )
+        self.bm = block_manager
+        self.max_batch_size = max_batch_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.static = static
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
+        self.num_preemptions = 0
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def add(self, state: RequestState) -> None:
+        self.waiting.append(state)
+
+    def remove(self, state: RequestState) -> None:
+        """Take a request out wherever it is (abort) and free its blocks."""
+        if state in self.running:
+            self.running.remove(state)
+        else:
+            try:
+                self.waiting.remove(state)
+            except ValueError:
+                pass
+        self.bm.free(state)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or any(not s.finished for s in self.running)
+
+    def retire(self) -> list[RequestState]:
+        """Drop finished requests from the running set and free their blocks.
+
+        Continuous: every finished request leaves now. Static: only once the whole batch is done.
+        """
+        if self.static and not all(s.finished for s in self.running):
+            return []
+        done = [s for s in self.running if s.finished]
+        for s in done:
+            self.bm.free(s)
+        self.running = [s for s in self.running if not s.finished]
+        return done
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self.retire()
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        for state in list(self.running):
+            if budget <= 0:
+                break
+            if state not in self.running:  # preempted earlier in this step
+                continue
+            if state.finished:  # static batching: the slot is held and computed anyway
+                out.rows.append(ScheduledRequest(state, 0, wasted=True))
+                budget -= 1
+                continue
+            n = min(state.num_tokens - state.num_computed_tokens, budget)
+            while not self.bm.allocate(state, state.num_computed_tokens + n):
+                victim = self._pick_victim()
+                self._preempt(victim, out)
+                if victim is state:
+                    break
+            else:
+                out.rows.append(ScheduledRequest(state, n))
+                budget -= n
+
+        # vLLM's rule: no admissions in a step that had to preempt; memory is short already.
+        if not out.preempted and self._admission_open():
+            while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
+                state = self.waiting[0]
+                prefix = []
+                if state.num_computed_tokens == 0:
+                    prefix = self.bm.lookup_prefix(state)
+                cached = len(prefix) * self.bm.block_size
+                n = min(state.num_tokens - cached, budget)
+                if not self.bm.allocate(state, cached + n, prefix_blocks=prefix):
+                    break  # first come, first served: nobody jumps the head of the queue
+                if state.status == RequestStatus.WAITING:
+                    self.bm.counters.queried_tokens += state.num_prompt_tokens
+                    self.bm.counters.hit_tokens += cached
+                    state.num_cached_tokens = cached
+                    state.first_scheduled_time = time.monotonic()
+                state.num_computed_tokens = cached
+                state.status = RequestStatus.RUNNING
+                self.waiting.popleft()
+                self.running.append(state)
+                out.rows.append(ScheduledRequest(state, n))
+                budget -= n
+        return out
+
+    def _admission_open(self) -> bool:
+        if self.static:
+            return not self.running
+        return True
+
+    def _pick_victim(self) -> RequestState:
+        # Newest first; in static batching a finished member's slot is the cheapest to give up.
+        for s in reversed(self.running):
+            if s.finished:
+                return s
+        return self.running[-1]
+
+    def _preempt(self, victim: RequestState, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.bm.free(victim)
+        out.rows = [r for r in out.rows if r.state is not victim]
+        if victim.finished:
+            return
+        # Recompute later: generated tokens stay in token_ids and are never emitted again.
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)

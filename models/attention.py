@@ -1,0 +1,114 @@
+"""Paged attention: reads and writes the KV block pool through explicit per-step metadata.
+
+The engine's model runner lays out one step as a flat batch of tokens: first the decode tokens
+(one per decoding sequence), then each prefill chunk's tokens back to back. It describes that
+layout in `AttentionMetadata`; this module is the only code that turns the metadata into reads and
+writes of the pool. There is no global context: everything attention needs is passed in.
+
+Pool layout per layer: `(num_blocks, block_size, num_kv_heads, head_dim)` for K and for V. A token's
+slot is `block_id * block_size + offset`; a sequence's block table lists its blocks in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One sequence that feeds more than one token (or its first chunk) this step."""
+
+    token_start: int  # index of the chunk's first token in the flat batch
+    num_tokens: int  # tokens of this chunk
+    context_len: int  # tokens in the sequence once this chunk is written (past + chunk)
+    block_table: torch.Tensor | None  # (num_blocks_of_seq,) long; None when running without a pool
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each new token's K/V goes and what each query attends to, for one step."""
+
+    slot_mapping: torch.Tensor | None  # (T,) long: pool slot of each token's new K/V; None = no pool
+    num_decode_tokens: int  # decode tokens come first in the flat batch, one per sequence
+    decode_block_tables: torch.Tensor | None  # (B_dec, max_blocks) long, padded with block 0
+    decode_context_lens: torch.Tensor | None  # (B_dec,) long: tokens each decode query attends to
+    prefills: list[PrefillChunk]
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Scatter this step's K/V (T, kv_heads, head_dim) into their pool slots."""
+    n_kv, hd = k.shape[1], k.shape[2]
+    k_cache.view(-1, n_kv, hd).index_copy_(0, slots, k)
+    v_cache.view(-1, n_kv, hd).index_copy_(0, slots, v)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence's K or V: (length, kv_heads, head_dim)."""
+    n_kv, hd = cache.shape[2], cache.shape[3]
+    return cache[block_table].view(-1, n_kv, hd)[:length]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention for a flat batch. q: (T, heads, hd); k, v: (T, kv_heads, hd). Returns (T, heads, hd).
+
+    With a pool, the new K/V are written first and every query then reads its context from the
+    pool (so a chunk sees earlier chunks and cached prefixes). Without one (the naive engine's full
+    recompute), each prefill chunk attends causally over its own K/V.
+    """
+    out = torch.empty_like(q)
+    if kv_cache is not None:
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+
+    nd = meta.num_decode_tokens
+    if nd:
+        assert kv_cache is not None, "decode needs a KV pool"
+        tables = meta.decode_block_tables  # (B, nb)
+        bsz, nb = tables.shape
+        block_size, n_kv, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        length = nb * block_size
+        keys = k_cache[tables].view(bsz, length, n_kv, hd).transpose(1, 2)  # (B, kv, L, hd)
+        vals = v_cache[tables].view(bsz, length, n_kv, hd).transpose(1, 2)  # (B, kv, L, hd)
+        pos = torch.arange(length)
+        mask = (pos[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]  # (B,1,1,L)
+        qd = q[:nd].unsqueeze(2)  # (B, heads, 1, hd)
+        o = F.scaled_dot_product_attention(
+            qd, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True
+        )  # (B, heads, 1, hd)
+        out[:nd] = o.squeeze(2)
+
+    for chunk in meta.prefills:
+        s, n = chunk.token_start, chunk.num_tokens
+        qc = q[s : s + n].transpose(0, 1).unsqueeze(0)  # (1, heads, n, hd)
+        past = chunk.context_len - n
+        if kv_cache is None or past == 0:
+            # The chunk is the whole context: its own K/V are exactly what the pool now holds.
+            kc, vc = k[s : s + n], v[s : s + n]
+        else:
+            kc = _gather(k_cache, chunk.block_table, chunk.context_len)
+            vc = _gather(v_cache, chunk.block_table, chunk.context_len)
+        kc = kc.transpose(0, 1).unsqueeze(0)  # (1, kv, L, hd)
+        vc = vc.transpose(0, 1).unsqueeze(0)  # (1, kv, L, hd)
+        if past == 0:
+            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # query i sits at absolute position past + i and sees keys 0 .. past + i
+            qpos = torch.arange(past, past + n)[:, None]
+            mask = torch.arange(chunk.context_len)[None, :] <= qpos  # (n, L)
+            o = F.scaled_dot_product_attention(
+                qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        out[s : s + n] = o[0].transpose(0, 1)
+    return out

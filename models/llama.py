@@ -1,0 +1,203 @@
+"""The Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+One implementation serves TinyGPT, SmolLM2, Llama 2/3, Mistral and Qwen2-style checkpoints; they
+differ only in `ModelConfig`. Attention goes through `models.attention` with explicit metadata, so
+the module itself holds no per-request state. Q/K/V and gate/up are fused into one projection each:
+one matmul instead of three (or two) per layer, which matters on CPU where every op has overhead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.attention import AttentionMetadata, paged_attention
+from models.config import ModelConfig, RopeScaling
+
+
+def _inv_freq(config: ModelConfig) -> torch.Tensor:
+    hd = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    rs: RopeScaling | None = config.rope_scaling
+    if rs is not None:
+        # Llama 3: leave high frequencies alone, divide low ones by `factor`, blend in between.
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor
+        )
+        scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        scaled = torch.where(mid, (1 - smooth) * inv / rs.factor + smooth * inv, scaled)
+        inv = scaled
+    return inv
+
+
+class Rotary(nn.Module):
+    """Precomputed cos/sin for every position up to the context length (HF 'rotate_half' layout)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        t = torch.arange(config.max_position_embeddings, dtype=torch.float64)
+        freqs = torch.outer(t, _inv_freq(config))  # (P, hd/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (P, hd)
+        self.register_buffer("cos", emb.cos().to(config.dtype), persistent=False)
+        self.register_buffer("sin", emb.sin().to(config.dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: (T, heads, hd)
+        cos = self.cos[positions].unsqueeze(1)  # (T, 1, hd)
+        sin = self.sin[positions].unsqueeze(1)  # (T, 1, hd)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = self.n_heads * self.hd, self.n_kv * self.hd
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = self.hd**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Rotary,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rotary(q.view(t, self.n_heads, self.hd), positions)  # (T, H, hd)
+        k = rotary(k.view(t, self.n_kv, self.hd), positions)  # (T, KV, hd)
+        v = v.view(t, self.n_kv, self.hd)  # (T, KV, hd)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # (T, H, hd)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.ffn = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.ffn, bias=False)
+        self.down_proj = nn.Linear(self.ffn, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.ffn, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder over a flat token batch. `forward` returns hidden states; `compute_logits` the head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: (T,). Returns final hidden states (T, d_model)."""
+        x = self.embed_tokens(input_ids)  # (T, d)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rotary, None if kv_caches is None else kv_caches[i], meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, d_model) -> (N, vocab) in fp32."""
+        return self.lm_head(hidden).float()
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # -- loading -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face Llama-style names (model.layers.N.self_attn.q_proj.weight, ...).
+
+        Separate q/k/v and gate/up tensors are fused into this module's projections. Missing or
+        unexpected tensors raise, so a checkpoint is never half-loaded.
+        """
+        c = self.config
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+
+        def put(name: str, value: torch.Tensor) -> None:
+            p = params[name]
+            if tuple(p.shape) != tuple(value.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != {tuple(p.shape)}")
+            p.copy_(value.to(p.dtype))
+            loaded.add(name)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise ValueError(f"checkpoint is missing tensor {name}")
+            return tensors[name]
+
+        put("embed_tokens.weight", take("model.embed_tokens.weight"))
+        put("norm.weight", take("model.norm.weight"))
+        if not c.tie_word_embeddings:
+            put("lm_head.weight", take("lm_head.weight"))
+        for i in range(c.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            qkv = [take(f"{src}self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
+            put(f"{dst}self_attn.qkv_proj.weight", torch.cat(qkv, dim=0))
+            if c.attention_bias:
+                qkv_b = [take(f"{src}self_attn.{n}_proj.bias") for n in ("q", "k", "v")]
+                put(f"{dst}self_attn.qkv_proj.bias", torch.cat(qkv_b, dim=0))
+            put(f"{dst}self_attn.o_proj.weight", take(f"{src}self_attn.o_proj.weight"))
+            gate_up = [take(f"{src}mlp.{n}_proj.weight") for n in ("gate", "up")]
+            put(f"{dst}mlp.gate_up_proj.weight", torch.cat(gate_up, dim=0))
+            put(f"{dst}mlp.down_proj.weight", take(f"{src}mlp.down_proj.weight"))
+            put(f"{dst}input_layernorm.weight", take(f"{src}input_layernorm.weight"))
+            put(f"{dst}post_attention_layernorm.weight", take(f"{src}post_attention_layernorm.weight"))
+        missing = set(params) - loaded
+        if c.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"checkpoint left parameters unset: {sorted(missing)[:5]}")

@@ -1,0 +1,78 @@
+"""`load_model(name_or_path)`: one entry point from a name or a path to a ready model.
+
+Returns a `LoadedModel`: the torch module, its tokenizer and its config. Names: "tinygpt"
+(built in); "smollm2-135m-instruct" (the GGUF file fetched by `python -m models.fetch`);
+a path to a `.gguf` file or a Hugging Face model directory of the Llama family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from models.config import ModelConfig
+from models.llama import LlamaForCausalLM
+from models.tokenizer import Tokenizer
+
+
+class ModelLoadError(ValueError):
+    """A model name or file that cannot be loaded; the message says why and what is supported."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    name: str
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    config: ModelConfig
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.tokenizer.chat_template
+
+    def num_parameters(self) -> int:
+        return self.model.num_parameters()
+
+
+SUPPORTED = (
+    '"tinygpt", "smollm2-135m-instruct", a path to a Llama-architecture .gguf file, '
+    "or a Hugging Face model directory (config.json + *.safetensors) of the Llama family "
+    "(Llama, Mistral, Qwen2, SmolLM)"
+)
+
+
+def load_model(name_or_path: str) -> LoadedModel:
+    key = str(name_or_path).strip()
+    if key.lower() == "tinygpt":
+        from models.tinygpt import build_tinygpt
+
+        model, tok = build_tinygpt()
+        return LoadedModel("tinygpt", model, tok, model.config)
+    if key.lower() in ("smollm2-135m-instruct", "smollm2", "smollm2-135m"):
+        from models.fetch import smollm2_path
+
+        return _load_gguf(smollm2_path(), name="smollm2-135m-instruct")
+    path = Path(key).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path, name=path.stem)
+    if path.is_dir() and (path / "config.json").is_file():
+        from models.hf_loader import load_hf_directory
+
+        return load_hf_directory(path)
+    if path.exists():
+        raise ModelLoadError(f"cannot load {key!r}: expected {SUPPORTED}")
+    raise ModelLoadError(f"unknown model {key!r}: expected {SUPPORTED}")
+
+
+def _load_gguf(path: Path, name: str) -> LoadedModel:
+    from models.gguf_loader import load_gguf
+
+    return load_gguf(path, name=name)

@@ -1,0 +1,111 @@
+"""Tokenizers and incremental detokenization.
+
+`Tokenizer` is the small interface the server uses (encode, decode, special ids, chat template).
+`ByteTokenizer` is TinyGPT's: bytes 0-255 plus BOS/EOS/PAD. Real models wrap a Hugging Face
+tokenizer (models.hf_tokenizer). `IncrementalDetokenizer` turns a growing list of ids into text
+deltas without ever emitting half a character, for any tokenizer: byte-level pieces whose text only
+appears once later ids arrive are held back until they decode cleanly.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import jinja2.sandbox
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    chat_template: str | None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+
+
+# A minimal template for the byte model: it has no chat training, but the server path is the same.
+BYTE_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool, **kw) -> str:
+    """Render a Jinja chat template in a sandbox, as transformers does."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(template).render(
+        messages=messages, add_generation_prompt=add_generation_prompt, **kw
+    )
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0-255; BOS 256, EOS 257, PAD 258 (vocab 260, one id spare)."""
+
+    BOS, EOS, PAD = 256, 257, 258
+
+    def __init__(self, vocab_size: int = 260) -> None:
+        self.vocab_size = vocab_size
+        self.bos_token_id = self.BOS
+        self.eos_token_ids = (self.EOS,)
+        self.pad_token_id = self.PAD
+        self.chat_template = BYTE_CHAT_TEMPLATE
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.BOS, *ids] if add_special_tokens else ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        # Special ids have no bytes; an incomplete UTF-8 tail decodes to U+FFFD, which the
+        # incremental detokenizer uses as its "wait for more" signal.
+        data = bytes(i for i in ids if 0 <= i < 256)
+        return data.decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return render_chat_template(self.chat_template, messages, add_generation_prompt)
+
+
+class IncrementalDetokenizer:
+    """Text deltas from a growing id list, holding back anything that is not yet whole.
+
+    Decoding ids one at a time breaks on two things: a UTF-8 character split across byte-level
+    tokens, and tokenizers whose piece text depends on its neighbours (leading-space markers).
+    So decode a short window ending at the newest id and emit only what extends the text already
+    emitted for the same window, as vLLM and TGI do. Text ending in U+FFFD is held back.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids or [])
+        # Start the window a few ids before the end of the prompt so the first generated piece
+        # decodes in context (a leading space after a prompt word, say).
+        self.prefix_offset = max(len(self.ids) - 5, 0)
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, new_ids: list[int]) -> str:
+        """Append ids; return the newly completed text (possibly empty)."""
+        self.ids.extend(new_ids)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = decode(self.ids[self.prefix_offset :])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            delta = full_text[len(prefix_text) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """At the end of a sequence: whatever is still held back (incomplete bytes as U+FFFD)."""
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        delta = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
