@@ -1,0 +1,84 @@
+"""In-process decode benchmark: tokens/s and step time at several batch sizes.
+
+    python -m engine.bench [--model tinygpt] [--batch-sizes 1,8,32] [--steps 64] [--threads N]
+
+Each batch size gets a fresh continuous-batching engine with that many requests (prompt 64
+tokens, ignore_eos). After every request has prefilled, `--steps` pure decode steps are timed one
+by one; the median step time and decode tokens/s (batch / median step) are printed with the
+conditions. No HTTP: this is the engine's ceiling, not what a client sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from engine import ContinuousBatchEngine, Request, SamplingParams
+from models import load_model
+
+
+def bench_decode(model, batch: int, steps: int, prompt_len: int = 64) -> dict[str, float]:
+    engine = ContinuousBatchEngine(
+        model, max_batch_size=batch, max_num_batched_tokens=max(2048, batch * prompt_len)
+    )
+    vocab = min(model.config.vocab_size, 256)
+    for i in range(batch):
+        prompt = [(i * 31 + j * 7) % vocab for j in range(prompt_len)]
+        engine.add_request(Request(prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True)))
+    t0 = time.perf_counter()
+    engine.step()  # every prompt fits the budget: one prefill step
+    prefill_s = time.perf_counter() - t0
+    engine.step()  # warm-up decode
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        outs = engine.step()
+        times.append(time.perf_counter() - t0)
+        assert len(outs) == batch
+    med = statistics.median(times)
+    return {
+        "batch": batch,
+        "prefill_tok_s": batch * prompt_len / prefill_s,
+        "step_ms_p50": med * 1e3,
+        "step_ms_p90": statistics.quantiles(times, n=10)[-1] * 1e3,
+        "decode_tok_s": batch / med,
+    }
+
+
+def conditions(lm) -> str:
+    return (
+        f"model {lm.name} ({lm.num_parameters():,} params, {lm.config.dtype}), "
+        f"{os.cpu_count()}x {platform.machine()} CPU, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} intra-op threads, "
+        f"date {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tinygpt")
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load_model(args.model)
+    print(f"Conditions: {conditions(lm)}")
+    print(f"{'batch':>5} {'prefill tok/s':>14} {'step p50 ms':>12} {'step p90 ms':>12} {'decode tok/s':>13}")
+    for b in (int(x) for x in args.batch_sizes.split(",")):
+        r = bench_decode(lm.model, b, args.steps)
+        print(
+            f"{b:>5} {r['prefill_tok_s']:>14.0f} {r['step_ms_p50']:>12.2f} "
+            f"{r['step_ms_p90']:>12.2f} {r['decode_tok_s']:>13.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

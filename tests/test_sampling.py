@@ -1,0 +1,154 @@
+"""Sampling parameters: validation, each processing rule, logprobs, per-request seeds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine import ContinuousBatchEngine, Request, SamplingParams
+from engine.request import RequestState
+from engine.sampling import sample
+from models import load_model
+from tests.engine_utils import serve
+
+PROMPT = [72, 101, 108, 108, 111]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tinygpt").model
+
+
+def _run(model, **params) -> list[int]:
+    return serve(ContinuousBatchEngine(model), [(PROMPT, params.pop("max_tokens", 12))],
+                 lambda n, i: SamplingParams(max_tokens=n, **params))[0]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", 0),
+        ("temperature", -0.5),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 2.0),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", -3.0),
+        ("logprobs", 50),
+    ],
+)
+def test_invalid_sampling_params_raise_value_error_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens_is_invalid():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
+
+
+def test_top_k_one_is_greedy(model):
+    assert _run(model, temperature=1.0, top_k=1, seed=3) == _run(model)
+
+
+def test_tiny_top_p_is_greedy(model):
+    assert _run(model, temperature=1.0, top_p=1e-6, seed=3) == _run(model)
+
+
+def test_min_p_one_is_greedy(model):
+    assert _run(model, temperature=1.5, min_p=1.0, seed=3) == _run(model)
+
+
+def test_same_seed_same_tokens_different_seed_different_tokens(model):
+    a = _run(model, temperature=1.0, seed=11, max_tokens=24)
+    assert a == _run(model, temperature=1.0, seed=11, max_tokens=24)
+    assert a != _run(model, temperature=1.0, seed=12, max_tokens=24)
+
+
+def test_logit_bias_forces_a_token(model):
+    assert _run(model, logit_bias=((65, 100.0),), max_tokens=5) == [65] * 5
+
+
+def test_stop_token_id_ends_the_request_with_stop(model):
+    first = _run(model, max_tokens=1)[0]
+    engine = ContinuousBatchEngine(model)
+    engine.add_request(Request(PROMPT, SamplingParams(max_tokens=10, stop_token_ids=(first,))))
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    assert [o.token_ids for o in outs] == [[first]]
+    assert outs[-1].finish_reason == "stop"
+
+
+def test_eos_stops_unless_ignore_eos_and_min_tokens_delays_it(model):
+    eos = model.config.eos_token_ids[0]
+    forced = ((eos, 100.0),)
+    assert _run(model, logit_bias=forced) == [eos]
+    assert len(_run(model, logit_bias=forced, ignore_eos=True, max_tokens=6)) == 6
+    delayed = _run(model, logit_bias=forced, min_tokens=4, max_tokens=10)
+    assert len(delayed) == 5 and eos not in delayed[:4] and delayed[4] == eos
+
+
+def test_max_tokens_ends_with_length(model):
+    engine = ContinuousBatchEngine(model)
+    engine.add_request(Request(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True)))
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    assert sum(len(o.token_ids) for o in outs) == 3
+    assert [o.finished for o in outs] == [False, False, True]
+    assert outs[-1].finish_reason == "length"
+
+
+def _state(prompt, **params) -> RequestState:
+    return RequestState(Request(list(prompt), SamplingParams(**params)), eos_token_ids=())
+
+
+def test_logprobs_report_the_sampled_token_and_sorted_top_n():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    tokens, lps = sample(logits, [_state([1], logprobs=3)])
+    lp = lps[0]
+    expected = torch.log_softmax(logits[0], dim=-1)
+    assert tokens == [1] and lp.token_id == 1
+    assert math.isclose(lp.logprob, float(expected[1]), rel_tol=1e-6)
+    assert [t for t, _ in lp.top] == [1, 2, 0]
+    assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+
+
+def test_no_logprobs_unless_asked():
+    _, lps = sample(torch.tensor([[0.0, 1.0]]), [_state([1])])
+    assert lps == [None]
+
+
+def test_repetition_penalty_demotes_seen_tokens():
+    logits = torch.tensor([[2.0, 1.9, 0.0]])
+    assert sample(logits, [_state([0])])[0] == [0]
+    assert sample(logits, [_state([0], repetition_penalty=1.5)])[0] == [1]
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    logits = torch.tensor([[2.0, 1.5, 0.0]])
+    in_prompt = _state([0], presence_penalty=1.0)
+    assert sample(logits, [in_prompt])[0] == [0]  # prompt tokens are not penalised
+    generated = _state([2], presence_penalty=1.0)
+    generated.token_ids.append(0)  # token 0 was generated
+    assert sample(logits, [generated])[0] == [1]
+    freq = _state([2], frequency_penalty=0.2)
+    freq.token_ids += [0, 0]  # 2.0 - 2 * 0.2 = 1.6 > 1.5: still token 0
+    assert sample(logits, [freq])[0] == [0]
+    freq.token_ids.append(0)  # 2.0 - 3 * 0.2 = 1.4 < 1.5
+    assert sample(logits, [freq])[0] == [1]
+
+
+def test_seeded_row_draws_the_same_whatever_shares_its_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    alone = sample(logits[2:3], [_state([1], temperature=1.0, seed=5)])[0]
+    others = [_state([1], temperature=1.0, seed=s) for s in (1, 2)]
+    batched = sample(logits[:3], [*others, _state([1], temperature=1.0, seed=5)])[0]
+    assert batched[2] == alone[0]
