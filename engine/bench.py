@@ -61,7 +61,9 @@ def conditions(lm) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="tinygpt")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--steps", type=int, default=64)
@@ -71,7 +73,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model)
     print(f"Conditions: {conditions(lm)}")
-    print(f"{'batch':>5} {'prefill tok/s':>14} {'step p50 ms':>12} {'step p90 ms':>12} {'decode tok/s':>13}")
+    print(
+        f"{'batch':>5} {'prefill tok/s':>14} {'step p50 ms':>12} {'step p90 ms':>12} {'decode tok/s':>13}"
+    )
     for b in (int(x) for x in args.batch_sizes.split(",")):
         r = bench_decode(lm.model, b, args.steps)
         print(

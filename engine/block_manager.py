@@ -36,7 +36,9 @@ class PrefixCacheCounters:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False
+    ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
@@ -115,7 +117,9 @@ class BlockManager:
 
     # -- allocation ----------------------------------------------------------------------------
 
-    def allocate(self, state: RequestState, num_tokens: int, prefix_blocks: list[int] | None = None) -> bool:
+    def allocate(
+        self, state: RequestState, num_tokens: int, prefix_blocks: list[int] | None = None
+    ) -> bool:
         """Make `state.block_ids` cover `num_tokens` tokens, starting from `prefix_blocks` if given.
 
         All or nothing: returns False (and changes nothing) when the pool cannot deliver.

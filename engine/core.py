@@ -24,7 +24,7 @@ from engine.errors import DuplicateRequestError, RequestTooLongError
 from engine.model_runner import ModelRunner, run_full_sequence
 from engine.request import Request, RequestState, RequestStatus, StepOutput, TokenLogprob
 from engine.sampling import sample
-from engine.scheduler import Scheduler, ScheduledRequest
+from engine.scheduler import Scheduler
 from models.llama import LlamaForCausalLM
 
 DEFAULT_KV_CACHE_GIB = 1.0
@@ -49,7 +49,9 @@ class EngineStats:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
 
 
 def _unwrap(model) -> LlamaForCausalLM:
@@ -71,8 +73,10 @@ class _EngineBase:
         self.model = _unwrap(model)
         self.config = self.model.config
         self.eos_token_ids = tuple(self.config.eos_token_ids)
-        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings)
+        self.max_model_len = min(
+            max_model_len or self.config.max_position_embeddings,
+            self.config.max_position_embeddings,
+        )
         self.requests: dict[str, RequestState] = {}
         self._pending: list[StepOutput] = []  # terminal outputs of aborts, sent with the next step
         self.total_slot_steps = 0
@@ -86,9 +90,14 @@ class _EngineBase:
             raise DuplicateRequestError(f"request id {request.request_id!r} is already running")
         n_prompt = len(request.prompt_token_ids)
         vocab = self.config.vocab_size
-        bad = next((t for t in request.prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        bad = next(
+            (t for t in request.prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)),
+            None,
+        )
         if bad is not None:
-            raise ValueError(f"prompt_token_ids contains {bad!r}, outside the vocabulary [0, {vocab})")
+            raise ValueError(
+                f"prompt_token_ids contains {bad!r}, outside the vocabulary [0, {vocab})"
+            )
         total = n_prompt + request.params.max_tokens
         if total > self.max_model_len:
             raise RequestTooLongError(
@@ -108,7 +117,15 @@ class _EngineBase:
         self._dequeue(state)
         state.status = RequestStatus.FINISHED_ABORTED
         self._pending.append(
-            StepOutput(request_id, [], True, "abort", None, state.num_prompt_tokens, state.num_cached_tokens)
+            StepOutput(
+                request_id,
+                [],
+                True,
+                "abort",
+                None,
+                state.num_prompt_tokens,
+                state.num_cached_tokens,
+            )
         )
         return True
 
@@ -240,7 +257,9 @@ class StaticBatchEngine(_EngineBase):
             return []
         states = [r.state for r in sampling]
         tokens, logprobs = sample(logits, states)
-        outputs = [self._append_token(s, t, lp) for s, t, lp in zip(states, tokens, logprobs, strict=True)]
+        outputs = [
+            self._append_token(s, t, lp) for s, t, lp in zip(states, tokens, logprobs, strict=True)
+        ]
         # Continuous batching frees a finished request's blocks now; static holds them until the
         # batch is done (the scheduler's retire decides).
         self.scheduler.retire()
@@ -272,7 +291,7 @@ class ContinuousBatchEngine(StaticBatchEngine):
 
     name = "continuous-batch"
     _static = False
-    _default_prefix_caching = False
+    _default_prefix_caching = True
 
 
 class NaiveEngine(_EngineBase):

@@ -39,7 +39,9 @@ def main() -> None:
         )
     same = results["static-batch"] == results["continuous-batch"]
     print(f"identical tokens from both engines: {same}")
-    print(f"sample continuation (random weights, so gibberish): {lm.tokenizer.decode(results['continuous-batch'][0])!r}")
+    print(
+        f"sample continuation (random weights, so gibberish): {lm.tokenizer.decode(results['continuous-batch'][0])!r}"
+    )
 
 
 if __name__ == "__main__":

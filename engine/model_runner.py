@@ -74,7 +74,9 @@ class ModelRunner:
             slots.extend(self._slot(s.block_ids, p) for p in range(start, start + n))
             nb = -(-(start + n) // self.block_size)
             prefills.append(
-                PrefillChunk(token_start, n, start + n, torch.tensor(s.block_ids[:nb], dtype=torch.long))
+                PrefillChunk(
+                    token_start, n, start + n, torch.tensor(s.block_ids[:nb], dtype=torch.long)
+                )
             )
             if r.samples:
                 sample_idx.append(len(input_ids) - 1)
@@ -84,7 +86,8 @@ class ModelRunner:
         if decode_rows:
             width = max(-(-n // self.block_size) for n in ctx_lens)
             decode_tables = torch.tensor(
-                [t[:width] + [NULL_BLOCK] * (width - len(t[:width])) for t in tables], dtype=torch.long
+                [t[:width] + [NULL_BLOCK] * (width - len(t[:width])) for t in tables],
+                dtype=torch.long,
             )
             decode_lens = torch.tensor(ctx_lens, dtype=torch.long)
         meta = AttentionMetadata(

@@ -64,7 +64,9 @@ class SamplingParams:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and not (
+            isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20
+        ):
             raise bad("logprobs", "must be an integer in [0, 20]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
@@ -72,7 +74,9 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         for tok, bias in self.logit_bias:
             if not isinstance(tok, int) or tok < 0 or not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias entries must map token ids to [-100, 100], got {tok}: {bias}")
+                raise ValueError(
+                    f"logit_bias entries must map token ids to [-100, 100], got {tok}: {bias}"
+                )
 
     @property
     def greedy(self) -> bool:

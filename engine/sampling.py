@@ -42,12 +42,16 @@ def _apply_penalties(logits: torch.Tensor, states: Sequence[RequestState]) -> No
             # HF semantics: every token seen in prompt or output is made less likely.
             seen = torch.tensor(sorted(set(s.token_ids)), dtype=torch.long)
             vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            row[seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
         if p.presence_penalty or p.frequency_penalty:
             # OpenAI semantics: over generated tokens only.
             out = s.output_token_ids
             if out:
-                counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab)[:vocab]
+                counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab)[
+                    :vocab
+                ]
                 row -= p.frequency_penalty * counts.to(row.dtype)
                 row -= p.presence_penalty * (counts > 0).to(row.dtype)
 
@@ -72,12 +76,16 @@ def _filter_top_k_top_p_min_p(logits: torch.Tensor, states: Sequence[RequestStat
         logits = logits.masked_fill(mask, float("-inf"))
     if any(p > 0.0 for p in min_p):
         probs = logits.softmax(dim=-1)
-        floor = torch.tensor(min_p, dtype=probs.dtype)[:, None] * probs.max(dim=-1, keepdim=True).values
+        floor = (
+            torch.tensor(min_p, dtype=probs.dtype)[:, None] * probs.max(dim=-1, keepdim=True).values
+        )
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
 
-def _logprobs(raw: torch.Tensor, tokens: list[int], states: Sequence[RequestState]) -> list[TokenLogprob | None]:
+def _logprobs(
+    raw: torch.Tensor, tokens: list[int], states: Sequence[RequestState]
+) -> list[TokenLogprob | None]:
     result: list[TokenLogprob | None] = [None] * len(states)
     rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
     if not rows:
@@ -99,9 +107,11 @@ def sample(
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Pick one token per row. logits: (B, V) fp32, row i belongs to states[i]."""
     raw = logits
-    if any(s.params.logit_bias for s in states) or any(
-        s.params.min_tokens and s.num_output_tokens < s.params.min_tokens for s in states
-    ) or any(s.params.needs_penalties for s in states):
+    if (
+        any(s.params.logit_bias for s in states)
+        or any(s.params.min_tokens and s.num_output_tokens < s.params.min_tokens for s in states)
+        or any(s.params.needs_penalties for s in states)
+    ):
         logits = logits.clone()
         _apply_logit_bias(logits, states)
         _apply_min_tokens(logits, states)

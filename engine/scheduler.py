@@ -18,6 +18,7 @@ is still computed (a wasted row) until the whole batch is done.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -82,10 +83,8 @@ class Scheduler:
         if state in self.running:
             self.running.remove(state)
         else:
-            try:
+            with contextlib.suppress(ValueError):
                 self.waiting.remove(state)
-            except ValueError:
-                pass
         self.bm.free(state)
 
     def has_unfinished(self) -> bool:

@@ -31,7 +31,9 @@ class PrefillChunk:
 class AttentionMetadata:
     """Where each new token's K/V goes and what each query attends to, for one step."""
 
-    slot_mapping: torch.Tensor | None  # (T,) long: pool slot of each token's new K/V; None = no pool
+    slot_mapping: (
+        torch.Tensor | None
+    )  # (T,) long: pool slot of each token's new K/V; None = no pool
     num_decode_tokens: int  # decode tokens come first in the flat batch, one per sequence
     decode_block_tables: torch.Tensor | None  # (B_dec, max_blocks) long, padded with block 0
     decode_context_lens: torch.Tensor | None  # (B_dec,) long: tokens each decode query attends to
@@ -39,7 +41,11 @@ class AttentionMetadata:
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     """Scatter this step's K/V (T, kv_heads, head_dim) into their pool slots."""
     n_kv, hd = k.shape[1], k.shape[2]
@@ -102,7 +108,9 @@ def paged_attention(
         kc = kc.transpose(0, 1).unsqueeze(0)  # (1, kv, L, hd)
         vc = vc.transpose(0, 1).unsqueeze(0)  # (1, kv, L, hd)
         if past == 0:
-            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True
+            )
         else:
             # query i sits at absolute position past + i and sees keys 0 .. past + i
             qpos = torch.arange(past, past + n)[:, None]

@@ -25,7 +25,9 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True
+    ) -> str: ...
 
 
 # A minimal template for the byte model: it has no chat training, but the server path is the same.
@@ -35,7 +37,9 @@ BYTE_CHAT_TEMPLATE = (
 )
 
 
-def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool, **kw) -> str:
+def render_chat_template(
+    template: str, messages: list[dict], add_generation_prompt: bool, **kw
+) -> str:
     """Render a Jinja chat template in a sandbox, as transformers does."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     return env.from_string(template).render(

@@ -60,7 +60,10 @@ def test_seeded_sampling_survives_preemption(model):
 
 
 def _start(engine, n: int, max_tokens: int = 50) -> list[Request]:
-    reqs = [Request([5, 6, 7] * 10, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for _ in range(n)]
+    reqs = [
+        Request([5, 6, 7] * 10, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        for _ in range(n)
+    ]
     for r in reqs:
         engine.add_request(r)
     return reqs
@@ -76,7 +79,9 @@ def test_abort_running_and_waiting_frees_blocks_and_ends_once(model, engine_cls)
     assert engine.abort(running.request_id) is True
     assert engine.abort(waiting.request_id) is True
     terminal = [o for o in engine.step() if o.finished]
-    assert sorted(o.request_id for o in terminal) == sorted([running.request_id, waiting.request_id])
+    assert sorted(o.request_id for o in terminal) == sorted(
+        [running.request_id, waiting.request_id]
+    )
     assert all(o.finish_reason == "abort" and o.token_ids == [] for o in terminal)
     # Idempotent: a second abort is a no-op and produces no second terminal output.
     assert engine.abort(running.request_id) is False

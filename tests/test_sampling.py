@@ -22,8 +22,11 @@ def model():
 
 
 def _run(model, **params) -> list[int]:
-    return serve(ContinuousBatchEngine(model), [(PROMPT, params.pop("max_tokens", 12))],
-                 lambda n, i: SamplingParams(max_tokens=n, **params))[0]
+    return serve(
+        ContinuousBatchEngine(model),
+        [(PROMPT, params.pop("max_tokens", 12))],
+        lambda n, i: SamplingParams(max_tokens=n, **params),
+    )[0]
 
 
 @pytest.mark.parametrize(
