@@ -16,7 +16,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${1:-$here/.venv}"
 python="${PYTHON:-python3}"
 torch_version="${TORCH_VERSION:-2.13.0}"
-extras="${EXTRAS:-test}"
+extras="${EXTRAS-test}"
 
 if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"

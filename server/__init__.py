@@ -1,0 +1,29 @@
+"""The HTTP edge: an OpenAI-compatible FastAPI app over the engine (see DESIGN.md, "The server").
+
+`create_app(model, engine_client, settings)` builds the app; `AsyncEngineDriver` is the in-process
+engine client; `python -m server` runs it. Names are imported lazily so that `python -m server
+--help` does not wait for torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "create_app": "server.app",
+    "ServerSettings": "server.app",
+    "AsyncEngineDriver": "server.driver",
+    "EngineClient": "server.driver",
+    "Health": "server.driver",
+    "OutputStream": "server.driver",
+    "QueueFullError": "server.driver",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'server' has no attribute {name!r}")

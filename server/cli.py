@@ -1,0 +1,199 @@
+"""`python -m server`: parse flags, load the model, build the engine, driver and app, run uvicorn.
+
+Owns the command line and process-level setup (logging, torch threads, graceful shutdown through
+uvicorn). Heavy imports wait until after argument parsing so `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m server",
+        description="OpenAI-compatible LLM server with continuous batching on CPU torch.",
+    )
+    m = p.add_argument_group("model and engine")
+    m.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help='"tinygpt", "smollm2-135m-instruct", a .gguf file or a Hugging Face directory '
+        "(default: %(default)s)",
+    )
+    m.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="name(s) clients use in `model`; the first is reported (default: the model's name)",
+    )
+    m.add_argument(
+        "--engine",
+        choices=("continuous", "static", "naive"),
+        default="continuous",
+        help="batching policy (default: %(default)s)",
+    )
+    m.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=None,
+        help="running requests per step (engine default 8)",
+    )
+    m.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="token budget of one step"
+    )
+    m.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="KV cache budget in GiB (default: enough for every slot, capped by the engine)",
+    )
+    m.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV pool size in blocks (instead of --kv-cache-memory)",
+    )
+    m.add_argument(
+        "--block-size", type=int, default=None, help="tokens per KV block (engine default 16)"
+    )
+    m.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
+    m.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse KV blocks of shared prompt prefixes (engine default)",
+    )
+    m.add_argument(
+        "--num-threads", type=int, default=None, help="torch intra-op threads for the engine step"
+    )
+
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    s.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("CBSERVE_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (env CBSERVE_API_KEY)",
+    )
+    s.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="waiting requests beyond which new ones get 429; 0: no limit (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-body-size",
+        type=int,
+        default=4 * 2**20,
+        metavar="BYTES",
+        help="larger request bodies get 413 (default: %(default)s)",
+    )
+    s.add_argument(
+        "--step-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="/health reports 503 while one engine step runs longer than this (default: %(default)s)",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long in-flight requests may take to finish (default: %(default)s)",
+    )
+    s.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="(default: %(default)s)",
+    )
+    s.add_argument(
+        "--log-prompts", action="store_true", help="include prompt text in the request log"
+    )
+    return p
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """Only the engine options the user set, so the engine's own defaults apply otherwise."""
+    pairs = {
+        "max_batch_size": args.max_batch_size,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_memory_gib": args.kv_cache_memory,
+        "num_blocks": args.num_kv_blocks,
+        "block_size": args.block_size,
+        "max_model_len": args.max_model_len,
+        "enable_prefix_caching": args.prefix_caching,
+    }
+    return {k: v for k, v in pairs.items() if v is not None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    import torch
+    import uvicorn
+
+    from engine import make_engine
+    from models import ModelLoadError, load_model
+    from server.app import ServerSettings, create_app
+    from server.driver import AsyncEngineDriver
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    try:
+        lm = load_model(args.model)
+    except ModelLoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
+        engine = make_engine(args.engine, lm.model, **engine_options(args))
+    except (ValueError, TypeError) as e:
+        print(f"error: cannot build the {args.engine} engine: {e}", file=sys.stderr)
+        return 2
+    driver = AsyncEngineDriver(
+        engine,
+        max_waiting=args.max_waiting or None,
+        step_timeout=args.step_timeout,
+        num_threads=args.num_threads,
+    )
+    settings = ServerSettings(
+        served_model_names=tuple(args.served_model_name or ()),
+        api_key=args.api_key or None,
+        max_body_bytes=args.max_body_size,
+        log_prompts=args.log_prompts,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    app = create_app(lm, driver, settings)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,  # server.requests logs one line per generation request instead
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    # uvicorn owns SIGINT/SIGTERM while it runs: it stops accepting connections, lets open ones
+    # finish (up to the timeout), runs the lifespan's shutdown (which stops the engine driver),
+    # then re-raises the signal to the handler that was there before. Make that handler a clean
+    # exit, so a drained shutdown exits 0 rather than dying of the signal.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.Server(config).run()
+    return 0
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)

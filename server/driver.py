@@ -1,0 +1,391 @@
+"""The engine-client seam and its in-process implementation, `AsyncEngineDriver`.
+
+`EngineClient` is all the HTTP layer knows about an engine: submit requests and iterate their
+outputs, abort one, ask for health and stats. `AsyncEngineDriver` implements it over an engine
+in this process; a later implementation can forward the same calls to a remote replica.
+
+The driver is one asyncio task that owns the engine. Between steps, on the event-loop thread, it
+applies queued adds and aborts (so the engine is never touched by two threads at once); it runs
+`engine.step()` in one dedicated worker thread, so the loop keeps accepting requests and writing
+SSE while torch computes; and it hands each `StepOutput` to its stream's queue as soon as the step
+returns. With no work it sleeps on an event that the next submit or abort sets: no polling.
+
+If a step raises, every open stream ends with an `EngineDeadError`, later submits fail at once,
+and `health()` reports the failure. A step that runs longer than `step_timeout` makes `health()`
+report the engine as stuck.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine import EngineDeadError, EngineStats, Request, StepOutput
+
+log = logging.getLogger("server.driver")
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its limit; the client should retry later (HTTP 429)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    ok: bool
+    reason: str | None = None
+
+
+class OutputStream(AsyncIterator[StepOutput]):
+    """The outputs of one submitted group of requests, in the order steps produce them.
+
+    Iteration ends once every request in the group has finished or been aborted; it raises
+    `EngineDeadError` if the engine fails first.
+    """
+
+    _END = object()
+
+    def __init__(self, request_ids: Sequence[str]) -> None:
+        self.request_ids = tuple(request_ids)
+        self._open = set(request_ids)
+        self._queue: asyncio.Queue[StepOutput | BaseException | object] = asyncio.Queue()
+        self._ended = False
+
+    # -- producer side (the driver, on the event-loop thread) -------------------------------------
+
+    def _deliver(self, out: StepOutput) -> None:
+        if out.request_id not in self._open:
+            return  # aborted by the server already: nobody waits for its terminal output
+        self._queue.put_nowait(out)
+        if out.finished:
+            self._close_one(out.request_id)
+
+    def _close_one(self, request_id: str) -> None:
+        self._open.discard(request_id)
+        if not self._open and not self._ended:
+            self._ended = True
+            self._queue.put_nowait(self._END)
+
+    def _fail(self, error: BaseException) -> None:
+        if not self._ended:
+            self._ended = True
+            self._open.clear()
+            self._queue.put_nowait(error)
+
+    # -- consumer side ------------------------------------------------------------------------------
+
+    @property
+    def open_request_ids(self) -> frozenset[str]:
+        return frozenset(self._open)
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        item = await self._queue.get()
+        if item is self._END:
+            self._queue.put_nowait(item)  # stay exhausted
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._queue.put_nowait(item)
+            raise item
+        return item  # type: ignore[return-value]
+
+
+class EngineClient(abc.ABC):
+    """What routes may ask of an engine. Implementations: `AsyncEngineDriver` (in process)."""
+
+    @property
+    @abc.abstractmethod
+    def max_model_len(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def engine_name(self) -> str: ...
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def stop(self, timeout: float = 30.0) -> None: ...
+
+    @abc.abstractmethod
+    async def submit(self, requests: Sequence[Request]) -> OutputStream:
+        """Queue requests as one group (all admitted or none) and return their output stream.
+
+        Returns once the engine has accepted them; raises what `engine.add_request` raises
+        (ValueError and its subclasses), `QueueFullError`, or `EngineDeadError`.
+        """
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """End a request and free its memory before the next step. Idempotent."""
+
+    @abc.abstractmethod
+    def health(self) -> Health: ...
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats: ...
+
+
+class DriverObserver(Protocol):
+    """Receives the driver's timings (the app's metrics implement it)."""
+
+    def observe_step(self, seconds: float, num_outputs: int) -> None: ...
+
+    def observe_queue_time(self, seconds: float) -> None: ...
+
+
+@dataclass(slots=True)
+class _PendingAdd:
+    requests: Sequence[Request]
+    stream: OutputStream
+    accepted: asyncio.Future[None]
+
+
+class AsyncEngineDriver(EngineClient):
+    """Runs a synchronous engine as one asyncio task plus one worker thread."""
+
+    def __init__(
+        self,
+        engine,
+        *,
+        max_waiting: int | None = None,
+        step_timeout: float = 60.0,
+        num_threads: int | None = None,
+        observer: DriverObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.step_timeout = step_timeout
+        self.num_threads = num_threads
+        self.observer = observer
+        self.clock = clock
+        self._streams: dict[str, OutputStream] = {}
+        self._arrivals: dict[str, float] = {}  # until a request's first output: its queue time
+        self._adds: list[_PendingAdd] = []
+        self._aborts: list[str] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._step_started: float | None = None
+        self._stats: EngineStats = engine.stats()
+
+    # -- EngineClient --------------------------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def engine_name(self) -> str:
+        return self.engine.name
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        # One thread for every step: torch's thread-local state (inference mode, the intra-op
+        # thread count) is set up once there and the engine is never stepped concurrently.
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="engine-step", initializer=self._init_worker
+        )
+        self._wake = asyncio.Event()  # bind to the running loop
+        self._task = asyncio.create_task(self._run(), name="engine-driver")
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Abort what is still open, let the current step finish (up to `timeout`), stop."""
+        self._stopping = True
+        for stream in {id(s): s for s in self._streams.values()}.values():
+            stream._fail(EngineDeadError("the server is shutting down"))
+        for add in self._adds:
+            add.stream._fail(EngineDeadError("the server is shutting down"))
+            if not add.accepted.done():
+                add.accepted.set_exception(EngineDeadError("the server is shutting down"))
+        for request_id in list(self._streams):
+            self._aborts.append(request_id)
+        self._streams.clear()
+        self._adds.clear()
+        self._wake.set()
+        finished = True
+        if self._task is not None:
+            done, _ = await asyncio.wait({self._task}, timeout=timeout)
+            finished = bool(done)
+            if not finished:  # a stuck step: stop waiting for it; its thread dies with the process
+                log.warning("engine step still running after %.0fs; not waiting for it", timeout)
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await self._task
+            self._task = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=finished, cancel_futures=True)
+            self._executor = None
+
+    async def submit(self, requests: Sequence[Request]) -> OutputStream:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine failed and accepts no requests: {self._error!r}")
+        if self._stopping or self._task is None:
+            raise EngineDeadError("the engine is not running")
+        if self.max_waiting is not None:
+            waiting = self.stats().num_waiting
+            if waiting + len(requests) > self.max_waiting:
+                raise QueueFullError(
+                    f"the waiting queue is full ({waiting} waiting, limit {self.max_waiting})"
+                )
+        stream = OutputStream([r.request_id for r in requests])
+        add = _PendingAdd(requests, stream, asyncio.get_running_loop().create_future())
+        self._adds.append(add)
+        self._wake.set()
+        try:
+            await add.accepted
+        except asyncio.CancelledError:
+            # The caller went away before the engine saw the requests (or right after).
+            for r in requests:
+                self.abort(r.request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._arrivals.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream._close_one(request_id)
+            self._aborts.append(request_id)
+            self._wake.set()
+            return
+        for add in self._adds:  # not yet handed to the engine: just drop it from the add
+            if request_id in add.stream.request_ids:
+                add.requests = [r for r in add.requests if r.request_id != request_id]
+                add.stream._close_one(request_id)
+
+    def health(self) -> Health:
+        if self._error is not None:
+            return Health(False, f"engine step failed: {self._error!r}")
+        if self._task is None or self._task.done():
+            return Health(False, "engine driver is not running")
+        started = self._step_started
+        if started is not None and self.clock() - started > self.step_timeout:
+            return Health(False, f"engine step has run for over {self.step_timeout:g}s")
+        return Health(True)
+
+    def stats(self) -> EngineStats:
+        # A snapshot taken between steps (the engine must not be read while a step runs), plus
+        # what is queued for the next window.
+        pending = sum(len(a.requests) for a in self._adds)
+        if not pending:
+            return self._stats
+        return dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + pending)
+
+    # -- the loop --------------------------------------------------------------------------------------
+
+    def _init_worker(self) -> None:
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+
+    def _step_in_worker(self) -> list[StepOutput]:
+        with torch.inference_mode():  # thread-local, so entered here rather than on the loop
+            return self.engine.step()
+
+    def _apply_pending(self) -> None:
+        """Hand queued adds and aborts to the engine. Runs on the loop thread between steps."""
+        engine = self.engine
+        aborts, self._aborts = self._aborts, []
+        for request_id in aborts:
+            engine.abort(request_id)
+        adds, self._adds = self._adds, []
+        for add in adds:
+            if add.accepted.done():  # the submitter was cancelled meanwhile
+                continue
+            added: list[str] = []
+            try:
+                for r in add.requests:
+                    engine.add_request(r)
+                    added.append(r.request_id)
+            except Exception as e:  # all or nothing: undo the group's earlier members
+                for request_id in added:
+                    engine.abort(request_id)
+                add.accepted.set_exception(e)
+                continue
+            for r in add.requests:
+                self._streams[r.request_id] = add.stream
+                self._arrivals[r.request_id] = r.arrival_time
+            add.accepted.set_result(None)
+        if aborts or adds:
+            self._stats = engine.stats()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        engine = self.engine
+        try:
+            while True:
+                self._apply_pending()
+                if not engine.has_work():
+                    if self._stopping:
+                        return
+                    self._wake.clear()
+                    if self._adds or self._aborts:
+                        continue
+                    await self._wake.wait()
+                    continue
+                self._step_started = self.clock()
+                t0 = time.perf_counter()
+                outputs = await loop.run_in_executor(self._executor, self._step_in_worker)
+                elapsed = time.perf_counter() - t0
+                step_started, self._step_started = self._step_started, None
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is None:
+                        continue  # aborted: its terminal output has no reader
+                    if out.finished:
+                        del self._streams[out.request_id]
+                    arrival = self._arrivals.pop(out.request_id, None)
+                    if arrival is not None and self.observer is not None:
+                        self.observer.observe_queue_time(
+                            self._queue_time(out, arrival, step_started)
+                        )
+                    stream._deliver(out)
+                self._stats = engine.stats()
+                if self.observer is not None:
+                    self.observer.observe_step(elapsed, len(outputs))
+        except BaseException as e:
+            self._step_started = None
+            if isinstance(e, asyncio.CancelledError) and self._stopping:
+                raise
+            self._fail_all(e)
+            if not isinstance(e, Exception):
+                raise
+
+    def _queue_time(self, out: StepOutput, arrival: float, step_started: float) -> float:
+        # The engine records when it first scheduled a request; once the request has finished its
+        # state is gone, and the start of the step that produced its first token stands in (the
+        # same moment unless its prefill was chunked over several steps).
+        state = getattr(self.engine, "requests", {}).get(out.request_id)
+        scheduled = getattr(state, "first_scheduled_time", None) or step_started
+        return max(scheduled - arrival, 0.0)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._error = error
+        log.error(
+            "engine step failed; failing %d open requests", len(self._streams), exc_info=error
+        )
+        dead = EngineDeadError(f"the engine failed: {error!r}")
+        for stream in {id(s): s for s in self._streams.values()}.values():
+            stream._fail(dead)
+        self._streams.clear()
+        self._arrivals.clear()
+        for add in self._adds:
+            add.stream._fail(dead)
+            if not add.accepted.done():
+                add.accepted.set_exception(dead)
+        self._adds.clear()

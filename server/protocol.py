@@ -1,0 +1,216 @@
+"""The OpenAI wire protocol at the HTTP boundary: pydantic request models and the limits they enforce.
+
+Owns what a request body may contain and its shape-level limits (how many choices, prompts, stop
+strings, logprobs). Value checks the engine already makes (temperature >= 0, top_p in (0, 1], ...)
+are left to `engine.SamplingParams`, whose ValueError names the field; the server turns it into a
+400. Responses are plain dicts built in `server.serving` (one `json.dumps` per SSE chunk is the
+hot path, and the shapes are small).
+
+Unknown fields are ignored, as vLLM and OpenAI's own server do, so newer SDKs keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Limits a single HTTP request may ask for. They bound the work one call can queue and the size
+# of a response; the engine's own limits (context length, KV pool) are checked separately.
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_CHOICES = 64  # prompts x n
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20  # completions `logprobs` and chat `top_logprobs`
+MAX_LOGIT_BIAS = 300
+MAX_MESSAGES = 1024
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+StopField = Annotated[
+    str | list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] | None,
+    Field(description="Up to 16 strings; generation stops before the first match."),
+]
+
+
+class SamplingFields(_Body):
+    """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: StopField = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    # Choice j samples with seed + j, and torch seeds are 64-bit.
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1 - MAX_N)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_limits(cls, v: str | list[str] | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}"
+            )
+        for s in stops:
+            if not s or len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters"
+                )
+        return stops
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        # After validation `stop` is always a list.
+        return list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, v: Prompt) -> Prompt:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be an empty list")
+            if len(v) > MAX_PROMPTS and not isinstance(v[0], int):
+                raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed, got {len(v)}")
+        return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list: strings or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(_Body):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str = Field(min_length=1)
+    # Only text content: image/audio parts fail validation with a 400 naming the part.
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+class APIError(Exception):
+    """An error the client caused or must know about, rendered as OpenAI's error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}

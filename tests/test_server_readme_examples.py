@@ -1,0 +1,124 @@
+"""The README's curl and `openai` SDK examples, run verbatim against a live server.
+
+The snippets below are the README's text (the README copies them from here). The only change a
+test makes is the address: the README's http://127.0.0.1:8000 becomes the test server's free port.
+The fast tests serve TinyGPT under the default model's name, so the snippets run unchanged; the
+slow one runs them against the real SmolLM2-135M-Instruct when its file has been fetched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+
+import pytest
+
+from server.app import ServerSettings
+from tests.conftest import LiveServer, run_server, sse_events
+
+README_URL = "http://127.0.0.1:8000"
+
+README_CURL_CHAT = """\
+curl http://127.0.0.1:8000/v1/chat/completions \\
+  -H "Content-Type: application/json" \\
+  -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32}'
+"""
+
+README_CURL_STREAM = """\
+curl -N http://127.0.0.1:8000/v1/completions \\
+  -H "Content-Type: application/json" \\
+  -d '{"model": "smollm2-135m-instruct", "prompt": "The capital of France is", "max_tokens": 16, "stream": true}'
+"""
+
+README_SDK = """\
+from openai import OpenAI
+
+client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+
+reply = client.chat.completions.create(
+    model="smollm2-135m-instruct",
+    messages=[{"role": "user", "content": "Write a haiku about CPUs."}],
+    max_tokens=64,
+)
+print(reply.choices[0].message.content)
+
+stream = client.chat.completions.create(
+    model="smollm2-135m-instruct",
+    messages=[{"role": "user", "content": "Count to five."}],
+    max_tokens=32,
+    stream=True,
+)
+for chunk in stream:
+    print(chunk.choices[0].delta.content or "", end="", flush=True)
+print()
+"""
+
+
+@pytest.fixture(scope="module")
+def named_server(tiny_lm):
+    """TinyGPT answering to the default model's name, so the snippets need no edits."""
+    with run_server(
+        tiny_lm, settings=ServerSettings(served_model_names=("smollm2-135m-instruct",))
+    ) as live:
+        yield live
+
+
+def run_curl(live: LiveServer, command: str) -> str:
+    assert README_URL in command
+    done = subprocess.run(
+        ["bash", "-c", command.replace(README_URL, live.base_url)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return done.stdout
+
+
+def run_sdk(live: LiveServer) -> str:
+    assert README_URL in README_SDK
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(README_SDK.replace(README_URL, live.base_url), {})
+    return out.getvalue()
+
+
+def check_curl_chat(stdout: str) -> None:
+    body = json.loads(stdout)
+    assert body["model"] == "smollm2-135m-instruct"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    assert 1 <= body["usage"]["completion_tokens"] <= 32
+
+
+def check_curl_stream(stdout: str) -> str:
+    payloads = sse_events(stdout)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    return "".join(c["choices"][0]["text"] for c in chunks)
+
+
+def test_readme_curl_chat_example(named_server):
+    check_curl_chat(run_curl(named_server, README_CURL_CHAT))
+
+
+def test_readme_curl_streaming_example(named_server):
+    check_curl_stream(run_curl(named_server, README_CURL_STREAM))
+
+
+def test_readme_openai_sdk_example(named_server):
+    printed = run_sdk(named_server)
+    assert printed.endswith("\n") and printed.count("\n") >= 2
+
+
+@pytest.mark.slow
+def test_readme_examples_with_the_real_smollm2_model(smollm2_lm):
+    with run_server(smollm2_lm, engine_options={"kv_cache_memory_gib": 0.1}) as live:
+        check_curl_chat(run_curl(live, README_CURL_CHAT))
+        streamed = check_curl_stream(run_curl(live, README_CURL_STREAM))
+        assert streamed.strip()  # a real model says something
+        printed = run_sdk(live)
+        assert len(printed.split()) >= 3
