@@ -122,3 +122,12 @@ def test_readme_examples_with_the_real_smollm2_model(smollm2_lm):
         assert streamed.strip()  # a real model says something
         printed = run_sdk(live)
         assert len(printed.split()) >= 3
+
+
+def test_readme_shows_exactly_these_snippets():
+    # The snippets above are what the README shows: if either side changes, this fails.
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for snippet in (README_CURL_CHAT, README_CURL_STREAM, README_SDK):
+        assert snippet in readme
