@@ -346,8 +346,14 @@ ENGINES: dict[str, type[_EngineBase]] = {
 
 def make_engine(kind: str, model, **options) -> _EngineBase:
     """Build an engine by its short name ("continuous", "static", "naive")."""
+    if kind == "disaggregated":
+        # Imported here: the disaggregated engine is built from the classes above.
+        from engine.disaggregated import DisaggregatedEngine
+
+        return DisaggregatedEngine(model, **options)
     try:
         cls = ENGINES[kind]
     except KeyError:
-        raise ValueError(f"unknown engine {kind!r}; choose one of {sorted(ENGINES)}") from None
+        names = sorted([*ENGINES, "disaggregated"])
+        raise ValueError(f"unknown engine {kind!r}; choose one of {names}") from None
     return cls(model, **options)

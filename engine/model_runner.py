@@ -37,6 +37,15 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of whole blocks' K and V in every layer, for moving a cache between pools."""
+        index = torch.tensor(block_ids, dtype=torch.long)
+        return self.kv[:, :, index]  # (layers, 2, n, block_size, kv_heads, head_dim)
+
+    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Overwrite whole blocks with K/V laid out as `read_blocks` returns them."""
+        self.kv[:, :, torch.tensor(block_ids, dtype=torch.long)] = blocks
+
     def _slot(self, block_ids: list[int], pos: int) -> int:
         return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
 

@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--engine",
-        choices=("continuous", "static", "naive"),
+        choices=("continuous", "static", "naive", "disaggregated"),
         default="continuous",
         help="batching policy (default: %(default)s)",
     )
