@@ -11,7 +11,7 @@ slot is `block_id * block_size + offset`; a sequence's block table lists its blo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,19 +25,28 @@ class PrefillChunk:
     num_tokens: int  # tokens of this chunk
     context_len: int  # tokens in the sequence once this chunk is written (past + chunk)
     block_table: torch.Tensor | None  # (num_blocks_of_seq,) long; None when running without a pool
+    mask: torch.Tensor | None = field(init=False, default=None)  # (n, L) when the chunk has a past
+
+    def __post_init__(self) -> None:
+        past = self.context_len - self.num_tokens
+        if past:
+            # query i sits at absolute position past + i and sees keys 0 .. past + i
+            qpos = torch.arange(past, self.context_len)[:, None]
+            self.mask = torch.arange(self.context_len)[None, :] <= qpos  # (n, L)
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     """Where each new token's K/V goes and what each query attends to, for one step."""
 
-    slot_mapping: (
-        torch.Tensor | None
-    )  # (T,) long: pool slot of each token's new K/V; None = no pool
+    slot_mapping: torch.Tensor | None  # (T,) long: pool slot of each new K/V; None = no pool
     num_decode_tokens: int  # decode tokens come first in the flat batch, one per sequence
     decode_block_tables: torch.Tensor | None  # (B_dec, max_blocks) long, padded with block 0
     decode_context_lens: torch.Tensor | None  # (B_dec,) long: tokens each decode query attends to
     prefills: list[PrefillChunk]
+    # Built by the first layer and reused by the rest (the step's layers all share one layout):
+    # which padded key slots each decode row may see.
+    decode_mask: torch.Tensor | None = field(default=None, repr=False)  # (B_dec, 1, 1, L) bool
 
 
 def write_kv(
@@ -87,8 +96,10 @@ def paged_attention(
         length = nb * block_size
         keys = k_cache[tables].view(bsz, length, n_kv, hd).transpose(1, 2)  # (B, kv, L, hd)
         vals = v_cache[tables].view(bsz, length, n_kv, hd).transpose(1, 2)  # (B, kv, L, hd)
-        pos = torch.arange(length)
-        mask = (pos[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]  # (B,1,1,L)
+        if meta.decode_mask is None:
+            pos = torch.arange(length)
+            meta.decode_mask = (pos[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+        mask = meta.decode_mask  # (B, 1, 1, L)
         qd = q[:nd].unsqueeze(2)  # (B, heads, 1, hd)
         o = F.scaled_dot_product_attention(
             qd, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True
@@ -112,11 +123,8 @@ def paged_attention(
                 qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            # query i sits at absolute position past + i and sees keys 0 .. past + i
-            qpos = torch.arange(past, past + n)[:, None]
-            mask = torch.arange(chunk.context_len)[None, :] <= qpos  # (n, L)
             o = F.scaled_dot_product_attention(
-                qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True
+                qc, kc, vc, attn_mask=chunk.mask, scale=scale, enable_gqa=True
             )
         out[s : s + n] = o[0].transpose(0, 1)
     return out

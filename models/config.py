@@ -34,6 +34,9 @@ class ModelConfig:
     max_position_embeddings: int
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # llama.cpp's per-frequency RoPE divisors (GGUF tensor rope_freqs, how Llama 3.x GGUFs carry
+    # their rope scaling): inv_freq[i] /= rope_freq_factors[i]. None = no scaling by factors.
+    rope_freq_factors: tuple[float, ...] | None = None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q/k/v projections

@@ -9,6 +9,7 @@ one matmul instead of three (or two) per layer, which matters on CPU where every
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,22 @@ def _inv_freq(config: ModelConfig) -> torch.Tensor:
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         scaled = torch.where(mid, (1 - smooth) * inv / rs.factor + smooth * inv, scaled)
         inv = scaled
+    if config.rope_freq_factors is not None:
+        if len(config.rope_freq_factors) != hd // 2:
+            raise ValueError(
+                f"rope_freq_factors has {len(config.rope_freq_factors)} entries, not {hd // 2}"
+            )
+        inv = inv / torch.tensor(config.rope_freq_factors, dtype=torch.float64)
     return inv
+
+
+class _SkipInit(torch.overrides.TorchFunctionMode):
+    """Skip `torch.nn.init.*` (they dispatch through torch function modes); run all else."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 class Rotary(nn.Module):
@@ -48,13 +64,20 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos().to(config.dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(config.dtype), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: (T, heads, hd)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for these positions, (T, 1, hd) each: looked up once per step and
+        shared by every layer."""
+        half = self.cos.shape[-1] // 2
         cos = self.cos[positions].unsqueeze(1)  # (T, 1, hd)
         sin = self.sin[positions].unsqueeze(1)  # (T, 1, hd)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: fold the sign in here.
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, heads, hd) with cos/sin from `Rotary.forward`."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 class RMSNorm(nn.Module):
@@ -81,16 +104,18 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: Rotary,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotary(q.view(t, self.n_heads, self.hd), positions)  # (T, H, hd)
-        k = rotary(k.view(t, self.n_kv, self.hd), positions)  # (T, KV, hd)
-        v = v.view(t, self.n_kv, self.hd)  # (T, KV, hd)
+        qkv = self.qkv_proj(x)  # (T, (H + 2 KV) * hd)
+        # Rotate q and k in one go: they are adjacent columns of the fused projection.
+        qk = apply_rotary(
+            qkv[:, : self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv, self.hd), *rope
+        )
+        q, k = qk.split([self.n_heads, self.n_kv], dim=1)  # (T, H, hd), (T, KV, hd)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.n_kv, self.hd)  # (T, KV, hd)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # (T, H, hd)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -115,8 +140,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -143,9 +168,22 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: (T,). Returns final hidden states (T, d_model)."""
         x = self.embed_tokens(input_ids)  # (T, d)
+        rope = self.rotary(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, None if kv_caches is None else kv_caches[i], meta)
+            x = layer(x, rope, None if kv_caches is None else kv_caches[i], meta)
         return self.norm(x)
+
+    @classmethod
+    def without_weights(cls, config: ModelConfig) -> LlamaForCausalLM:
+        """A model whose parameters are allocated but not initialised, for loaders to fill.
+
+        Random init of a 135M-parameter model costs ~1.5 s on 2 cores, all of it thrown away when
+        a checkpoint is loaded. `_SkipInit` turns the `torch.nn.init` calls into no-ops for this
+        construction only (a torch function mode is thread-local, so other threads building
+        models are unaffected). Not the meta device: its `normal_` imports torch._dynamo (1.5 s).
+        """
+        with _SkipInit():
+            return cls(config)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, d_model) -> (N, vocab) in fp32."""
@@ -157,11 +195,14 @@ class LlamaForCausalLM(nn.Module):
     # -- loading -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_hf_weights(self, tensors: Mapping[str, torch.Tensor], adopt: bool = False) -> None:
         """Load Hugging Face Llama-style names (model.layers.N.self_attn.q_proj.weight, ...).
 
         Separate q/k/v and gate/up tensors are fused into this module's projections. Missing or
-        unexpected tensors raise, so a checkpoint is never half-loaded.
+        unexpected tensors raise, so a checkpoint is never half-loaded. `adopt=True` makes the
+        parameters use the given tensors' memory instead of copying into their own: for loaders
+        whose mapping hands out fresh tensors (touching a second copy of fresh memory costs
+        seconds per 500 MB on a VM); the caller must not reuse them.
         """
         c = self.config
         params = dict(self.named_parameters())
@@ -170,8 +211,13 @@ class LlamaForCausalLM(nn.Module):
         def put(name: str, value: torch.Tensor) -> None:
             p = params[name]
             if tuple(p.shape) != tuple(value.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != {tuple(p.shape)}")
-            p.copy_(value.to(p.dtype))
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(value.shape)} != {tuple(p.shape)}"
+                )
+            if adopt:
+                p.data = value.to(p.dtype).contiguous()
+            else:
+                p.copy_(value.to(p.dtype))
             loaded.add(name)
 
         def take(name: str) -> torch.Tensor:
@@ -195,7 +241,10 @@ class LlamaForCausalLM(nn.Module):
             put(f"{dst}mlp.gate_up_proj.weight", torch.cat(gate_up, dim=0))
             put(f"{dst}mlp.down_proj.weight", take(f"{src}mlp.down_proj.weight"))
             put(f"{dst}input_layernorm.weight", take(f"{src}input_layernorm.weight"))
-            put(f"{dst}post_attention_layernorm.weight", take(f"{src}post_attention_layernorm.weight"))
+            put(
+                f"{dst}post_attention_layernorm.weight",
+                take(f"{src}post_attention_layernorm.weight"),
+            )
         missing = set(params) - loaded
         if c.tie_word_embeddings:
             missing.discard("lm_head.weight")

@@ -69,6 +69,8 @@ def load_model(name_or_path: str) -> LoadedModel:
         return load_hf_directory(path)
     if path.exists():
         raise ModelLoadError(f"cannot load {key!r}: expected {SUPPORTED}")
+    if path.suffix == ".gguf" or "/" in key or "\\" in key:
+        raise ModelLoadError(f"no such file or directory: {key!r}; expected {SUPPORTED}")
     raise ModelLoadError(f"unknown model {key!r}: expected {SUPPORTED}")
 
 

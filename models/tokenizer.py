@@ -9,6 +9,7 @@ appears once later ids arrive are held back until they decode cleanly.
 
 from __future__ import annotations
 
+import codecs
 from typing import Protocol, runtime_checkable
 
 import jinja2.sandbox
@@ -72,6 +73,14 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return render_chat_template(self.chat_template, messages, add_generation_prompt)
 
+    def incremental_decoder(self) -> codecs.IncrementalDecoder:
+        """A UTF-8 decoder that holds back only a tail that can still become a character.
+
+        Invalid bytes (a random model emits plenty) come out as U+FFFD at once instead of
+        stalling the stream until the next valid character.
+        """
+        return codecs.getincrementaldecoder("utf-8")(errors="replace")
+
 
 class IncrementalDetokenizer:
     """Text deltas from a growing id list, holding back anything that is not yet whole.
@@ -84,6 +93,9 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
+        # Byte tokenizers decode exactly with a streaming UTF-8 decoder; others use the window.
+        make = getattr(tokenizer, "incremental_decoder", None)
+        self._utf8 = make() if make is not None else None
         self.ids: list[int] = list(prompt_ids or [])
         # Start the window a few ids before the end of the prompt so the first generated piece
         # decodes in context (a leading space after a prompt word, say).
@@ -94,6 +106,10 @@ class IncrementalDetokenizer:
     def add(self, new_ids: list[int]) -> str:
         """Append ids; return the newly completed text (possibly empty)."""
         self.ids.extend(new_ids)
+        if self._utf8 is not None:
+            delta = self._utf8.decode(bytes(i for i in new_ids if 0 <= i < 256))
+            self.text += delta
+            return delta
         decode = self.tokenizer.decode
         prefix_text = decode(self.ids[self.prefix_offset : self.read_offset])
         full_text = decode(self.ids[self.prefix_offset :])
@@ -107,6 +123,10 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of a sequence: whatever is still held back (incomplete bytes as U+FFFD)."""
+        if self._utf8 is not None:
+            delta = self._utf8.decode(b"", final=True)
+            self.text += delta
+            return delta
         prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
         full_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
         delta = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""

@@ -1,0 +1,283 @@
+"""Loading Llama-architecture GGUF files (llama.cpp's format) into `LlamaForCausalLM`.
+
+Owns: reading GGUF metadata into a `ModelConfig`, dequantizing tensors to the compute dtype with
+`gguf.quants.dequantize` (numpy), undoing llama.cpp's Q/K row permutation, and mapping GGUF tensor
+names to Hugging Face names for `LlamaForCausalLM.load_hf_weights`. The tokenizer and chat template
+come from the same file through `models.hf_tokenizer`.
+
+What is refused, by name: architectures other than "llama" (Llama 1-3, Mistral, SmolLM convert to
+it), mixture-of-experts, RoPE scaling other than llama.cpp's frequency factors, partial rotary
+dimensions, tensor types outside `SUPPORTED_TYPES`, and tensors this decoder has no place for.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from models.config import ModelConfig
+from models.hf_loader import check_weight_names
+from models.hf_tokenizer import HFTokenizer, end_token_ids, load_gguf_tokenizer
+from models.llama import LlamaForCausalLM
+from models.loader import LoadedModel, ModelLoadError
+
+Q = GGMLQuantizationType
+# Types we dequantize and have checked against transformers / round trips; others are refused by
+# name rather than trusted blindly.
+SUPPORTED_TYPES = frozenset(
+    {
+        Q.F32,
+        Q.F16,
+        Q.BF16,
+        Q.Q8_0,
+        Q.Q4_0,
+        Q.Q4_1,
+        Q.Q5_0,
+        Q.Q5_1,
+        Q.Q2_K,
+        Q.Q3_K,
+        Q.Q4_K,
+        Q.Q5_K,
+        Q.Q6_K,
+    }
+)
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+class _Reader(GGUFReader):
+    """GGUFReader over a plain ndarray view of its memory map.
+
+    GGUFReader slices its `np.memmap` once per metadata string (98k of them for a 49k-token
+    vocabulary), and every memmap slice runs Python-level `__array_finalize__`: 2 s for SmolLM2's
+    header. The same bytes viewed as a plain ndarray (still memory-mapped, not copied) parse in
+    0.7 s. The reader assigns `self.data` once in `__init__`; this property converts it there.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._array
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._array = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+
+def _open(path: Path) -> GGUFReader:
+    try:
+        return _Reader(path)
+    except (ValueError, OSError, KeyError, IndexError) as e:
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+class _Meta:
+    """Typed access to GGUF metadata with errors that name the file and the key."""
+
+    def __init__(self, reader: GGUFReader, path: Path) -> None:
+        self.reader, self.path = reader, path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ModelLoadError(f"{self.path.name}: GGUF metadata has no {key}")
+        return value
+
+    def array_len(self, key: str) -> int | None:
+        field = self.reader.fields.get(key)
+        return None if field is None else len(field.data)  # without decoding 49k strings
+
+
+def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
+    path = meta.path
+    arch = meta.require("general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(
+            f"{path.name}: GGUF architecture {arch!r} is not supported; only 'llama' "
+            "(Llama 1/2/3, Mistral, SmolLM and other checkpoints llama.cpp converts to it)"
+        )
+    if (meta.get("llama.expert_count") or 0) > 0:
+        raise ModelLoadError(f"{path.name}: mixture-of-experts GGUF models are not supported")
+    hidden = int(meta.require("llama.embedding_length"))
+    n_heads = int(meta.require("llama.attention.head_count"))
+    n_kv = int(meta.get("llama.attention.head_count_kv", n_heads))
+    head_dim = int(meta.get("llama.attention.key_length", hidden // n_heads))
+    if int(meta.get("llama.attention.value_length", head_dim)) != head_dim:
+        raise ModelLoadError(f"{path.name}: different key and value head sizes are not supported")
+    rot = meta.get("llama.rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise ModelLoadError(
+            f"{path.name}: partial rotary embeddings ({rot} of {head_dim} dims) are not supported"
+        )
+    scaling = meta.get("llama.rope.scaling.type")
+    factor = float(meta.get("llama.rope.scaling.factor", 1.0))
+    if scaling not in (None, "none") and factor != 1.0:
+        raise ModelLoadError(f"{path.name}: RoPE scaling {scaling!r} is not supported")
+    freq_factors = None
+    if "rope_freqs.weight" in tensors:
+        # Llama 3.x carries its rope scaling as per-frequency divisors (llama.cpp's freq_factors).
+        t = tensors["rope_freqs.weight"]
+        freq_factors = tuple(float(x) for x in dequantize(t.data, t.tensor_type).reshape(-1))
+    embd = tensors.get("token_embd.weight")
+    if embd is None:
+        raise ModelLoadError(f"{path.name}: no token_embd.weight tensor")
+    vocab = int(embd.shape[1])  # GGUF shapes are innermost-first: (hidden, vocab)
+    # The vocabulary is the tokenizer's token list; an embedding padded beyond it is fine (the
+    # head scores ids the tokenizer never produces), one shorter than it is a broken file.
+    n_tokens = meta.array_len("tokenizer.ggml.tokens")
+    if n_tokens is not None and n_tokens > vocab:
+        raise ModelLoadError(
+            f"{path.name}: {n_tokens} tokenizer tokens but token_embd has only {vocab} rows"
+        )
+    # q/k/v biases (Qwen2-style); any other bias is refused later by check_weight_names
+    qkv_bias = any(n.endswith(".attn_q.bias") for n in tensors)
+    return ModelConfig(
+        name=name,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=int(meta.require("llama.block_count")),
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        head_dim=head_dim,
+        intermediate_size=int(meta.require("llama.feed_forward_length")),
+        max_position_embeddings=int(meta.require("llama.context_length")),
+        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+        rope_freq_factors=freq_factors,
+        rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias=qkv_bias,
+        dtype=torch.float32,
+    )
+
+
+def _hf_name(gguf_name: str, path: Path) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    raise ModelLoadError(f"{path.name}: tensor {gguf_name!r} has no place in a Llama decoder")
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (its RoPE rotates adjacent pairs; ours rotates halves).
+
+    The converter reshaped each head's rows as (2, hd/2) and swapped to (hd/2, 2); swapping back
+    restores the Hugging Face order. Works for weights (rows, in) and biases (rows,).
+    """
+    hd = w.shape[0] // n_heads
+    return w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _dequantize(t: Any, dtype: torch.dtype) -> torch.Tensor:
+    arr = dequantize(t.data, t.tensor_type)  # float32, shape = reversed GGUF dims
+    expected = tuple(int(d) for d in reversed(t.shape.tolist()))
+    arr = arr.reshape(expected)
+    if not arr.flags.writeable:  # F32 tensors come back as views of the read-only file map
+        arr = arr.copy()
+    return torch.from_numpy(arr).to(dtype)
+
+
+class GGUFWeights(Mapping[str, torch.Tensor]):
+    """A GGUF file's decoder tensors under Hugging Face names, dequantized when looked up.
+
+    Lazy on purpose: `load_hf_weights(adopt=True)` turns each tensor into its parameter right
+    after taking it, so the dequantized weights exist once (peak memory ~ the model, not twice it;
+    on a VM, first-touch page faults of a second 540 MB copy cost seconds).
+    """
+
+    def __init__(
+        self, path: Path, reader: GGUFReader, config: ModelConfig, dtype: torch.dtype
+    ) -> None:
+        self.dtype = dtype
+        self._heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+        self._tensors: dict[str, Any] = {}
+        for t in reader.tensors:
+            if t.name == "rope_freqs.weight":
+                continue  # already in config.rope_freq_factors
+            if t.tensor_type not in SUPPORTED_TYPES:
+                raise ModelLoadError(
+                    f"{path.name}: tensor {t.name} has type {t.tensor_type.name}, which is not "
+                    f"supported (supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
+                )
+            self._tensors[_hf_name(t.name, path)] = t
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        value = _dequantize(self._tensors[name], self.dtype)
+        proj = name.split(".")[-2]
+        if proj in self._heads:
+            value = _unpermute(value, self._heads[proj])
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def load_gguf(
+    path: str | Path, name: str | None = None, dtype: torch.dtype = torch.float32
+) -> LoadedModel:
+    """Load a Llama-architecture GGUF file: weights, tokenizer, chat template, EOS ids."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"no such GGUF file: {path}")
+    t0 = time.perf_counter()
+    reader = _open(path)
+    meta = _Meta(reader, path)
+    tensors = {t.name: t for t in reader.tensors}
+    config = replace(_config(meta, tensors, name or path.stem), dtype=dtype)
+
+    # Checked before the tokenizer is converted: an unusable file fails fast.
+    weights = GGUFWeights(path, reader, config, dtype)
+    check_weight_names(weights, config, path.name)
+
+    tok = load_gguf_tokenizer(path)
+    declared = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos = end_token_ids(tok, declared)
+    bos = meta.get("tokenizer.ggml.bos_token_id", tok.bos_token_id)
+    pad = meta.get("tokenizer.ggml.padding_token_id", tok.pad_token_id)
+    config = replace(
+        config,
+        eos_token_ids=eos,
+        bos_token_id=None if bos is None else int(bos),
+        pad_token_id=None if pad is None else int(pad),
+        extra={"source": str(path), "file_type": meta.get("general.file_type")},
+    )
+    model = LlamaForCausalLM.without_weights(config)
+    try:
+        model.load_hf_weights(weights, adopt=True)
+    except ValueError as e:
+        raise ModelLoadError(f"{path.name}: {e}") from e
+    model.eval().requires_grad_(False)
+    config.extra["load_seconds"] = round(time.perf_counter() - t0, 3)
+    return LoadedModel(config.name, model, HFTokenizer(tok, eos), config)

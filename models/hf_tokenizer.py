@@ -1,0 +1,139 @@
+"""Hugging Face tokenizers behind the `models.tokenizer.Tokenizer` protocol.
+
+Owns: loading a tokenizer and its chat template with `transformers.AutoTokenizer`, from a model
+directory or from a GGUF file's metadata (transformers converts the GGUF vocabulary and merges into
+a fast tokenizer); caching that conversion; and deciding which ids end a generation. Tokenization
+and template rendering are transformers' and `tokenizers`' work, not ours.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from models.loader import ModelLoadError
+
+# Tokens that end a turn or a document in the chat formats of the Llama family (ChatML for SmolLM2
+# and Qwen2, Llama 3, Phi-3, Gemma, Llama 2 / Mistral). A model that emits one of these is done even
+# when its checkpoint declares a different EOS (SmolLM2's GGUF declares <|im_end|> but not
+# <|endoftext|>; Llama 3 base declares <|end_of_text|> but its chat turns end with <|eot_id|>).
+END_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "</s>",
+)
+
+
+class HFTokenizer:
+    """A transformers tokenizer as a `models.tokenizer.Tokenizer`."""
+
+    def __init__(self, tok: Any, eos_token_ids: tuple[int, ...] | None = None) -> None:
+        self.hf = tok  # the transformers tokenizer, for callers that need more (save_pretrained)
+        self.vocab_size: int = len(tok)
+        self.bos_token_id: int | None = tok.bos_token_id
+        self.pad_token_id: int | None = tok.pad_token_id
+        self.eos_token_ids: tuple[int, ...] = (
+            eos_token_ids if eos_token_ids is not None else end_token_ids(tok, ())
+        )
+        template = tok.chat_template
+        if isinstance(template, dict):  # older checkpoints: named templates
+            template = template.get("default")
+        self.chat_template: str | None = template or None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        # Special-token text in `text` ("<|im_start|>") maps to its id: rendered chat templates
+        # rely on that.
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template")
+        return self.hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+
+def end_token_ids(tok: Any, declared: Iterable[int | None]) -> tuple[int, ...]:
+    """EOS ids for generation: the checkpoint's declared ones first, then known end tokens.
+
+    `declared`: EOS ids from config.json / generation_config.json / GGUF metadata, in that order.
+    """
+    ids: list[int] = [int(i) for i in declared if i is not None]
+    if tok.eos_token_id is not None:
+        ids.append(tok.eos_token_id)
+    added = tok.get_added_vocab()  # special and added tokens: text -> id
+    ids.extend(added[text] for text in END_TOKENS if text in added)
+    return tuple(dict.fromkeys(ids))  # dedupe, keep order
+
+
+def _auto_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
+
+
+def load_hf_tokenizer(directory: Path) -> Any:
+    """The transformers tokenizer of a model directory (tokenizer.json / tokenizer_config.json)."""
+    try:
+        return _auto_tokenizer().from_pretrained(str(directory), local_files_only=True)
+    except Exception as e:  # transformers raises many types (OSError, ValueError, KeyError...)
+        raise ModelLoadError(f"cannot load the tokenizer of {directory}: {e}") from e
+
+
+def _gguf_cache_dir(path: Path) -> Path:
+    import transformers
+
+    from models.fetch import model_dir
+
+    st = path.stat()
+    # Keyed by the file (path, size, mtime) and the transformers version that converted it, so an
+    # edited file or a different converter never reads a stale conversion.
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return model_dir() / "tokenizers" / f"{path.stem}-{digest}"
+
+
+def load_gguf_tokenizer(path: Path) -> Any:
+    """The transformers tokenizer stored in a GGUF file's metadata.
+
+    Converting it takes ~4 s (transformers parses the whole GGUF header and builds the BPE); the
+    result is saved once in the model cache and later loads read it back in ~0.2 s. If the cache
+    is not writable the conversion is simply redone each time.
+    """
+    path = Path(path)
+    cache = _gguf_cache_dir(path)
+    auto = _auto_tokenizer()
+    if (cache / "tokenizer.json").is_file():
+        try:
+            return auto.from_pretrained(str(cache), local_files_only=True)
+        except Exception:  # a damaged cache entry: convert again below and replace it
+            shutil.rmtree(cache, ignore_errors=True)
+    try:
+        tok = auto.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read the tokenizer stored in {path}: {e}") from e
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.", dir=cache.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as the model
+        tok.save_pretrained(str(tmp))
+        try:
+            os.replace(tmp, cache)  # atomic: a concurrent loader sees all of it or nothing
+        except OSError:  # another process got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        pass
+    return tok
