@@ -135,6 +135,26 @@ def parse_chunk(data: str) -> dict[str, Any]:
     return obj
 
 
+def carries_tokens(chunk: dict[str, Any]) -> bool:
+    """Does a streamed chunk report generated tokens?
+
+    A choice with text does; so does one with empty text and no finish_reason (a special token or
+    half a character: servers such as vLLM and ours stream a chunk per token even then). Not a
+    chat chunk that only announces the role, not an empty chunk that only carries finish_reason
+    (OpenAI's closing chunk), and not the usage chunk (no choices).
+    """
+    for choice in chunk.get("choices") or ():
+        if "delta" in choice:
+            delta = choice.get("delta") or {}
+            if delta.get("content") or (
+                "role" not in delta and choice.get("finish_reason") is None
+            ):
+                return True
+        elif "text" in choice and (choice.get("text") or choice.get("finish_reason") is None):
+            return True
+    return False
+
+
 def chunk_text(chunk: dict[str, Any]) -> str:
     """The text a streamed chunk adds, over all its choices (completion `text` or chat `delta`).
 

@@ -1,6 +1,7 @@
 """In-process decode benchmark: tokens/s and step time at several batch sizes.
 
     python -m engine.bench [--model tinygpt] [--batch-sizes 1,8,32] [--steps 64] [--threads N]
+                           [--dtype float32|bfloat16]
 
 Each batch size gets a fresh continuous-batching engine with that many requests (prompt 64
 tokens, ignore_eos). After every request has prefilled, `--steps` pure decode steps are timed one
@@ -68,10 +69,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = load_model(args.model)
+    lm = load_model(args.model, dtype=args.dtype)
     print(f"Conditions: {conditions(lm)}")
     print(
         f"{'batch':>5} {'prefill tok/s':>14} {'step p50 ms':>12} {'step p90 ms':>12} {'decode tok/s':>13}"

@@ -29,7 +29,7 @@ class ModelRunner:
         # zeros, not empty: padded attention reads masked slots, and 0 * NaN from uninitialised
         # memory would poison the output. torch.zeros maps pages lazily, so RSS grows with use.
         self.kv = torch.zeros(
-            c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=c.dtype
+            c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=c.kv_dtype
         )
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(c.num_layers)]
 

@@ -154,13 +154,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--max-batch-size", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="token budget of a step"
+    )
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    lm = load_model(args.model)
+    lm = load_model(args.model, dtype=args.dtype)
     cls = REPLAY_ENGINES[args.engine]
     options: dict = {"max_batch_size": args.max_batch_size}
+    if args.max_num_batched_tokens:
+        options["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
     rates = [float(r) for r in args.rate.split(",")]

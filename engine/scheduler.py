@@ -131,7 +131,13 @@ class Scheduler:
 
         # vLLM's rule: no admissions in a step that had to preempt; memory is short already.
         if not out.preempted and self._admission_open():
-            while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
+            # A static batch forms all at once: members join now and prefill over the next steps
+            # if the budget runs out; continuous batching admits only what it can start now.
+            while (
+                self.waiting
+                and len(self.running) < self.max_batch_size
+                and (budget > 0 or self.static)
+            ):
                 state = self.waiting[0]
                 prefix = []
                 if state.num_computed_tokens == 0:
@@ -149,7 +155,8 @@ class Scheduler:
                 state.status = RequestStatus.RUNNING
                 self.waiting.popleft()
                 self.running.append(state)
-                out.rows.append(ScheduledRequest(state, n))
+                if n:
+                    out.rows.append(ScheduledRequest(state, n))
                 budget -= n
         return out
 

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import textwrap
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -243,7 +244,8 @@ def plot_sweep(points: Sequence[SweepPoint], out_dir: Path, title: str = "") -> 
         ax.set_xlabel("arrival rate (req/s)")
         ax.set_ylabel(ylabel)
         if title:
-            ax.set_title(title, fontsize=8)
+            # The conditions line is long: wrap it rather than let the figure crop it.
+            ax.set_title(textwrap.fill(title, 90), fontsize=7)
         ax.grid(True, alpha=0.3)
         ax.legend()
         fig.tight_layout()

@@ -26,7 +26,7 @@ from clients.protocol import (
     ClientError,
     SSEDecoder,
     auth_headers,
-    chunk_text,
+    carries_tokens,
     error_from_body,
     normalize_base_url,
     parse_chunk,
@@ -230,7 +230,7 @@ class _Run:
                 # Time the chunk before parsing it: parsing is our cost, not the server's.
                 arrived = self.now()
                 chunk = parse_chunk(data)
-                if chunk_text(chunk):
+                if carries_tokens(chunk):
                     obs.chunk_times.append(arrived)
                 if chunk.get("usage"):
                     obs.usage = chunk["usage"]

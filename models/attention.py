@@ -82,10 +82,13 @@ def paged_attention(
     pool (so a chunk sees earlier chunks and cached prefixes). Without one (the naive engine's full
     recompute), each prefill chunk attends causally over its own K/V.
     """
-    out = torch.empty_like(q)
+    out_dtype = q.dtype
     if kv_cache is not None:
         k_cache, v_cache = kv_cache
+        # Attention runs in the pool's dtype (float32): bfloat16 weights still get fp32 attention.
+        q, k, v = q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
 
     nd = meta.num_decode_tokens
     if nd:
@@ -127,4 +130,4 @@ def paged_attention(
                 qc, kc, vc, attn_mask=chunk.mask, scale=scale, enable_gqa=True
             )
         out[s : s + n] = o[0].transpose(0, 1)
-    return out
+    return out.to(out_dtype)

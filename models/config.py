@@ -53,7 +53,13 @@ class ModelConfig:
             )
 
     @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV pool and attention run in float32 whatever the weights' dtype: CPU attention
+        kernels are slower in bfloat16 than in float32, and the pool is small next to the weights."""
+        return torch.float32
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V that one token occupies across all layers."""
-        elem = torch.finfo(self.dtype).bits // 8
+        elem = torch.finfo(self.kv_dtype).bits // 8
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem

@@ -7,8 +7,11 @@ a path to a `.gguf` file or a Hugging Face model directory of the Llama family.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from models.config import ModelConfig
 from models.llama import LlamaForCausalLM
@@ -49,7 +52,32 @@ SUPPORTED = (
 )
 
 
-def load_model(name_or_path: str) -> LoadedModel:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_model(name_or_path: str, dtype: str | torch.dtype | None = None) -> LoadedModel:
+    """Load a model; `dtype` ("float32" or "bfloat16") casts weights, activations and KV cache.
+
+    float32 is the default and the reference. bfloat16 halves the bytes every decode step reads
+    and doubles matmul throughput on CPUs with AVX512-BF16, at bfloat16's precision: its tokens
+    are not those of float32.
+    """
+    lm = _load(name_or_path)
+    if dtype is None:
+        return lm
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        dtype = DTYPES[dtype]
+    if dtype == lm.config.dtype:
+        return lm
+    config = dataclasses.replace(lm.config, dtype=dtype)
+    model = lm.model.to(dtype)
+    model.config = config
+    return LoadedModel(lm.name, model, lm.tokenizer, config)
+
+
+def _load(name_or_path: str) -> LoadedModel:
     key = str(name_or_path).strip()
     if key.lower() == "tinygpt":
         from models.tinygpt import build_tinygpt

@@ -498,8 +498,9 @@ class OpenAIServing:
 
     async def _outputs(
         self, gen: Generation
-    ) -> AsyncIterator[tuple[Choice, str, list[TokenLogprob]]]:
-        """(choice, text delta to send, new logprobs) per engine output, until all choices end."""
+    ) -> AsyncIterator[tuple[Choice, str, list[TokenLogprob], int]]:
+        """(choice, text delta to send, new logprobs, new token count) per engine output, until
+        all choices end."""
         assert gen.stream is not None
         try:
             async for out in gen.stream:
@@ -511,7 +512,7 @@ class OpenAIServing:
                     self.client.abort(c.request_id)
                 if c.finished and self.metrics is not None:
                     self.metrics.finished.labels(c.finish_reason).inc()
-                yield c, c.take_delta(), out.logprobs or []
+                yield c, c.take_delta(), out.logprobs or [], len(out.token_ids)
         except EngineDeadError:
             gen.status = "engine_error"
             raise
@@ -652,9 +653,12 @@ class OpenAIServing:
                     text = gen.prompt_texts[c.prompt_index]
                     offsets[c.index] = len(text)
                     yield chunk(c.index, text, None, None)
-            async for c, delta, lps in self._outputs(gen):
-                if not delta and not c.finished and not (lps and gen.logprobs is not None):
-                    continue  # nothing to say yet (half a character, or text held for a stop string)
+            async for c, delta, lps, new_tokens in self._outputs(gen):
+                # A chunk for every step that produced a token, even when its text is empty
+                # (a special token, half a character, text held for a stop string): clients see
+                # each token's timing, as vLLM streams it. Only token-less outputs are skipped.
+                if not delta and not c.finished and not new_tokens:
+                    continue
                 lp = None
                 if gen.logprobs is not None:
                     lp = self._completion_logprobs(lps, offsets[c.index])
@@ -683,8 +687,8 @@ class OpenAIServing:
         try:
             for c in gen.choices:  # the role comes first, before any content, as OpenAI sends it
                 yield chunk(c.index, {"role": "assistant", "content": ""}, None, None)
-            async for c, delta, lps in self._outputs(gen):
-                if not delta and not c.finished and not (lps and gen.logprobs is not None):
+            async for c, delta, lps, new_tokens in self._outputs(gen):
+                if not delta and not c.finished and not new_tokens:
                     continue
                 lp = None
                 if gen.logprobs is not None:

@@ -307,3 +307,15 @@ def test_transport_error_is_not_swallowed() -> None:
         pytest.raises(httpx.TransportError),
     ):
         client.models()
+
+
+def test_carries_tokens_counts_token_chunks_not_role_finish_or_usage_chunks():
+    from clients.protocol import carries_tokens
+
+    assert carries_tokens({"choices": [{"text": "a", "finish_reason": None}]})
+    assert carries_tokens({"choices": [{"text": "", "finish_reason": None}]})  # a special token
+    assert carries_tokens({"choices": [{"text": "b", "finish_reason": "stop"}]})
+    assert not carries_tokens({"choices": [{"text": "", "finish_reason": "length"}]})
+    assert not carries_tokens({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
+    assert carries_tokens({"choices": [{"delta": {"content": ""}, "finish_reason": None}]})
+    assert not carries_tokens({"choices": [], "usage": {"completion_tokens": 3}})

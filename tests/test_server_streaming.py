@@ -37,6 +37,17 @@ def test_sse_frames_are_data_lines_with_finish_last_then_usage_then_done(server:
         assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + ["length"]
 
 
+def test_every_generated_token_gets_a_chunk_even_without_text(server: LiveServer):
+    # EOS decodes to no text; with ignore_eos the model is forced to emit it 5 times. Clients
+    # (and the load generator's ITL) must still see one chunk per token, as vLLM streams them.
+    eos = 257
+    body = {**BODY, "max_tokens": 5, "stream": True, "logit_bias": {str(eos): 100}}
+    r = httpx.post(server.url("/v1/completions"), json=body, timeout=30)
+    chunks = [json.loads(p) for p in sse_events(r.text)[:-1]]
+    assert len(chunks) == 5
+    assert all(c["choices"][0]["text"] == "" for c in chunks)
+
+
 def test_chat_stream_chunks_carry_only_new_text(server: LiveServer):
     body = {
         "messages": [{"role": "user", "content": "Hi"}],
