@@ -7,6 +7,8 @@ a path to a `.gguf` file or a Hugging Face model directory of the Llama family.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +76,15 @@ def load_model(name_or_path: str, dtype: str | torch.dtype | None = None) -> Loa
     config = dataclasses.replace(lm.config, dtype=dtype)
     model = lm.model.to(dtype)
     model.config = config
+    _return_freed_memory()
     return LoadedModel(lm.name, model, lm.tokenizer, config)
+
+
+def _return_freed_memory() -> None:
+    """Hand the float32 copy's freed pages back to the OS (glibc keeps them in its heap
+    otherwise: 660 MiB of resident set for SmolLM2)."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _load(name_or_path: str) -> LoadedModel:

@@ -198,13 +198,19 @@ class Generation:
     status: str = "ok"
     done: bool = False
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict:
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(c.num_tokens for c in self.choices)
+        # Prompt tokens served from the prefix cache, once per prompt (n choices share it).
+        cached = sum(
+            max((c.num_cached_tokens for c in self.choices if c.prompt_index == i), default=0)
+            for i in range(len(self.prompts))
+        )
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
 

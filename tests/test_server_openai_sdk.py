@@ -244,3 +244,14 @@ def test_models_lists_the_served_model_with_size_and_context(client, tiny_lm):
     assert entry["max_model_len"] == 2048
     assert entry["torch_version"]
     assert client.models.retrieve("tinygpt").id == "tinygpt"
+
+
+def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url("/v1"), api_key="unused")
+    prompt = "A shared system prompt long enough to fill a few KV blocks. " * 3  # 180 bytes
+    first = client.completions.create(model="tinygpt", prompt=prompt, max_tokens=2)
+    again = client.completions.create(model="tinygpt", prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 176  # 11 full blocks of 16
