@@ -54,7 +54,8 @@ def bench_decode(model, batch: int, steps: int, prompt_len: int = 64) -> dict[st
 
 def conditions(lm) -> str:
     return (
-        f"model {lm.name} ({lm.num_parameters():,} params, {lm.config.dtype}), "
+        f"model {lm.name} ({lm.num_parameters():,} params, {lm.config.dtype}, "
+        f"matmuls {lm.config.matmul_dtype or lm.config.dtype}), "
         f"{os.cpu_count()}x {platform.machine()} CPU, torch {torch.__version__}, "
         f"{torch.get_num_threads()} intra-op threads, "
         f"date {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}"

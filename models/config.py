@@ -43,7 +43,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32  # activations, norms, embeddings, logits
+    matmul_dtype: torch.dtype | None = None  # the decoder layers' projection weights; None: dtype
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

@@ -80,6 +80,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose matmul may run in a narrower dtype than the activations around it.
+
+    With bfloat16 weights (`load_model(..., dtype="bfloat16")`) the input is rounded to bfloat16
+    for the matmul only and the result comes back in the activations' dtype, so the residual
+    stream, norms, attention and logits stay float32. Running the whole model in bfloat16 instead
+    turned SmolLM2's "The capital of France is Paris." into "L'Étoile, la Marseillaise, ...".
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w.dtype == x.dtype:
+            return F.linear(x, w, self.bias)
+        bias = None if self.bias is None else self.bias.to(w.dtype)
+        return F.linear(x.to(w.dtype), w, bias).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -95,10 +112,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = self.n_heads * self.hd, self.n_kv * self.hd
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = self.hd**-0.5
 
     def forward(
@@ -124,8 +141,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.ffn = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.ffn, bias=False)
-        self.down_proj = nn.Linear(self.ffn, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.ffn, bias=False)
+        self.down_proj = Linear(self.ffn, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.ffn, dim=-1)

