@@ -171,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config)
@@ -207,7 +207,12 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        n = sum(p.numel() for p in self.parameters())
+        if self.config.tie_word_embeddings and self.lm_head.weight is not self.embed_tokens.weight:
+            n -= (
+                self.lm_head.weight.numel()
+            )  # a bfloat16 copy of the tied table is not a parameter more
+        return n
 
     # -- loading -------------------------------------------------------------------------------
 

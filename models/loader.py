@@ -58,9 +58,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def load_model(name_or_path: str, dtype: str | torch.dtype | None = None) -> LoadedModel:
-    """Load a model. `dtype="bfloat16"` stores the decoder layers' projection weights (the bulk
-    of the bytes a decode step reads) in bfloat16 and runs those matmuls in bfloat16; the
-    residual stream, norms, embeddings, attention, KV cache and logits stay float32.
+    """Load a model. `dtype="bfloat16"` stores the projection weights and the output head (the
+    bytes a decode step reads) in bfloat16 and runs those matmuls in bfloat16; the residual
+    stream, norms, embeddings, attention, KV cache and logits stay float32.
 
     float32 is the default and the reference. bfloat16 halves the bytes every decode step reads
     and doubles matmul throughput on CPUs with AVX512-BF16; its tokens are not float32's.
@@ -78,6 +78,10 @@ def load_model(name_or_path: str, dtype: str | torch.dtype | None = None) -> Loa
         for module in layer.modules():
             if isinstance(module, Linear):
                 module.to(dtype)
+    # The head gets its own bfloat16 copy: with tied embeddings the float32 table stays for the
+    # lookup (which reads a few rows), while every step reads the whole head.
+    head = lm.model.lm_head
+    head.weight = torch.nn.Parameter(head.weight.detach().to(dtype), requires_grad=False)
     config = dataclasses.replace(lm.config, matmul_dtype=dtype)
     lm.model.config = config
     _return_freed_memory()

@@ -629,7 +629,8 @@ def test_bfloat16_load_casts_projection_weights_only():
     assert lm.config.matmul_dtype == torch.bfloat16 and lm.config.dtype == torch.float32
     assert lm.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
     assert lm.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
-    assert lm.model.lm_head.weight.dtype == torch.float32
+    assert lm.model.lm_head.weight.dtype == torch.bfloat16
+    assert lm.model.embed_tokens.weight.dtype == torch.float32
     assert lm.model.layers[0].input_layernorm.weight.dtype == torch.float32
     engine = ContinuousBatchEngine(lm.model)
     assert engine.runner.kv.dtype == torch.float32
