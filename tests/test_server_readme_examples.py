@@ -23,7 +23,7 @@ README_URL = "http://127.0.0.1:8000"
 README_CURL_CHAT = """\
 curl http://127.0.0.1:8000/v1/chat/completions \\
   -H "Content-Type: application/json" \\
-  -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32}'
+  -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32, "temperature": 0}'
 """
 
 README_CURL_STREAM = """\
