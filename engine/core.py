@@ -134,6 +134,7 @@ class _EngineBase:
 
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
+        # Inference mode is thread-local: entered here, it holds in whichever thread steps.
         with torch.inference_mode():
             outputs += self._step()
         self.num_steps += 1
@@ -260,7 +261,8 @@ class StaticBatchEngine(_EngineBase):
         outputs = [
             self._append_token(s, t, lp) for s, t, lp in zip(states, tokens, logprobs, strict=True)
         ]
-        # Continuous batching frees a finished request's blocks now; static holds them until the
+        # Retire now, not at the start of the next step: continuous batching frees a finished
+        # request's blocks at once (also when no next step comes); static holds them until the
         # batch is done (the scheduler's retire decides).
         self.scheduler.retire()
         return outputs

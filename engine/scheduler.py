@@ -6,7 +6,8 @@ A new request is behind by its whole prompt (prefill), a running one by the toke
 prefill), a prefix-cache hit starts it further along, and a preempted request falls back to zero
 and catches up again (recompute), keeping the tokens it already generated.
 
-Each step: retire what finished, schedule running requests first (oldest first), then admit
+Each step (finished requests were retired at the end of the step that finished them): schedule
+running requests first (oldest first), then admit
 waiting ones while the batch has slots, the step has token budget and the pool has blocks. When
 a running request needs a block and none is free, the newest running request is preempted.
 
@@ -106,7 +107,7 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        self.retire()
+        # Finished requests were retired at the end of the step that finished them (`retire`).
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
 

@@ -93,8 +93,7 @@ class Linear(nn.Linear):
         w = self.weight
         if w.dtype == x.dtype:
             return F.linear(x, w, self.bias)
-        bias = None if self.bias is None else self.bias.to(w.dtype)
-        return F.linear(x.to(w.dtype), w, bias).to(x.dtype)
+        return F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
 
 
 class RMSNorm(nn.Module):

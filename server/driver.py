@@ -293,10 +293,6 @@ class AsyncEngineDriver(EngineClient):
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
 
-    def _step_in_worker(self) -> list[StepOutput]:
-        with torch.inference_mode():  # thread-local, so entered here rather than on the loop
-            return self.engine.step()
-
     def _apply_pending(self) -> None:
         """Hand queued adds and aborts to the engine. Runs on the loop thread between steps."""
         engine = self.engine
@@ -340,7 +336,7 @@ class AsyncEngineDriver(EngineClient):
                     continue
                 self._step_started = self.clock()
                 t0 = time.perf_counter()
-                outputs = await loop.run_in_executor(self._executor, self._step_in_worker)
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
                 elapsed = time.perf_counter() - t0
                 step_started, self._step_started = self._step_started, None
                 for out in outputs:
