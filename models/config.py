@@ -1,7 +1,7 @@
 """ModelConfig: the shape and special tokens of one Llama-family decoder.
 
 Every loader (TinyGPT, GGUF, Hugging Face directories) produces one of these; the decoder, the
-engine (EOS ids, context length) and the server (model name, chat template) read it.
+engine (EOS ids, context length, the KV pool's `KVLayout`) and the server (model name) read it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,25 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """How the KV pool stores one token: K and V of `num_kv_heads x head_dim` per layer."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V that one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def pool_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """(layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim)."""
+        return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +79,10 @@ class ModelConfig:
         return torch.float32
 
     @property
+    def kv_layout(self) -> KVLayout:
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype)
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V that one token occupies across all layers."""
-        elem = torch.finfo(self.kv_dtype).bits // 8
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return self.kv_layout.bytes_per_token

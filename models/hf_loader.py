@@ -1,4 +1,4 @@
-"""Loading Hugging Face model directories of the Llama family into `LlamaForCausalLM`.
+"""Loading Hugging Face model directories of the Llama family into their `models.registry` class.
 
 Owns: turning a `config.json` (Llama 2/3, Mistral, Qwen2, SmolLM; both the transformers 4
 `rope_theta`/`rope_scaling` and the transformers 5 `rope_parameters` spellings) into a
@@ -21,12 +21,10 @@ from typing import Any
 
 import torch
 
+from models.base import LoadedModel, ModelLoadError
 from models.config import ModelConfig, RopeScaling
 from models.hf_tokenizer import HFTokenizer, end_token_ids, load_hf_tokenizer
-from models.llama import LlamaForCausalLM
-from models.loader import LoadedModel, ModelLoadError
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from models.registry import model_class
 
 # Tensors some checkpoints carry that hold nothing the decoder needs (recomputed RoPE tables).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -96,11 +94,7 @@ def _rope(cfg: dict, where: str) -> tuple[float, RopeScaling | None]:
 def config_from_hf(cfg: dict, name: str, where: str) -> ModelConfig:
     """A `ModelConfig` from a parsed config.json, or `ModelLoadError` naming what is unsupported."""
     model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{where}: model_type {model_type!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama 2/3, Mistral, Qwen2, SmolLM)"
-        )
+    model_class(model_type, where)  # refuse an unknown architecture before reading its fields
     if cfg.get("quantization_config"):
         method = cfg["quantization_config"].get("quant_method", "?")
         raise ModelLoadError(f"{where}: quantized checkpoints ({method}) are not supported")
@@ -213,7 +207,7 @@ def load_hf_directory(path: str | Path, dtype: torch.dtype = torch.float32) -> L
 
     weights = SafetensorsWeights(directory)
     check_weight_names(weights, config, str(directory))
-    model = LlamaForCausalLM.without_weights(config)
+    model = model_class(cfg["model_type"], str(directory)).without_weights(config)
     try:
         model.load_hf_weights(weights, adopt=True)
     except ValueError as e:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from models.loader import ModelLoadError
+from models.base import ModelLoadError, model_dir
 
 # Tokens that end a turn or a document in the chat formats of the Llama family (ChatML for SmolLM2
 # and Qwen2, Llama 3, Phi-3, Gemma, Llama 2 / Mistral). A model that emits one of these is done even
@@ -65,6 +65,12 @@ class HFTokenizer:
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        return None  # byte-level BPE pieces are not raw bytes: decode them instead
+
+    def incremental_decoder(self) -> None:
+        return None
+
 
 def end_token_ids(tok: Any, declared: Iterable[int | None]) -> tuple[int, ...]:
     """EOS ids for generation: the checkpoint's declared ones first, then known end tokens.
@@ -95,8 +101,6 @@ def load_hf_tokenizer(directory: Path) -> Any:
 
 def _gguf_cache_dir(path: Path) -> Path:
     import transformers
-
-    from models.fetch import model_dir
 
     st = path.stat()
     # Keyed by the file (path, size, mtime) and the transformers version that converted it, so an

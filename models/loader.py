@@ -10,42 +10,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from models.config import ModelConfig
-from models.llama import Linear, LlamaForCausalLM
-from models.tokenizer import Tokenizer
-
-
-class ModelLoadError(ValueError):
-    """A model name or file that cannot be loaded; the message says why and what is supported."""
-
-
-@dataclass(frozen=True, slots=True)
-class LoadedModel:
-    name: str
-    model: LlamaForCausalLM
-    tokenizer: Tokenizer
-    config: ModelConfig
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.config.eos_token_ids
-
-    @property
-    def max_model_len(self) -> int:
-        return self.config.max_position_embeddings
-
-    @property
-    def chat_template(self) -> str | None:
-        return self.tokenizer.chat_template
-
-    def num_parameters(self) -> int:
-        return self.model.num_parameters()
-
+from models.base import LoadedModel, ModelLoadError
+from models.fetch import smollm2_path
+from models.gguf_loader import load_gguf
+from models.hf_loader import load_hf_directory
+from models.llama import Linear
+from models.tinygpt import build_tinygpt
 
 SUPPORTED = (
     '"tinygpt", "smollm2-135m-instruct", a path to a Llama-architecture .gguf file, '
@@ -74,16 +49,18 @@ def load_model(name_or_path: str, dtype: str | torch.dtype | None = None) -> Loa
         dtype = DTYPES[dtype]
     if dtype == (lm.config.matmul_dtype or lm.config.dtype):
         return lm
-    for layer in lm.model.layers:
+    # The Llama family's layout: decoder layers of `models.llama.Linear`, and an `lm_head`.
+    model: Any = lm.model
+    for layer in model.layers:
         for module in layer.modules():
             if isinstance(module, Linear):
                 module.to(dtype)
     # The head gets its own bfloat16 copy: with tied embeddings the float32 table stays for the
     # lookup (which reads a few rows), while every step reads the whole head.
-    head = lm.model.lm_head
+    head = model.lm_head
     head.weight = torch.nn.Parameter(head.weight.detach().to(dtype), requires_grad=False)
     config = dataclasses.replace(lm.config, matmul_dtype=dtype)
-    lm.model.config = config
+    model.config = config
     _return_freed_memory()
     return LoadedModel(lm.name, lm.model, lm.tokenizer, config)
 
@@ -98,29 +75,17 @@ def _return_freed_memory() -> None:
 def _load(name_or_path: str) -> LoadedModel:
     key = str(name_or_path).strip()
     if key.lower() == "tinygpt":
-        from models.tinygpt import build_tinygpt
-
         model, tok = build_tinygpt()
         return LoadedModel("tinygpt", model, tok, model.config)
     if key.lower() in ("smollm2-135m-instruct", "smollm2", "smollm2-135m"):
-        from models.fetch import smollm2_path
-
-        return _load_gguf(smollm2_path(), name="smollm2-135m-instruct")
+        return load_gguf(smollm2_path(), name="smollm2-135m-instruct")
     path = Path(key).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, name=path.stem)
+        return load_gguf(path, name=path.stem)
     if path.is_dir() and (path / "config.json").is_file():
-        from models.hf_loader import load_hf_directory
-
         return load_hf_directory(path)
     if path.exists():
         raise ModelLoadError(f"cannot load {key!r}: expected {SUPPORTED}")
     if path.suffix == ".gguf" or "/" in key or "\\" in key:
         raise ModelLoadError(f"no such file or directory: {key!r}; expected {SUPPORTED}")
     raise ModelLoadError(f"unknown model {key!r}: expected {SUPPORTED}")
-
-
-def _load_gguf(path: Path, name: str) -> LoadedModel:
-    from models.gguf_loader import load_gguf
-
-    return load_gguf(path, name=name)

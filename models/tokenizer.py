@@ -1,6 +1,7 @@
 """Tokenizers and incremental detokenization.
 
-`Tokenizer` is the small interface the server uses (encode, decode, special ids, chat template).
+`Tokenizer` is the small interface the server uses (encode, decode, special ids, chat template,
+and what a tokenizer can say about single tokens: raw bytes, a streaming byte decoder).
 `ByteTokenizer` is TinyGPT's: bytes 0-255 plus BOS/EOS/PAD. Real models wrap a Hugging Face
 tokenizer (models.hf_tokenizer). `IncrementalDetokenizer` turns a growing list of ids into text
 deltas without ever emitting half a character, for any tokenizer: byte-level pieces whose text only
@@ -29,6 +30,17 @@ class Tokenizer(Protocol):
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True
     ) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The raw bytes of one token when they are defined on their own (a byte-level
+        vocabulary: possibly a fragment of a UTF-8 character, b"" for a special token); None
+        when a token's text only exists as decoded text."""
+        ...
+
+    def incremental_decoder(self) -> codecs.IncrementalDecoder | None:
+        """A streaming decoder over `token_bytes` for tokenizers whose ids are bytes, which
+        detokenizes exactly; None: detokenize by decoding windows of ids."""
+        ...
 
 
 # A minimal template for the byte model: it has no chat training, but the server path is the same.
@@ -73,6 +85,9 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return render_chat_template(self.chat_template, messages, add_generation_prompt)
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        return bytes([token_id]) if 0 <= token_id < 256 else b""
+
     def incremental_decoder(self) -> codecs.IncrementalDecoder:
         """A UTF-8 decoder that holds back only a tail that can still become a character.
 
@@ -94,8 +109,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
         # Byte tokenizers decode exactly with a streaming UTF-8 decoder; others use the window.
-        make = getattr(tokenizer, "incremental_decoder", None)
-        self._utf8 = make() if make is not None else None
+        self._utf8 = tokenizer.incremental_decoder()
         self.ids: list[int] = list(prompt_ids or [])
         # Start the window a few ids before the end of the prompt so the first generated piece
         # decodes in context (a leading space after a prompt word, say).

@@ -1,0 +1,29 @@
+"""The architectures this project can run: a name -> the class that implements it.
+
+Names are Hugging Face `model_type`s (config.json); the GGUF loader maps llama.cpp's
+`general.architecture` onto them. Mistral and Qwen2 are configurations of the Llama decoder
+(Qwen2's q/k/v biases are `ModelConfig.attention_bias`). A new family is one module with a class
+that implements `models.base.CausalLM`, plus one line here.
+"""
+
+from __future__ import annotations
+
+from models.base import CausalLM, ModelLoadError
+from models.llama import LlamaForCausalLM
+
+ARCHITECTURES: dict[str, type[CausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+}
+
+
+def model_class(architecture: str, where: str) -> type[CausalLM]:
+    """The class for an architecture name; `ModelLoadError` naming the supported ones if none."""
+    cls = ARCHITECTURES.get(architecture)
+    if cls is None:
+        raise ModelLoadError(
+            f"{where}: model_type {architecture!r} is not supported; supported: "
+            f"{', '.join(ARCHITECTURES)} (Llama 2/3, Mistral, Qwen2, SmolLM)"
+        )
+    return cls
