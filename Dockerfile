@@ -19,6 +19,7 @@ COPY models/ models/
 COPY server/ server/
 COPY clients/ clients/
 COPY loadtest/ loadtest/
+COPY tools/ tools/
 RUN TORCH_INDEX=https://download.pytorch.org/whl/cpu scripts/docker-install.sh /opt/venv
 
 FROM python:3.11-slim

@@ -25,7 +25,7 @@ serve: install
 	$(PY) -m server --model $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 demo: install
-	$(PY) -m engine.demo
+	$(PY) -m tools.demo
 
 test: install
 	$(VENV)/bin/ruff check .
@@ -40,7 +40,7 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 
 bench: install
-	$(PY) -m engine.bench
+	$(PY) -m tools.bench_engine
 
 clean:
 	rm -rf $(VENV)

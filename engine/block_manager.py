@@ -65,10 +65,6 @@ class BlockManager:
         """Blocks an allocation can take now (free, cached or not)."""
         return len(self._free)
 
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self._free if b in self._key_of_block)
-
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -163,7 +159,3 @@ class BlockManager:
                     self._free[block] = None
                     self._free.move_to_end(block, last=False)
         state.block_ids = []
-
-    def reset_prefix_cache(self) -> None:
-        self._key_of_block.clear()
-        self._block_of_key.clear()

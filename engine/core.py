@@ -14,69 +14,58 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
-from torch import nn
 
 from engine.block_manager import BlockManager
-from engine.errors import DuplicateRequestError, RequestTooLongError
+from engine.errors import DuplicateRequestError, InvalidRequestError, RequestTooLongError
+from engine.interface import EngineConfig, EngineStats
 from engine.model_runner import ModelRunner, run_full_sequence
 from engine.request import Request, RequestState, RequestStatus, StepOutput, TokenLogprob
 from engine.sampling import sample
 from engine.scheduler import Scheduler
-from models.llama import LlamaForCausalLM
+from models.base import CausalLM, LoadedModel
 
 DEFAULT_KV_CACHE_GIB = 1.0
 
 
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_preemptions: int
-    prefix_cache_queries: int  # prompt tokens looked up
-    prefix_cache_hits: int  # of which served from cache
-    prefix_cache_evictions: int
-    total_slot_steps: int
-    wasted_slot_steps: int
-
-    @property
-    def kv_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return (
-            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-        )
+def engine_config(config: EngineConfig | None, options: dict[str, object]) -> EngineConfig:
+    """The config an engine constructor was given: `config`, or keywords naming its fields
+    (`max_batch_size=8`), or `config` with some fields replaced by keywords."""
+    if config is None:
+        return EngineConfig(**options)  # type: ignore[arg-type]
+    if options:
+        return replace(config, **options)  # type: ignore[arg-type]
+    return config
 
 
-def _unwrap(model) -> LlamaForCausalLM:
-    """Engines take the torch module or a models.LoadedModel."""
-    inner = getattr(model, "model", None)
-    if isinstance(inner, nn.Module):
-        model = inner
-    if not hasattr(model, "config"):
-        raise TypeError("engine needs a models.LlamaForCausalLM (or a LoadedModel)")
+def _unwrap(model: CausalLM | LoadedModel) -> CausalLM:
+    """Engines take the model, or a models.LoadedModel."""
+    if isinstance(model, LoadedModel):
+        model = model.model
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"an engine needs a models.CausalLM (or a LoadedModel), got {model!r}")
     return model
 
 
-class _EngineBase:
-    """Request bookkeeping every engine shares: validation, stop rules, aborts, outputs."""
+class EngineBase:
+    """Request bookkeeping every engine shares: validation, stop rules, aborts, outputs.
+
+    Implements `engine.interface.Engine`. A subclass says where a request waits and how a step
+    runs through four hooks: `_check_fits`, `_enqueue`, `_dequeue` and `_step`.
+    """
 
     name = "base"
 
-    def __init__(self, model, max_model_len: int | None = None) -> None:
+    def __init__(self, model: CausalLM | LoadedModel, config: EngineConfig) -> None:
         self.model = _unwrap(model)
-        self.config = self.model.config
-        self.eos_token_ids = tuple(self.config.eos_token_ids)
-        self.max_model_len = min(
-            max_model_len or self.config.max_position_embeddings,
-            self.config.max_position_embeddings,
-        )
+        self.config = config
+        self.model_config = self.model.config
+        self.eos_token_ids = tuple(self.model_config.eos_token_ids)
+        limit = self.model_config.max_position_embeddings
+        # Prompt plus output tokens a request may reach (the Engine protocol's max_model_len).
+        self.max_model_len = min(config.max_model_len or limit, limit)
         self.requests: dict[str, RequestState] = {}
         self._pending: list[StepOutput] = []  # terminal outputs of aborts, sent with the next step
         self.total_slot_steps = 0
@@ -89,14 +78,15 @@ class _EngineBase:
         if request.request_id in self.requests:
             raise DuplicateRequestError(f"request id {request.request_id!r} is already running")
         n_prompt = len(request.prompt_token_ids)
-        vocab = self.config.vocab_size
+        vocab = self.model_config.vocab_size
         bad = next(
             (t for t in request.prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)),
             None,
         )
         if bad is not None:
-            raise ValueError(
-                f"prompt_token_ids contains {bad!r}, outside the vocabulary [0, {vocab})"
+            raise InvalidRequestError(
+                f"prompt_token_ids contains {bad!r}, outside the vocabulary [0, {vocab})",
+                "prompt_token_ids",
             )
         total = n_prompt + request.params.max_tokens
         if total > self.max_model_len:
@@ -125,6 +115,7 @@ class _EngineBase:
                 None,
                 state.num_prompt_tokens,
                 state.num_cached_tokens,
+                state.first_scheduled_time,
             )
         )
         return True
@@ -139,6 +130,9 @@ class _EngineBase:
             outputs += self._step()
         self.num_steps += 1
         return outputs
+
+    def stats(self) -> EngineStats:
+        raise NotImplementedError
 
     # -- shared by subclasses --------------------------------------------------------------------
 
@@ -160,10 +154,13 @@ class _EngineBase:
             None if lp is None else [lp],
             state.num_prompt_tokens,
             state.num_cached_tokens,
+            state.first_scheduled_time,
         )
 
+    # -- hooks -----------------------------------------------------------------------------------
+
     def _check_fits(self, request: Request, total_tokens: int) -> None:
-        pass
+        """Raise RequestTooLongError for a request this engine's memory could never hold."""
 
     def _enqueue(self, state: RequestState) -> None:
         raise NotImplementedError
@@ -175,11 +172,14 @@ class _EngineBase:
         raise NotImplementedError
 
 
-class StaticBatchEngine(_EngineBase):
+class StaticBatchEngine(EngineBase):
     """Static batching: a batch forms only when the previous one has entirely finished.
 
     Finished members keep their slot and are still computed until the whole batch is done;
     `wasted_slot_steps` counts those rows.
+
+    Built from an `EngineConfig`, or from its fields as keywords:
+    `StaticBatchEngine(model, max_batch_size=8)`.
     """
 
     name = "static-batch"
@@ -188,58 +188,92 @@ class StaticBatchEngine(_EngineBase):
 
     def __init__(
         self,
-        model,
-        *,
-        max_batch_size: int = 8,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory_gib: float | None = None,
-        max_num_batched_tokens: int | None = None,
-        enable_prefix_caching: bool | None = None,
-        max_model_len: int | None = None,
+        model: CausalLM | LoadedModel,
+        config: EngineConfig | None = None,
+        **options: object,
     ) -> None:
-        super().__init__(model, max_model_len)
+        config = engine_config(config, options)
+        super().__init__(model, config)
+        num_blocks = config.num_blocks
         if num_blocks is None:
-            num_blocks = self._blocks_from_budget(max_batch_size, block_size, kv_cache_memory_gib)
-        if enable_prefix_caching is None:
-            enable_prefix_caching = self._default_prefix_caching
-        self.max_batch_size = max_batch_size
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+            num_blocks = self._blocks_from_budget(config)
+        caching = config.enable_prefix_caching
+        if caching is None:
+            caching = self._default_prefix_caching
+        self.max_batch_size = config.max_batch_size
+        self.block_manager = BlockManager(num_blocks, config.block_size, caching)
         self.scheduler = Scheduler(
-            self.block_manager,
-            max_batch_size,
-            max_num_batched_tokens or max(512, max_batch_size),
-            static=self._static,
+            self.block_manager, config.max_batch_size, config.token_budget, static=self._static
         )
-        self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size)
 
-    def _blocks_from_budget(self, max_batch_size: int, block_size: int, gib: float | None) -> int:
+    def _blocks_from_budget(self, config: EngineConfig) -> int:
         """Size the pool from a memory budget; without one, enough for every slot to reach the
         full context, capped at DEFAULT_KV_CACHE_GIB."""
-        per_block = self.config.kv_bytes_per_token * block_size
-        if gib is not None:
-            if gib <= 0:
-                raise ValueError(f"kv_cache_memory_gib must be > 0, got {gib}")
-            return max(2, int(gib * 2**30 // per_block))
-        want = max_batch_size * math.ceil(self.max_model_len / block_size) + 1
+        per_block = self.model_config.kv_bytes_per_token * config.block_size
+        if config.kv_cache_memory_gib is not None:
+            return max(2, int(config.kv_cache_memory_gib * 2**30 // per_block))
+        want = config.max_batch_size * math.ceil(self.max_model_len / config.block_size) + 1
         cap = int(DEFAULT_KV_CACHE_GIB * 2**30 // per_block)
         return max(2, min(want, cap))
 
     # -- queueing --------------------------------------------------------------------------------
 
-    def _check_fits(self, request: Request, total_tokens: int) -> None:
-        usable = self.block_manager.num_usable_blocks
-        if self.block_manager.blocks_for(total_tokens) > usable:
+    def check_fits(self, num_tokens: int) -> None:
+        """Raise RequestTooLongError if a request of `num_tokens` tokens could never fit the pool."""
+        bm = self.block_manager
+        need, usable = bm.blocks_for(num_tokens), bm.num_usable_blocks
+        if need > usable:
             raise RequestTooLongError(
-                f"{total_tokens} tokens (prompt + max_tokens) need "
-                f"{self.block_manager.blocks_for(total_tokens)} KV blocks but the pool has {usable}"
+                f"{num_tokens} tokens (prompt + max_tokens) need {need} KV blocks but the pool "
+                f"has {usable}"
             )
+
+    def _check_fits(self, request: Request, total_tokens: int) -> None:
+        self.check_fits(total_tokens)
 
     def _enqueue(self, state: RequestState) -> None:
         self.scheduler.add(state)
 
     def _dequeue(self, state: RequestState) -> None:
         self.scheduler.remove(state)
+
+    # -- a request built or computed by another engine (a composite engine's pool) ---------------
+
+    def enqueue(self, state: RequestState) -> None:
+        """Queue a request state another engine built and validated (it owns the abort path:
+        `remove` takes the state out again without a terminal output)."""
+        self.requests[state.request_id] = state
+        self._enqueue(state)
+
+    def remove(self, state: RequestState) -> None:
+        """Take a request out wherever it is and free its blocks; no output is produced."""
+        del self.requests[state.request_id]
+        self._dequeue(state)
+
+    def detach(self, state: RequestState) -> None:
+        """Hand a running, unfinished request out of this engine with its blocks, which keep its
+        K/V until `release` frees them (after the K/V has been read out)."""
+        del self.requests[state.request_id]
+        self.scheduler.detach(state)
+
+    def release(self, state: RequestState) -> None:
+        """Free the blocks a detached request still holds in this pool."""
+        self.block_manager.free(state)
+
+    def can_admit(self, num_tokens: int) -> bool:
+        """Whether `admit_running` would take a request of `num_tokens` tokens now."""
+        bm = self.block_manager
+        return self.scheduler.has_free_slot and bm.blocks_for(num_tokens) <= bm.num_free_blocks
+
+    def admit_running(self, state: RequestState) -> None:
+        """Take in a request whose first `num_computed_tokens` tokens were computed elsewhere:
+        allocate blocks for all its tokens and join it to the running batch (check `can_admit`
+        first). Its K/V must be written into `state.block_ids` before the next step."""
+        allocated = self.block_manager.allocate(state, state.num_tokens)
+        assert allocated, "admit_running without can_admit"
+        self.scheduler.admit_running(state)
+        self.requests[state.request_id] = state
 
     # -- one step ----------------------------------------------------------------------------------
 
@@ -250,10 +284,7 @@ class StaticBatchEngine(_EngineBase):
         self.total_slot_steps += len(sched.rows)
         self.wasted_slot_steps += sum(r.wasted for r in sched.rows)
         logits, sampling = self.runner.execute(sched.rows)
-        for r in sched.rows:
-            if not r.wasted:
-                r.state.num_computed_tokens += r.num_new_tokens
-                self.block_manager.cache_full_blocks(r.state)
+        self.scheduler.commit(sched)
         if not sampling:
             return []
         states = [r.state for r in sampling]
@@ -296,13 +327,20 @@ class ContinuousBatchEngine(StaticBatchEngine):
     _default_prefix_caching = True
 
 
-class NaiveEngine(_EngineBase):
-    """One request at a time, no KV cache, full recompute for every token: the oracle."""
+class NaiveEngine(EngineBase):
+    """One request at a time, no KV cache, full recompute for every token: the oracle.
+
+    Of the config it uses only `max_model_len` (it has no pool and no batch)."""
 
     name = "naive"
 
-    def __init__(self, model, *, max_model_len: int | None = None, **_ignored) -> None:
-        super().__init__(model, max_model_len)
+    def __init__(
+        self,
+        model: CausalLM | LoadedModel,
+        config: EngineConfig | None = None,
+        **options: object,
+    ) -> None:
+        super().__init__(model, engine_config(config, options))
         self.queue: deque[RequestState] = deque()
 
     def _enqueue(self, state: RequestState) -> None:
@@ -337,25 +375,3 @@ class NaiveEngine(_EngineBase):
             total_slot_steps=self.total_slot_steps,
             wasted_slot_steps=0,
         )
-
-
-ENGINES: dict[str, type[_EngineBase]] = {
-    "continuous": ContinuousBatchEngine,
-    "static": StaticBatchEngine,
-    "naive": NaiveEngine,
-}
-
-
-def make_engine(kind: str, model, **options) -> _EngineBase:
-    """Build an engine by its short name ("continuous", "static", "naive")."""
-    if kind == "disaggregated":
-        # Imported here: the disaggregated engine is built from the classes above.
-        from engine.disaggregated import DisaggregatedEngine
-
-        return DisaggregatedEngine(model, **options)
-    try:
-        cls = ENGINES[kind]
-    except KeyError:
-        names = sorted([*ENGINES, "disaggregated"])
-        raise ValueError(f"unknown engine {kind!r}; choose one of {names}") from None
-    return cls(model, **options)

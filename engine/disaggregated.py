@@ -34,10 +34,12 @@ import enum
 from collections import deque
 from dataclasses import dataclass, fields
 
-from engine.core import ContinuousBatchEngine, EngineStats, _EngineBase
+from engine.core import ContinuousBatchEngine, EngineBase, engine_config
 from engine.errors import RequestTooLongError
+from engine.interface import EngineConfig, EngineStats
 from engine.kv_connector import KVConnector
 from engine.request import Request, RequestState, StepOutput
+from models.base import CausalLM, LoadedModel
 
 
 class Phase(enum.Enum):
@@ -56,68 +58,33 @@ class DisaggregatedStats(EngineStats):
     transferred_bytes: int
 
 
-class DisaggregatedEngine(_EngineBase):
+class DisaggregatedEngine(EngineBase):
     """A prefill pool and a decode pool, each with its own KV blocks, joined by a KV connector.
 
-    Pool options: `max_batch_size` (decode slots), `prefill_max_batch_size` (prompts prefilling at
-    once, default the same), `max_num_batched_tokens` (the prefill token budget per step), and per
-    pool `*_num_blocks` or `*_kv_cache_memory_gib` (each pool sized on its own, as two machines
-    would be); `num_blocks` / `kv_cache_memory_gib` set both.
+    Pools are sized by `EngineConfig.prefill_pool()` and `decode_pool()`: `max_batch_size` (decode
+    slots), `prefill_max_batch_size` (prompts prefilling at once, default the same),
+    `max_num_batched_tokens` (the prefill token budget per step), and per pool `*_num_blocks` or
+    `*_kv_cache_memory_gib` (each pool sized on its own, as two machines would be);
+    `num_blocks` / `kv_cache_memory_gib` set both. The pools are driven only through the
+    continuous engine's public hand-off operations (`enqueue`, `remove`, `detach`, `release`,
+    `can_admit`, `admit_running`).
     """
 
     name = "disaggregated"
 
     def __init__(
         self,
-        model,
+        model: CausalLM | LoadedModel,
+        config: EngineConfig | None = None,
         *,
-        max_batch_size: int = 8,
-        prefill_max_batch_size: int | None = None,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        prefill_num_blocks: int | None = None,
-        decode_num_blocks: int | None = None,
-        kv_cache_memory_gib: float | None = None,
-        prefill_kv_cache_memory_gib: float | None = None,
-        decode_kv_cache_memory_gib: float | None = None,
-        max_num_batched_tokens: int | None = None,
-        enable_prefix_caching: bool | None = None,
-        max_model_len: int | None = None,
         connector: KVConnector | None = None,
+        **options: object,
     ) -> None:
-        super().__init__(model, max_model_len)
-
-        def pool(
-            batch: int, blocks: int | None, gib: float | None, budget: int | None
-        ) -> ContinuousBatchEngine:
-            return ContinuousBatchEngine(
-                self.model,
-                max_batch_size=batch,
-                block_size=block_size,
-                num_blocks=blocks,
-                kv_cache_memory_gib=gib,
-                max_num_batched_tokens=budget,
-                enable_prefix_caching=enable_prefix_caching,
-                max_model_len=self.max_model_len,
-            )
-
-        self.max_batch_size = max_batch_size
-        self.prefill = pool(
-            max_batch_size if prefill_max_batch_size is None else prefill_max_batch_size,
-            num_blocks if prefill_num_blocks is None else prefill_num_blocks,
-            kv_cache_memory_gib
-            if prefill_kv_cache_memory_gib is None
-            else prefill_kv_cache_memory_gib,
-            max_num_batched_tokens,
-        )
-        self.decode = pool(
-            max_batch_size,
-            num_blocks if decode_num_blocks is None else decode_num_blocks,
-            kv_cache_memory_gib
-            if decode_kv_cache_memory_gib is None
-            else decode_kv_cache_memory_gib,
-            None,  # the decode pool only prefills to recompute after a preemption
-        )
+        config = engine_config(config, options)
+        super().__init__(model, config)
+        self.max_batch_size = config.max_batch_size
+        self.prefill = ContinuousBatchEngine(self.model, config.prefill_pool())
+        self.decode = ContinuousBatchEngine(self.model, config.decode_pool())
         self.connector = connector or KVConnector()
         self._in_transfer: deque[RequestState] = deque()  # oldest first
 
@@ -150,38 +117,36 @@ class DisaggregatedEngine(_EngineBase):
                 f"a {len(request.prompt_token_ids)}-token prompt needs {need} KV blocks but the "
                 f"prefill pool has {bm.num_usable_blocks}"
             )
-        self.decode._check_fits(request, total_tokens)
+        self.decode.check_fits(total_tokens)
 
     def _enqueue(self, state: RequestState) -> None:
-        self.prefill.requests[state.request_id] = state
-        self.prefill._enqueue(state)
+        self.prefill.enqueue(state)
 
     def _dequeue(self, state: RequestState) -> None:
-        if self.prefill.requests.pop(state.request_id, None) is not None:
-            self.prefill._dequeue(state)
-        elif self.decode.requests.pop(state.request_id, None) is not None:
-            self.decode._dequeue(state)
+        if state.request_id in self.prefill.requests:
+            self.prefill.remove(state)
+        elif state.request_id in self.decode.requests:
+            self.decode.remove(state)
         else:
             self._in_transfer.remove(state)
-            self.prefill.block_manager.free(state)
+            self.prefill.release(state)
 
     # -- one step ----------------------------------------------------------------------------------
 
     def _step(self) -> list[StepOutput]:
         self._hand_off()
-        outputs = self.decode._step()
+        outputs = self.decode.step()
         # Backpressure (see the module docstring): prefill only what the decode pool can take
         # at the next step, or one request ready for the next slot that frees.
         dec = self.decode.scheduler
         room = dec.max_batch_size - len(dec.running) - len(dec.waiting)
         if len(self._in_transfer) < max(1, room):
-            outputs += self.prefill._step()
-        # A request that has sampled its first token leaves the prefill scheduler (which would
+            outputs += self.prefill.step()
+        # A request that has sampled its first token leaves the prefill pool (which would
         # otherwise decode it there) but keeps its blocks until the decode pool takes it.
         sampled = [s for s in self.prefill.scheduler.running if s.num_output_tokens]
         for state in sampled:
-            self.prefill.scheduler.running.remove(state)
-            del self.prefill.requests[state.request_id]
+            self.prefill.detach(state)
             self._in_transfer.append(state)
         for out in outputs:
             if out.finished:
@@ -192,24 +157,20 @@ class DisaggregatedEngine(_EngineBase):
 
     def _hand_off(self) -> None:
         """Move prefilled requests into the decode pool, oldest first, while it has room."""
-        sched, bm = self.decode.scheduler, self.decode.block_manager
         # Requests the decode pool preempted go first: they were there before any newcomer.
-        while self._in_transfer and not sched.waiting and len(sched.running) < sched.max_batch_size:
+        while self._in_transfer and not self.decode.scheduler.waiting:
             state = self._in_transfer[0]
             # Room for the sampled token too, so its first decode step needs no new block.
-            if bm.blocks_for(state.num_tokens) > bm.num_free_blocks:
+            if not self.decode.can_admit(state.num_tokens):
                 return
             self._in_transfer.popleft()
             num_blocks = len(state.block_ids)
             payload = self.connector.send(
                 self.prefill.runner, state.block_ids, state.num_computed_tokens
             )
-            self.prefill.block_manager.free(state)
-            allocated = bm.allocate(state, state.num_tokens)
-            assert allocated, "checked above: the decode pool has the blocks"
+            self.prefill.release(state)
+            self.decode.admit_running(state)
             self.connector.receive(payload, self.decode.runner, state.block_ids[:num_blocks])
-            self.decode.requests[state.request_id] = state
-            sched.running.append(state)
 
     def stats(self) -> DisaggregatedStats:
         p, d = self.prefill.stats(), self.decode.stats()

@@ -1,7 +1,8 @@
 """Turns scheduled work into flat tensors, runs the model once, returns logits for sampling rows.
 
-It owns the KV pool tensors: one `(layers, 2, num_blocks, block_size, kv_heads, head_dim)` tensor,
-allocated once from the block count. Per step it builds input ids, positions, the slot each new
+It owns the KV pool tensors: one `(layers, 2, num_blocks, block_size, kv_heads, head_dim)` tensor
+(the model config's `KVLayout`), allocated once from the block count. It needs of the model only
+`models.base.CausalLM`. Per step it builds input ids, positions, the slot each new
 K/V goes to, block tables and context lengths; it never decides who runs.
 
 Rows that feed one token (decodes, and a prompt's last single-token chunk) form the batched decode
@@ -17,25 +18,19 @@ import torch
 from engine.block_manager import NULL_BLOCK
 from engine.scheduler import ScheduledRequest
 from models.attention import AttentionMetadata, PrefillChunk
-from models.llama import LlamaForCausalLM
+from models.base import CausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
-        c = model.config
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int) -> None:
+        layout = model.config.kv_layout
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         # zeros, not empty: padded attention reads masked slots, and 0 * NaN from uninitialised
         # memory would poison the output. torch.zeros maps pages lazily, so RSS grows with use.
-        self.kv = torch.zeros(
-            c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=c.kv_dtype
-        )
-        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(c.num_layers)]
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        self.kv = torch.zeros(layout.pool_shape(num_blocks, block_size), dtype=layout.dtype)
+        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(layout.num_layers)]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of whole blocks' K and V in every layer, for moving a cache between pools."""
@@ -115,7 +110,7 @@ class ModelRunner:
         return logits, sample_rows
 
 
-def run_full_sequence(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:
+def run_full_sequence(model: CausalLM, token_ids: list[int]) -> torch.Tensor:
     """No pool: attend causally over the whole sequence and return the last logits (1, V).
 
     The naive engine's path: full recompute, nothing cached.

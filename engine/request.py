@@ -1,7 +1,7 @@
 """Requests and their lifecycle: SamplingParams, Request, RequestState, StepOutput, finish reasons.
 
-`SamplingParams` validates itself (a ValueError naming the field). `RequestState` is the engine's
-mutable view of one request: its tokens, how many of them have KV in the pool
+`SamplingParams` validates itself (an `InvalidRequestError` naming the field). `RequestState` is
+the engine's mutable view of one request: its tokens, how many of them have KV in the pool
 (`num_computed_tokens`), its block table, its random generator. The one rule the scheduler
 follows is that `num_computed_tokens` catches up to `num_tokens`.
 """
@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.errors import InvalidRequestError
+
 _ids = itertools.count()
 
 
@@ -29,7 +31,7 @@ class SamplingParams:
 
     max_tokens: int = 16
     temperature: float = 0.0
-    top_k: int = 0  # 0 or -1: off
+    top_k: int | None = None  # None: off
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0  # HF style, over prompt and output tokens
@@ -43,15 +45,15 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
 
     def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+        def bad(name: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{name} {why}, got {getattr(self, name)!r}", param=name)
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a finite number >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", "must be -1, 0 (off) or a positive integer")
+        if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):
+            raise bad("top_k", "must be a positive integer or None (off)")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
         if not 0.0 <= self.min_p <= 1.0:
@@ -74,8 +76,9 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         for tok, bias in self.logit_bias:
             if not isinstance(tok, int) or tok < 0 or not -100 <= bias <= 100:
-                raise ValueError(
-                    f"logit_bias entries must map token ids to [-100, 100], got {tok}: {bias}"
+                raise InvalidRequestError(
+                    f"logit_bias entries must map token ids to [-100, 100], got {tok}: {bias}",
+                    param="logit_bias",
                 )
 
     @property
@@ -102,7 +105,7 @@ class Request:
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
-            raise ValueError("prompt_token_ids must not be empty")
+            raise InvalidRequestError("prompt_token_ids must not be empty", "prompt_token_ids")
 
 
 class RequestStatus(enum.IntEnum):
@@ -114,7 +117,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
 
     @property
     def finished(self) -> bool:
@@ -126,7 +128,6 @@ FINISH_REASONS: dict[RequestStatus, str] = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -150,6 +151,9 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # When the engine first scheduled the request (time.monotonic), for queue-time metrics;
+    # None from an engine that does not record it.
+    first_scheduled_time: float | None = None
 
 
 class RequestState:

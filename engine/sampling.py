@@ -59,7 +59,7 @@ def _apply_penalties(logits: torch.Tensor, states: Sequence[RequestState]) -> No
 def _filter_top_k_top_p_min_p(logits: torch.Tensor, states: Sequence[RequestState]) -> torch.Tensor:
     """Mask (to -inf) what top-k, top-p and min-p exclude; rows that use none are untouched."""
     vocab = logits.shape[1]
-    top_k = [s.params.top_k if s.params.top_k > 0 else vocab for s in states]
+    top_k = [vocab if s.params.top_k is None else s.params.top_k for s in states]
     top_p = [s.params.top_p for s in states]
     min_p = [s.params.min_p for s in states]
     if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):

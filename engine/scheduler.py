@@ -7,9 +7,13 @@ prefill), a prefix-cache hit starts it further along, and a preempted request fa
 and catches up again (recompute), keeping the tokens it already generated.
 
 Each step (finished requests were retired at the end of the step that finished them): schedule
-running requests first (oldest first), then admit
-waiting ones while the batch has slots, the step has token budget and the pool has blocks. When
-a running request needs a block and none is free, the newest running request is preempted.
+running requests first (oldest first), then admit waiting ones while the batch has slots, the
+step has token budget and the pool has blocks. When a running request needs a block and none is
+free, the newest running request is preempted. After the forward, `commit` advances each row's
+`num_computed_tokens`; after sampling, `retire` lets finished requests go.
+
+`detach` and `admit_running` hand a request from one scheduler to another with its K/V (the
+disaggregated engine's prefill-to-decode move; later a transfer between processes).
 
 The static and continuous engines differ only in `_admission_open` and in what happens to a
 finished member: continuous batching admits whenever a slot is free and retires a finished request
@@ -91,6 +95,25 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or any(not s.finished for s in self.running)
 
+    @property
+    def has_free_slot(self) -> bool:
+        return len(self.running) < self.max_batch_size
+
+    # -- handing a request from one scheduler to another (disaggregation, KV transfer) ----------
+
+    def detach(self, state: RequestState) -> None:
+        """Take a running request out of this scheduler, keeping its blocks (and their K/V):
+        the caller moves it elsewhere, then frees them with `BlockManager.free`."""
+        self.running.remove(state)
+
+    def admit_running(self, state: RequestState) -> None:
+        """Join a request computed elsewhere to the running batch. Its blocks in this pool must
+        already cover its tokens, the first `num_computed_tokens` of them holding their K/V."""
+        assert self.has_free_slot, "admit_running needs a free slot"
+        assert len(state.block_ids) >= self.bm.blocks_for(state.num_tokens), "blocks first"
+        state.status = RequestStatus.RUNNING
+        self.running.append(state)
+
     def retire(self) -> list[RequestState]:
         """Drop finished requests from the running set and free their blocks.
 
@@ -160,6 +183,14 @@ class Scheduler:
                     out.rows.append(ScheduledRequest(state, n))
                 budget -= n
         return out
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """Record that the step computed its rows: each catches up by its new tokens, and blocks
+        now full of computed tokens are named for the prefix cache."""
+        for r in out.rows:
+            if not r.wasted:
+                r.state.num_computed_tokens += r.num_new_tokens
+                self.bm.cache_full_blocks(r.state)
 
     def _admission_open(self) -> bool:
         if self.static:

@@ -13,6 +13,12 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
+
+from engine.registry import engine_names
+
+if TYPE_CHECKING:
+    from engine import EngineConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -38,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--engine",
-        choices=("continuous", "static", "naive", "disaggregated"),
+        choices=engine_names(),
         default="continuous",
         help="batching policy (default: %(default)s)",
     )
@@ -153,18 +159,21 @@ def resolve_dtype(choice: str) -> str:
     return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
 
 
-def engine_options(args: argparse.Namespace) -> dict:
-    """Only the engine options the user set, so the engine's own defaults apply otherwise."""
-    pairs = {
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's config from the flags; unset flags keep the engine's defaults. A block count
+    takes the place of the memory budget."""
+    from engine import EngineConfig
+
+    options = {
         "max_batch_size": args.max_batch_size,
         "max_num_batched_tokens": args.max_num_batched_tokens,
-        "kv_cache_memory_gib": args.kv_cache_memory,
         "num_blocks": args.num_kv_blocks,
+        "kv_cache_memory_gib": None if args.num_kv_blocks else args.kv_cache_memory,
         "block_size": args.block_size,
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": args.prefix_caching,
     }
-    return {k: v for k, v in pairs.items() if v is not None}
+    return EngineConfig(**{k: v for k, v in options.items() if v is not None})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
-        engine = make_engine(args.engine, lm.model, **engine_options(args))
-    except (ValueError, TypeError) as e:
+        engine = make_engine(args.engine, lm.model, engine_config(args))
+    except ValueError as e:
         print(f"error: cannot build the {args.engine} engine: {e}", file=sys.stderr)
         return 2
     driver = AsyncEngineDriver(

@@ -427,7 +427,8 @@ class OpenAIServing:
             return SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
-                top_k=0 if req.top_k is None else req.top_k,
+                # OpenAI / vLLM spell "off" -1 (and 0); the engine spells it None.
+                top_k=None if req.top_k in (None, 0, -1) else req.top_k,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 min_p=0.0 if req.min_p is None else req.min_p,
                 repetition_penalty=1.0

@@ -1,12 +1,11 @@
 """Model-level benchmark of a real checkpoint (default SmolLM2-135M-Instruct) on this machine.
 
-    python -m models.bench [--model smollm2-135m-instruct] [--prompt-len 512] [--batches 1,8,32]
+    python -m tools.bench_model [--model smollm2-135m-instruct] [--prompt-len 512] [--batches 1,8,32]
                            [--decode-context 128] [--decode-steps 16] [--threads N] [--no-profile]
 
 Owns: measuring the decoder itself, through the same paged-attention path the engine drives but
 with the KV pool and metadata laid out here (contiguous block tables), so no scheduling cost is
-counted and `models` does not import `engine` (`python -m engine.bench --model ...` measures the
-engine on top). It reports load time, prefill tokens/s for one prompt, decode tokens/s at several
+counted (`python -m tools.bench_engine --model ...` measures the engine on top). It reports load time, prefill tokens/s for one prompt, decode tokens/s at several
 batch sizes, resident memory of weights and KV, this machine's fp32 matmul throughput and memory
 bandwidth measured in the same run, and what fraction of them the model reaches (a token costs
 ~2 x parameters FLOPs and, at batch 1, one read of all weights). Then it profiles a decode step.
@@ -15,19 +14,16 @@ bandwidth measured in the same run, and what fraction of them the model reaches 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import math
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
-from models.attention import AttentionMetadata, PrefillChunk
-from models.llama import LlamaForCausalLM
-from models.loader import LoadedModel, load_model
+from models import AttentionMetadata, LlamaForCausalLM, PrefillChunk, load_model
+from tools.conditions import conditions
 
 BLOCK = 16
 
@@ -130,17 +126,6 @@ def weight_bytes(model: LlamaForCausalLM) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())  # tied counted once
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def bench_prefill(model: LlamaForCausalLM, prompt_len: int, reps: int = 3) -> float:
     """Seconds to prefill one prompt of prompt_len tokens (best of reps, after a warm-up)."""
     ids = torch.randint(0, model.config.vocab_size, (prompt_len,)).tolist()
@@ -185,22 +170,9 @@ def profile_decode(model: LlamaForCausalLM, batch: int, context: int, rows: int 
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
-def conditions(lm: LoadedModel) -> str:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (
-        f"model {lm.name} ({lm.num_parameters():,} params, {lm.config.dtype}, "
-        f"{lm.config.num_layers} layers, d {lm.config.hidden_size}), "
-        f"{cores} cores ({cpu_name()}), torch {torch.__version__}, "
-        f"{torch.get_num_threads()} intra-op threads, "
-        f"{dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}, "
-        # other processes on these cores distort every figure: show how busy the machine was
-        f"load average {os.getloadavg()[0]:.2f} at start"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m models.bench",
+        prog="python -m tools.bench_model",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

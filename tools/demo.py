@@ -1,6 +1,6 @@
 """A short demo: the same prompts through static and continuous batching with TinyGPT.
 
-    python -m engine.demo
+    python -m tools.demo
 
 Prints each engine's steps, slot-steps and wasted slot-steps, and checks that both produced the
 same tokens (batching is a scheduling change, not a different model).

@@ -1,12 +1,12 @@
 """In-process, open-loop replay of a timed trace against an engine: the engine's view, no HTTP.
 
-    python -m engine.replay --model tinygpt --engine continuous --rate 8 --num-requests 100 \\
+    python -m tools.replay --model tinygpt --engine continuous --rate 8 --num-requests 100 \\
         --prompt-len 64:256 --output-len 16:48 --seed 7 [--system-prompt-len 300] \\
         [--no-prefix-caching] [--threads N]
 
-Owns the real-time loop and nothing else: traces and metrics are `loadtest`'s (`TraceSpec`,
-`build_trace`, `RequestRecord`, `summarize`), so TTFT, ITL, goodput and throughput mean exactly
-what they mean over HTTP. A chat-like trace is a `TraceSpec` with a shared prefix: a system prompt
+Owns the real-time loop and nothing else: traces, metrics and the conditions line are `loadtest`'s
+(`TraceSpec`, `build_trace`, `RequestRecord`, `summarize`, `Conditions`), so TTFT, ITL, goodput
+and throughput mean exactly what they mean over HTTP. A chat-like trace is a `TraceSpec` with a shared prefix: a system prompt
 of N tokens before each distinct question.
 
 The loop: add every request whose arrival time has passed, run one `engine.step()`, stamp each
@@ -26,15 +26,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.core import ENGINES, _EngineBase
-from engine.disaggregated import DisaggregatedEngine
-from engine.request import Request, SamplingParams
+from engine import Engine, EngineConfig, Request, SamplingParams, engine_class, engine_names
+from engine.disaggregated import DisaggregatedStats
 from loadtest.metrics import SLO, RequestRecord, Summary, summarize
 from loadtest.report import format_rate, local_conditions
 from loadtest.trace import Trace, TraceSpec, build_trace
 from models import load_model
-
-REPLAY_ENGINES: dict[str, type[_EngineBase]] = {**ENGINES, "disaggregated": DisaggregatedEngine}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +43,7 @@ class ReplayResult:
     bytes_per_transfer: float | None
 
 
-def replay(engine: _EngineBase, trace: Trace, slo: SLO | None = None) -> ReplayResult:
+def replay(engine: Engine, trace: Trace, slo: SLO | None = None) -> ReplayResult:
     """Run `trace` against `engine` in real time; every request asks for exactly its output_len."""
     arrivals = deque(sorted(trace, key=lambda r: r.arrival))
     index_of: dict[str, int] = {}
@@ -98,13 +95,13 @@ def replay(engine: _EngineBase, trace: Trace, slo: SLO | None = None) -> ReplayR
         for r in trace
     )
     stats = engine.stats()
-    transfers = getattr(engine, "transfers", None)
+    transfers = stats.transfers if isinstance(stats, DisaggregatedStats) else None
     return ReplayResult(
         summary=summarize(records, duration, peak, slo),
         records=records,
         prefix_cache_hit_rate=stats.prefix_cache_hit_rate if stats.prefix_cache_queries else None,
         transfers=transfers,
-        bytes_per_transfer=engine.transferred_bytes / transfers if transfers else None,
+        bytes_per_transfer=stats.transferred_bytes / transfers if transfers else None,
     )
 
 
@@ -144,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", default="tinygpt")
-    ap.add_argument("--engine", choices=sorted(REPLAY_ENGINES), default="continuous")
+    ap.add_argument("--engine", choices=engine_names(), default="continuous")
     ap.add_argument("--rate", default="8", help="req/s, 'inf' for all at once; a list: 1,4,8")
     ap.add_argument("--num-requests", type=int, default=100)
     ap.add_argument("--prompt-len", type=_range, default=(64, 256), metavar="LO:HI")
@@ -163,12 +160,12 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     lm = load_model(args.model, dtype=args.dtype)
-    cls = REPLAY_ENGINES[args.engine]
-    options: dict = {"max_batch_size": args.max_batch_size}
-    if args.max_num_batched_tokens:
-        options["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if args.no_prefix_caching:
-        options["enable_prefix_caching"] = False
+    cls = engine_class(args.engine)
+    config = EngineConfig(
+        max_batch_size=args.max_batch_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False if args.no_prefix_caching else None,
+    )
     rates = [float(r) for r in args.rate.split(",")]
     spec = TraceSpec(
         num_requests=args.num_requests,
@@ -179,11 +176,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     # Torch's first calls are slow (thread pools, allocator): pay them on a throwaway engine.
     warm = build_trace(TraceSpec(num_requests=2, rate=math.inf, output_len=(2, 2), seed=0))
-    replay(cls(lm.model, **options), warm)
+    replay(cls(lm.model, config), warm)
 
     print(COLUMNS)
     for rate in rates:
-        result = replay(cls(lm.model, **options), build_trace(replace(spec, rate=rate)))
+        result = replay(cls(lm.model, config), build_trace(replace(spec, rate=rate)))
         print(format_row(cls.name, rate, result), flush=True)
     caching = "off" if args.no_prefix_caching else "default"
     conditions = local_conditions(

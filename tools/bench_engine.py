@@ -1,6 +1,6 @@
 """In-process decode benchmark: tokens/s and step time at several batch sizes.
 
-    python -m engine.bench [--model tinygpt] [--batch-sizes 1,8,32] [--steps 64] [--threads N]
+    python -m tools.bench_engine [--model tinygpt] [--batch-sizes 1,8,32] [--steps 64] [--threads N]
                            [--dtype float32|bfloat16]
 
 Each batch size gets a fresh continuous-batching engine with that many requests (prompt 64
@@ -12,19 +12,17 @@ conditions. No HTTP: this is the engine's ceiling, not what a client sees.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import os
-import platform
 import statistics
 import time
 
 import torch
 
 from engine import ContinuousBatchEngine, Request, SamplingParams
-from models import load_model
+from models import CausalLM, load_model
+from tools.conditions import conditions
 
 
-def bench_decode(model, batch: int, steps: int, prompt_len: int = 64) -> dict[str, float]:
+def bench_decode(model: CausalLM, batch: int, steps: int, prompt_len: int = 64) -> dict[str, float]:
     engine = ContinuousBatchEngine(
         model, max_batch_size=batch, max_num_batched_tokens=max(2048, batch * prompt_len)
     )
@@ -50,16 +48,6 @@ def bench_decode(model, batch: int, steps: int, prompt_len: int = 64) -> dict[st
         "step_ms_p90": statistics.quantiles(times, n=10)[-1] * 1e3,
         "decode_tok_s": batch / med,
     }
-
-
-def conditions(lm) -> str:
-    return (
-        f"model {lm.name} ({lm.num_parameters():,} params, {lm.config.dtype}, "
-        f"matmuls {lm.config.matmul_dtype or lm.config.dtype}), "
-        f"{os.cpu_count()}x {platform.machine()} CPU, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} intra-op threads, "
-        f"date {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}"
-    )
 
 
 def main(argv: list[str] | None = None) -> None:

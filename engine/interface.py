@@ -1,0 +1,170 @@
+"""What every engine is: the `Engine` protocol, the `EngineConfig` it is built from, its stats.
+
+The server's driver, the in-process tools and the tests are typed against `Engine` and nothing
+else: an engine takes requests in token ids (`add_request`), ends them early (`abort`), and
+advances every live request by one `step`, which returns that step's `StepOutput`s. It is
+synchronous and single-threaded; the driver calls it from one thread at a time.
+
+`EngineConfig` holds the sizing every engine shares (slots, KV blocks or a memory budget, the
+step's token budget, prefix caching, context cap) and the disaggregated engine's per-pool
+overrides. It is validated once, here; `None` means "the engine's default" throughout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from engine.request import Request, StepOutput
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of which served from cache
+    prefix_cache_evictions: int
+    total_slot_steps: int
+    wasted_slot_steps: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The contract between an engine and whatever drives it."""
+
+    name: str  # short, for logs and /v1/models ("continuous-batch", "static-batch", ...)
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt plus output tokens a request may reach."""
+        ...
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises `InvalidRequestError` (or a subclass) if it is refused."""
+        ...
+
+    def abort(self, request_id: str) -> bool:
+        """End a live request now and free its memory; its terminal output ("abort") comes with
+        the next step. True if it was live. Idempotent."""
+        ...
+
+    def step(self) -> list[StepOutput]:
+        """Advance every scheduled request by one iteration; what each produced."""
+        ...
+
+    def has_work(self) -> bool:
+        """Whether `step` has anything to do or to report."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+
+def _check(ok: bool, name: str, why: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} {why}, got {value!r}")
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How an engine is sized. Validated on construction (ValueError naming the field).
+
+    The KV pool is `num_blocks` blocks if given, else sized from `kv_cache_memory_gib`, else
+    enough for every slot to reach the full context (capped at 1 GiB). The disaggregated engine
+    sizes its two pools from the `prefill_*` / `decode_*` fields, each falling back to the shared
+    one (`max_batch_size` is the decode pool's slots; the token budget is the prefill pool's).
+    """
+
+    max_batch_size: int = 8
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_gib: float | None = None
+    max_num_batched_tokens: int | None = None  # None: max(512, max_batch_size)
+    enable_prefix_caching: bool | None = None  # None: the engine's default
+    max_model_len: int | None = None  # None: the model's context length
+    # The disaggregated engine's pools; None: the shared value above.
+    prefill_max_batch_size: int | None = None
+    prefill_num_blocks: int | None = None
+    decode_num_blocks: int | None = None
+    prefill_kv_cache_memory_gib: float | None = None
+    decode_kv_cache_memory_gib: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "block_size"):
+            value = getattr(self, name)
+            _check(_positive_int(value), name, "must be an integer >= 1", value)
+        for name in ("max_num_batched_tokens", "max_model_len", "prefill_max_batch_size"):
+            value = getattr(self, name)
+            _check(value is None or _positive_int(value), name, "must be an integer >= 1", value)
+        for name in ("num_blocks", "prefill_num_blocks", "decode_num_blocks"):
+            value = getattr(self, name)
+            ok = value is None or (_positive_int(value) and value >= 2)
+            _check(ok, name, "must be an integer >= 2 (block 0 is reserved)", value)
+        for name in (
+            "kv_cache_memory_gib",
+            "prefill_kv_cache_memory_gib",
+            "decode_kv_cache_memory_gib",
+        ):
+            value = getattr(self, name)
+            ok = value is None or (
+                isinstance(value, int | float) and math.isfinite(value) and value > 0
+            )
+            _check(ok, name, "must be > 0", value)
+        caching = self.enable_prefix_caching
+        ok = caching is None or isinstance(caching, bool)
+        _check(ok, "enable_prefix_caching", "must be True, False or None", caching)
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens one step may compute."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return max(512, self.max_batch_size)
+
+    def prefill_pool(self) -> EngineConfig:
+        """The prefill pool's own config (disaggregated engine)."""
+        batch = self.prefill_max_batch_size
+        return self._pool(
+            self.max_batch_size if batch is None else batch,
+            self.prefill_num_blocks,
+            self.prefill_kv_cache_memory_gib,
+            self.max_num_batched_tokens,
+        )
+
+    def decode_pool(self) -> EngineConfig:
+        """The decode pool's own config (disaggregated engine). Its token budget is the default:
+        it only prefills to recompute after a preemption."""
+        return self._pool(
+            self.max_batch_size, self.decode_num_blocks, self.decode_kv_cache_memory_gib, None
+        )
+
+    def _pool(
+        self, batch: int, blocks: int | None, gib: float | None, budget: int | None
+    ) -> EngineConfig:
+        return EngineConfig(
+            max_batch_size=batch,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks if blocks is None else blocks,
+            kv_cache_memory_gib=self.kv_cache_memory_gib if gib is None else gib,
+            max_num_batched_tokens=budget,
+            enable_prefix_caching=self.enable_prefix_caching,
+            max_model_len=self.max_model_len,
+        )
