@@ -1,7 +1,7 @@
 """The HTTP edge: an OpenAI-compatible FastAPI app over the engine (see DESIGN.md, "The server").
 
-`create_app(model, engine_client, settings)` builds the app; `AsyncEngineDriver` is the in-process
-engine client; `python -m server` runs it. Names are imported lazily so that `python -m server
+`create_app(tokenizer, card, engine_client, settings)` builds the app; `EngineClient` is the seam
+to the engine and `AsyncEngineDriver` its in-process implementation; `python -m server` runs it. Names are imported lazily so that `python -m server
 --help` does not wait for torch.
 """
 
@@ -14,10 +14,11 @@ _EXPORTS = {
     "create_app": "server.app",
     "ServerSettings": "server.app",
     "AsyncEngineDriver": "server.driver",
-    "EngineClient": "server.driver",
-    "Health": "server.driver",
-    "OutputStream": "server.driver",
-    "QueueFullError": "server.driver",
+    "EngineClient": "server.client",
+    "EngineObserver": "server.client",
+    "Health": "server.client",
+    "OutputStream": "server.client",
+    "ModelCard": "server.protocol",
 }
 
 __all__ = sorted(_EXPORTS)

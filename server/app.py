@@ -1,10 +1,11 @@
-"""`create_app`: the FastAPI application, its routes, lifespan, error mapping and HTTP guards.
+"""`create_app`: the FastAPI application, its routes, lifespan and HTTP guards.
 
-Owns the HTTP surface: which paths exist, that every error leaves as OpenAI's error object with a
-real status (never FastAPI's default shape, never a 500 for bad input), the bearer-token check,
-the request-body size limit, and counting requests by status. Routes reach the engine only through
-the `OpenAIServing` (and its `EngineClient`) stored on the app, via FastAPI dependencies; the
-lifespan starts and stops the engine client.
+Owns the HTTP surface: which paths exist, the bearer-token check, the request-body size limit,
+and counting requests by status (errors are rendered by `server.errors`' handlers). Routes reach
+the engine only through the `OpenAIServing` (and its `EngineClient`) stored on the app, via
+FastAPI dependencies; the lifespan starts and stops the engine client. The app holds no model:
+a tokenizer, a `ModelCard` and an engine client are all it needs, so the engine may live
+elsewhere.
 """
 
 from __future__ import annotations
@@ -17,24 +18,23 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI
-from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from models import LoadedModel
-from server.driver import AsyncEngineDriver, EngineClient
+from models import Tokenizer
+from server.client import EngineClient
+from server.errors import APIError, add_error_handlers, error_body
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ModelCard,
     TokenizeRequest,
-    error_body,
 )
-from server.serving import ClientDisconnected, ModelCard, OpenAIServing
+from server.serving import OpenAIServing
 
 log = logging.getLogger("server.app")
 
@@ -47,7 +47,6 @@ _COUNTED_PATHS = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
-    served_model_names: tuple[str, ...] = ()  # default: the model's own name
     api_key: str | None = None
     max_body_bytes: int = 4 * 2**20
     log_prompts: bool = False
@@ -55,31 +54,25 @@ class ServerSettings:
 
 
 def create_app(
-    model: LoadedModel, engine_client: EngineClient, settings: ServerSettings | None = None
+    tokenizer: Tokenizer,
+    card: ModelCard,
+    engine_client: EngineClient,
+    settings: ServerSettings | None = None,
 ) -> FastAPI:
     """Build the app. `engine_client` is started and stopped by the app's lifespan."""
     settings = settings or ServerSettings()
-    names = settings.served_model_names or (model.name,)
-    card = ModelCard(
-        names=tuple(names),
-        max_model_len=engine_client.max_model_len,
-        parameter_count=model.num_parameters(),
-        engine=engine_client.engine_name,
-    )
     metrics = ServerMetrics(engine_client.stats, lambda: engine_client.health().ok)
-    if isinstance(engine_client, AsyncEngineDriver) and engine_client.observer is None:
-        engine_client.observer = metrics  # the in-process driver reports step and queue times
+    engine_client.set_observer(metrics)  # step and queue times, where the client measures them
     serving = OpenAIServing(
-        engine_client, model.tokenizer, card, metrics, log_prompts=settings.log_prompts
+        engine_client, tokenizer, card, metrics, log_prompts=settings.log_prompts
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine_client.start()
         log.info(
-            "serving %s (%s, %d parameters, context %d) with the %s engine",
+            "serving %s (%d parameters, context %d) with the %s engine",
             card.name,
-            model.name,
             card.parameter_count,
             card.max_model_len,
             card.engine,
@@ -94,7 +87,7 @@ def create_app(
     app.state.engine_client = engine_client
     app.state.serving = serving
     app.state.metrics = metrics
-    _add_error_handlers(app)
+    add_error_handlers(app)
     # Starlette runs the last added middleware first: count -> authenticate -> limit the body.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
@@ -176,79 +169,6 @@ def _routes() -> APIRouter:
         return JSONResponse(serving.detokenize(body))
 
     return router
-
-
-# --------------------------------------------------------------------------------------------------
-# Errors: every failure leaves as {"error": {"message", "type", "param", "code"}}
-# --------------------------------------------------------------------------------------------------
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> Response:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        # vLLM answers an invalid body with 400 (OpenAI too); FastAPI's default is a 422 of its own shape.
-        message, param = _describe_validation_errors(exc.errors())
-        return JSONResponse(
-            error_body(message, "invalid_request_error", param, None), status_code=400
-        )
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
-            exc.status_code
-        )
-        return JSONResponse(
-            error_body(str(exc.detail), kind, None, code),
-            status_code=exc.status_code,
-            headers=exc.headers,
-        )
-
-    @app.exception_handler(ClientDisconnected)
-    async def disconnected(request: Request, exc: ClientDisconnected) -> Response:
-        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return JSONResponse(
-            error_body(f"internal server error: {exc!r}", "server_error", None, "internal_error"),
-            status_code=500,
-        )
-
-
-def _describe_validation_errors(errors) -> tuple[str, str | None]:
-    parts, param = [], None
-    for err in errors:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        kind = err.get("type", "")
-        if kind == "json_invalid":
-            detail = (err.get("ctx") or {}).get("error", "")
-            parts.append(
-                f"the request body is not valid JSON ({detail} at position {loc[0] if loc else '?'})"
-            )
-            continue
-        if not loc and kind in ("model_attributes_type", "dict_type", "model_type"):
-            parts.append(
-                "the request body must be a JSON object (send Content-Type: application/json)"
-            )
-            continue
-        if not loc and kind == "missing":
-            parts.append("a JSON request body is required")
-            continue
-        # Union members repeat the same field path with a type suffix: keep only the field path.
-        path = ".".join(x for x in loc if not x.startswith(("list[", "str", "int", "function-")))
-        param = param or path or None
-        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        parts.append(f"{path}: {msg}" if path else msg)
-    # Unions report one error per member; say each distinct thing once, and not too much of it.
-    unique = list(dict.fromkeys(parts))
-    message = "; ".join(unique[:5]) + (f" (and {len(unique) - 5} more)" if len(unique) > 5 else "")
-    return message or "invalid request", param
 
 
 # --------------------------------------------------------------------------------------------------

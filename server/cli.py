@@ -1,5 +1,8 @@
 """`python -m server`: parse flags, load the model, build the engine, driver and app, run uvicorn.
 
+The model's weights stay in this process with the engine; the app gets only the tokenizer and a
+`ModelCard`.
+
 Owns the command line and process-level setup (logging, torch threads, graceful shutdown through
 uvicorn). Heavy imports wait until after argument parsing so `--help` is instant.
 """
@@ -188,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     from models import ModelLoadError, load_model
     from server.app import ServerSettings, create_app
     from server.driver import AsyncEngineDriver
+    from server.protocol import ModelCard
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -207,14 +211,19 @@ def main(argv: list[str] | None = None) -> int:
         step_timeout=args.step_timeout,
         num_threads=args.num_threads,
     )
+    card = ModelCard(
+        names=tuple(args.served_model_name or (lm.name,)),
+        max_model_len=driver.max_model_len,
+        parameter_count=lm.num_parameters(),
+        engine=driver.engine_name,
+    )
     settings = ServerSettings(
-        served_model_names=tuple(args.served_model_name or ()),
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_size,
         log_prompts=args.log_prompts,
         shutdown_timeout=args.shutdown_timeout,
     )
-    app = create_app(lm, driver, settings)
+    app = create_app(lm.tokenizer, card, driver, settings)
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -1,8 +1,4 @@
-"""The engine-client seam and its in-process implementation, `AsyncEngineDriver`.
-
-`EngineClient` is all the HTTP layer knows about an engine: submit requests and iterate their
-outputs, abort one, ask for health and stats. `AsyncEngineDriver` implements it over an engine
-in this process; a later implementation can forward the same calls to a remote replica.
+"""`AsyncEngineDriver`: the in-process `server.client.EngineClient`, over an `engine.Engine`.
 
 The driver is one asyncio task that owns the engine. Between steps, on the event-loop thread, it
 applies queued adds and aborts (so the engine is never touched by two threads at once); it runs
@@ -11,138 +7,29 @@ SSE while torch computes; and it hands each `StepOutput` to its stream's queue a
 returns. With no work it sleeps on an event that the next submit or abort sets: no polling.
 
 If a step raises, every open stream ends with an `EngineDeadError`, later submits fail at once,
-and `health()` reports the failure. A step that runs longer than `step_timeout` makes `health()`
+and `health()` reports the failure (the exception itself goes to the log, not to clients). A step that runs longer than `step_timeout` makes `health()`
 report the engine as stuck.
 """
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from engine import EngineDeadError, EngineStats, Request, StepOutput
+from engine import Engine, EngineDeadError, EngineStats, QueueFullError, Request
+from server.client import EngineClient, EngineObserver, Health, OutputStream
+
+__all__ = ["AsyncEngineDriver", "QueueFullError"]
 
 log = logging.getLogger("server.driver")
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its limit; the client should retry later (HTTP 429)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Health:
-    ok: bool
-    reason: str | None = None
-
-
-class OutputStream(AsyncIterator[StepOutput]):
-    """The outputs of one submitted group of requests, in the order steps produce them.
-
-    Iteration ends once every request in the group has finished or been aborted; it raises
-    `EngineDeadError` if the engine fails first.
-    """
-
-    _END = object()
-
-    def __init__(self, request_ids: Sequence[str]) -> None:
-        self.request_ids = tuple(request_ids)
-        self._open = set(request_ids)
-        self._queue: asyncio.Queue[StepOutput | BaseException | object] = asyncio.Queue()
-        self._ended = False
-
-    # -- producer side (the driver, on the event-loop thread) -------------------------------------
-
-    def _deliver(self, out: StepOutput) -> None:
-        if out.request_id not in self._open:
-            return  # aborted by the server already: nobody waits for its terminal output
-        self._queue.put_nowait(out)
-        if out.finished:
-            self._close_one(out.request_id)
-
-    def _close_one(self, request_id: str) -> None:
-        self._open.discard(request_id)
-        if not self._open and not self._ended:
-            self._ended = True
-            self._queue.put_nowait(self._END)
-
-    def _fail(self, error: BaseException) -> None:
-        if not self._ended:
-            self._ended = True
-            self._open.clear()
-            self._queue.put_nowait(error)
-
-    # -- consumer side ------------------------------------------------------------------------------
-
-    @property
-    def open_request_ids(self) -> frozenset[str]:
-        return frozenset(self._open)
-
-    def __aiter__(self) -> OutputStream:
-        return self
-
-    async def __anext__(self) -> StepOutput:
-        item = await self._queue.get()
-        if item is self._END:
-            self._queue.put_nowait(item)  # stay exhausted
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self._queue.put_nowait(item)
-            raise item
-        return item  # type: ignore[return-value]
-
-
-class EngineClient(abc.ABC):
-    """What routes may ask of an engine. Implementations: `AsyncEngineDriver` (in process)."""
-
-    @property
-    @abc.abstractmethod
-    def max_model_len(self) -> int: ...
-
-    @property
-    @abc.abstractmethod
-    def engine_name(self) -> str: ...
-
-    @abc.abstractmethod
-    async def start(self) -> None: ...
-
-    @abc.abstractmethod
-    async def stop(self, timeout: float = 30.0) -> None: ...
-
-    @abc.abstractmethod
-    async def submit(self, requests: Sequence[Request]) -> OutputStream:
-        """Queue requests as one group (all admitted or none) and return their output stream.
-
-        Returns once the engine has accepted them; raises what `engine.add_request` raises
-        (ValueError and its subclasses), `QueueFullError`, or `EngineDeadError`.
-        """
-
-    @abc.abstractmethod
-    def abort(self, request_id: str) -> None:
-        """End a request and free its memory before the next step. Idempotent."""
-
-    @abc.abstractmethod
-    def health(self) -> Health: ...
-
-    @abc.abstractmethod
-    def stats(self) -> EngineStats: ...
-
-
-class DriverObserver(Protocol):
-    """Receives the driver's timings (the app's metrics implement it)."""
-
-    def observe_step(self, seconds: float, num_outputs: int) -> None: ...
-
-    def observe_queue_time(self, seconds: float) -> None: ...
 
 
 @dataclass(slots=True)
@@ -157,12 +44,12 @@ class AsyncEngineDriver(EngineClient):
 
     def __init__(
         self,
-        engine,
+        engine: Engine,
         *,
         max_waiting: int | None = None,
         step_timeout: float = 60.0,
         num_threads: int | None = None,
-        observer: DriverObserver | None = None,
+        observer: EngineObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
@@ -193,6 +80,10 @@ class AsyncEngineDriver(EngineClient):
     def engine_name(self) -> str:
         return self.engine.name
 
+    def set_observer(self, observer: EngineObserver) -> None:
+        if self.observer is None:  # one given to the constructor stays
+            self.observer = observer
+
     async def start(self) -> None:
         if self._task is not None:
             return
@@ -208,9 +99,9 @@ class AsyncEngineDriver(EngineClient):
         """Abort what is still open, let the current step finish (up to `timeout`), stop."""
         self._stopping = True
         for stream in {id(s): s for s in self._streams.values()}.values():
-            stream._fail(EngineDeadError("the server is shutting down"))
+            stream.fail(EngineDeadError("the server is shutting down"))
         for add in self._adds:
-            add.stream._fail(EngineDeadError("the server is shutting down"))
+            add.stream.fail(EngineDeadError("the server is shutting down"))
             if not add.accepted.done():
                 add.accepted.set_exception(EngineDeadError("the server is shutting down"))
         for request_id in list(self._streams):
@@ -234,7 +125,7 @@ class AsyncEngineDriver(EngineClient):
 
     async def submit(self, requests: Sequence[Request]) -> OutputStream:
         if self._error is not None:
-            raise EngineDeadError(f"the engine failed and accepts no requests: {self._error!r}")
+            raise EngineDeadError("the engine failed and accepts no requests")
         if self._stopping or self._task is None:
             raise EngineDeadError("the engine is not running")
         if self.max_waiting is not None:
@@ -260,18 +151,19 @@ class AsyncEngineDriver(EngineClient):
         self._arrivals.pop(request_id, None)
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream._close_one(request_id)
+            stream.close(request_id)
             self._aborts.append(request_id)
             self._wake.set()
             return
         for add in self._adds:  # not yet handed to the engine: just drop it from the add
             if request_id in add.stream.request_ids:
                 add.requests = [r for r in add.requests if r.request_id != request_id]
-                add.stream._close_one(request_id)
+                add.stream.close(request_id)
 
     def health(self) -> Health:
         if self._error is not None:
-            return Health(False, f"engine step failed: {self._error!r}")
+            # The exception's type, not its text: the text may carry internals (it is logged).
+            return Health(False, f"engine step failed ({type(self._error).__name__})")
         if self._task is None or self._task.done():
             return Health(False, "engine driver is not running")
         started = self._step_started
@@ -347,10 +239,12 @@ class AsyncEngineDriver(EngineClient):
                         del self._streams[out.request_id]
                     arrival = self._arrivals.pop(out.request_id, None)
                     if arrival is not None and self.observer is not None:
-                        self.observer.observe_queue_time(
-                            self._queue_time(out, arrival, step_started)
-                        )
-                    stream._deliver(out)
+                        # The engine's first scheduling of the request; an engine that does
+                        # not record it gets the start of the step that produced its first
+                        # output (the same moment unless its prefill was chunked).
+                        scheduled = out.first_scheduled_time or step_started
+                        self.observer.observe_queue_time(max(scheduled - arrival, 0.0))
+                    stream.deliver(out)
                 self._stats = engine.stats()
                 if self.observer is not None:
                     self.observer.observe_step(elapsed, len(outputs))
@@ -362,26 +256,21 @@ class AsyncEngineDriver(EngineClient):
             if not isinstance(e, Exception):
                 raise
 
-    def _queue_time(self, out: StepOutput, arrival: float, step_started: float) -> float:
-        # The engine records when it first scheduled a request; once the request has finished its
-        # state is gone, and the start of the step that produced its first token stands in (the
-        # same moment unless its prefill was chunked over several steps).
-        state = getattr(self.engine, "requests", {}).get(out.request_id)
-        scheduled = getattr(state, "first_scheduled_time", None) or step_started
-        return max(scheduled - arrival, 0.0)
-
     def _fail_all(self, error: BaseException) -> None:
         self._error = error
         log.error(
-            "engine step failed; failing %d open requests", len(self._streams), exc_info=error
+            "engine step failed; failing %d open requests: %s",
+            len(self._streams),
+            " ".join(sorted(self._streams)),
+            exc_info=error,
         )
-        dead = EngineDeadError(f"the engine failed: {error!r}")
+        dead = EngineDeadError("the engine failed while generating")
         for stream in {id(s): s for s in self._streams.values()}.values():
-            stream._fail(dead)
+            stream.fail(dead)
         self._streams.clear()
         self._arrivals.clear()
         for add in self._adds:
-            add.stream._fail(dead)
+            add.stream.fail(dead)
             if not add.accepted.done():
                 add.accepted.set_exception(dead)
         self._adds.clear()

@@ -1,19 +1,30 @@
-"""The OpenAI wire protocol at the HTTP boundary: pydantic request models and the limits they enforce.
+"""The OpenAI wire protocol at the HTTP boundary: pydantic request models, the limits they
+enforce, their mapping to `engine.SamplingParams`, and `ModelCard` (what the API says about the
+served model).
 
 Owns what a request body may contain and its shape-level limits (how many choices, prompts, stop
-strings, logprobs). Value checks the engine already makes (temperature >= 0, top_p in (0, 1], ...)
-are left to `engine.SamplingParams`, whose ValueError names the field; the server turns it into a
-400. Responses are plain dicts built in `server.serving` (one `json.dumps` per SSE chunk is the
-hot path, and the shapes are small).
+strings, logprobs), and how its fields become sampling parameters (`completion_sampling_params`,
+`chat_sampling_params`: a new sampling field is a field here plus a line in `_sampling_params`).
+Value checks the engine already makes (temperature >= 0, top_p in (0, 1], ...) are left to
+`SamplingParams`, whose `InvalidRequestError` names the field; `server.errors` makes it a 400.
+Responses are plain dicts built in `server.responses` (one `json.dumps` per SSE chunk is the hot
+path, and the shapes are small).
 
 Unknown fields are ignored, as vLLM and OpenAI's own server do, so newer SDKs keep working.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine import SamplingParams
+from server.errors import APIError
 
 # Limits a single HTTP request may ask for. They bound the work one call can queue and the size
 # of a response; the engine's own limits (context length, KV pool) are checked separately.
@@ -117,6 +128,10 @@ class CompletionRequest(SamplingFields):
                 raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed, got {len(v)}")
         return v
 
+    def max_output_tokens(self) -> int:
+        """max_tokens; OpenAI's default of 16 when it is sent as null."""
+        return self.max_tokens or 16
+
     @property
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list: strings or token-id lists."""
@@ -162,6 +177,16 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
 
+    def max_output_tokens(self, context_left: int) -> int:
+        """max_completion_tokens, else max_tokens, else what the context leaves after the prompt
+        (`context_left`), as vLLM does."""
+        return self.max_completion_tokens or self.max_tokens or context_left
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token, None when logprobs are off."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class TokenizeRequest(_Body):
     model: str | None = None
@@ -182,35 +207,90 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
-class APIError(Exception):
-    """An error the client caused or must know about, rendered as OpenAI's error object."""
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    """What the API says about the served model."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers
+    names: tuple[str, ...]  # the first is the one responses carry
+    max_model_len: int
+    parameter_count: int
+    engine: str
+    created: int = field(default_factory=lambda: int(time.time()))
 
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
+    @property
+    def name(self) -> str:
+        return self.names[0]
 
 
-def error_body(
-    message: str,
-    type: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+# -- request fields -> SamplingParams -------------------------------------------------------------
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(
+            400,
+            f"{param} contains token id {bad}, outside the vocabulary [0, {vocab_size})",
+            param=param,
+        )
+
+
+def completion_sampling_params(req: CompletionRequest, vocab_size: int) -> list[SamplingParams]:
+    """One `SamplingParams` per choice of each prompt (choice j samples with seed + j)."""
+    return _sampling_params(req, req.max_output_tokens(), req.logprobs, vocab_size)
+
+
+def chat_sampling_params(
+    req: ChatCompletionRequest, vocab_size: int, max_tokens: int
+) -> list[SamplingParams]:
+    """As `completion_sampling_params`; `max_tokens` is `req.max_output_tokens(...)`, which
+    needs the prompt's length."""
+    return _sampling_params(req, max_tokens, req.num_logprobs, vocab_size)
+
+
+def _sampling_params(
+    req: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int
+) -> list[SamplingParams]:
+    bias: list[tuple[int, float]] = []
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise APIError(
+                400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
+        if not 0 <= tok < vocab_size:
+            raise APIError(
+                400, f"logit_bias token id {tok} is outside the vocabulary", param="logit_bias"
+            )
+        if not math.isfinite(value):
+            raise APIError(400, "logit_bias values must be finite", param="logit_bias")
+        bias.append((tok, float(value)))
+    stop_ids = tuple(req.stop_token_ids or ())
+    check_token_ids(stop_ids, vocab_size, "stop_token_ids")
+
+    def given(value: float | None, default: float) -> float:
+        return default if value is None else value
+
+    # Choice j of every prompt samples with seed + j (as vLLM does for n > 1): reproducible,
+    # and the n choices differ from one another. SamplingParams checks the values.
+    return [
+        SamplingParams(
+            max_tokens=max_tokens,
+            temperature=given(req.temperature, 1.0),
+            # OpenAI / vLLM spell "off" -1 (and 0); the engine spells it None.
+            top_k=None if req.top_k in (None, 0, -1) else req.top_k,
+            top_p=given(req.top_p, 1.0),
+            min_p=given(req.min_p, 0.0),
+            repetition_penalty=given(req.repetition_penalty, 1.0),
+            presence_penalty=given(req.presence_penalty, 0.0),
+            frequency_penalty=given(req.frequency_penalty, 0.0),
+            stop_token_ids=stop_ids,
+            ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            seed=None if req.seed is None else req.seed + j,
+            logit_bias=tuple(bias),
+        )
+        for j in range(req.n)
+    ]

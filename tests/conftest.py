@@ -22,7 +22,9 @@ import uvicorn
 from engine import make_engine
 from models import LoadedModel, load_model
 from server.app import ServerSettings, create_app
+from server.client import EngineClient
 from server.driver import AsyncEngineDriver
+from server.protocol import ModelCard
 
 
 @pytest.fixture(scope="session")
@@ -47,6 +49,7 @@ class LiveServer:
     app: Any
     engine: Any
     driver: AsyncEngineDriver
+    client: EngineClient  # what the app talks to: the driver, or a client wrapping it
     uvicorn_server: uvicorn.Server
 
     def url(self, path: str) -> str:
@@ -73,7 +76,9 @@ def run_server(
     engine_options: dict | None = None,
     driver_options: dict | None = None,
     settings: ServerSettings | None = None,
+    served_model_names: tuple[str, ...] | None = None,
     before_start: Callable[[Any], None] | None = None,
+    wrap_client: Callable[[AsyncEngineDriver], EngineClient] | None = None,
 ) -> Iterator[LiveServer]:
     options = {"max_batch_size": 8, "kv_cache_memory_gib": 0.05, **(engine_options or {})}
     engine = make_engine(engine_kind, lm.model, **options)
@@ -82,7 +87,14 @@ def run_server(
     # One intra-op thread: the tests' client, the event loop and the step share two cores, and
     # oversubscribed OpenMP threads make steps 20x slower under load.
     driver = AsyncEngineDriver(engine, **{"num_threads": 1, **(driver_options or {})})
-    app = create_app(lm, driver, settings)
+    client = driver if wrap_client is None else wrap_client(driver)
+    card = ModelCard(
+        names=served_model_names or (lm.name,),
+        max_model_len=client.max_model_len,
+        parameter_count=lm.num_parameters(),
+        engine=client.engine_name,
+    )
+    app = create_app(lm.tokenizer, card, client, settings)
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose protocol is TCP, and
     # a protocol-0 socket handed to uvicorn delays every small SSE write by ~40 ms (Nagle).
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -94,7 +106,7 @@ def run_server(
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    live = LiveServer(f"http://127.0.0.1:{port}", app, engine, driver, server)
+    live = LiveServer(f"http://127.0.0.1:{port}", app, engine, driver, client, server)
     try:
         # Blocks until uvicorn has run the lifespan and accepted the queued connection.
         assert httpx.get(live.url("/health"), timeout=30).status_code == 200

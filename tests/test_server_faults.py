@@ -4,6 +4,7 @@ reports a missing model without a traceback."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from models import ByteTokenizer
 from tests.conftest import StepGate, error_of, run_server, sse_events
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +41,7 @@ class FailingStep:
         return self._step()
 
 
-def test_engine_fault_ends_open_streams_with_an_error_event_and_marks_health_503(tiny_lm):
+def test_engine_fault_ends_open_streams_with_an_error_event_and_marks_health_503(tiny_lm, caplog):
     with run_server(tiny_lm) as live:
         FailingStep(live.engine, fail_at=4)
         with httpx.Client(timeout=30) as client:
@@ -48,13 +50,19 @@ def test_engine_fault_ends_open_streams_with_an_error_event_and_marks_health_503
             assert r.status_code == 200  # the stream had begun: the error arrives in-band
             payloads = sse_events(r.text)
             assert payloads[-1] == "[DONE]"
+            request_id = json.loads(payloads[0])["id"]
             error = json.loads(payloads[-2])["error"]
-            assert "injected engine fault" in error["message"]
+            assert error["code"] == "engine_unavailable" and error["type"] == "server_error"
+            # The client learns its request id, not the exception; the log has the exception.
+            assert request_id in error["message"]
+            assert "injected" not in error["message"]
+            assert "injected engine fault" in caplog.text and request_id in caplog.text
             assert [json.loads(p).get("choices") for p in payloads[:-2]]  # tokens came first
 
             health = client.get(live.url("/health"))
             assert health.status_code == 503
-            assert "injected engine fault" in error_of(health)["message"]
+            assert "RuntimeError" in error_of(health)["message"]
+            assert "injected" not in error_of(health)["message"]
             assert live.metric("cbserve_engine_healthy") == 0
             # No hanging: new requests fail at once.
             r = client.post(live.url("/v1/completions"), json={**BODY, "max_tokens": 2})
@@ -62,7 +70,7 @@ def test_engine_fault_ends_open_streams_with_an_error_event_and_marks_health_503
             assert error_of(r)["code"] == "engine_unavailable"
 
 
-def test_engine_fault_fails_a_non_streamed_request_with_a_server_error(tiny_lm):
+def test_engine_fault_fails_a_non_streamed_request_with_503(tiny_lm):
     with run_server(tiny_lm) as live:
         FailingStep(live.engine, fail_at=3)
         r = httpx.post(
@@ -74,9 +82,31 @@ def test_engine_fault_fails_a_non_streamed_request_with_a_server_error(tiny_lm):
                 "ignore_eos": True,
             },
         )
-        assert r.status_code == 500
-        assert error_of(r)["code"] == "engine_error"
+        assert r.status_code == 503
+        error = error_of(r)
+        assert error["code"] == "engine_unavailable" and "chatcmpl-" in error["message"]
+        assert "injected" not in error["message"]
         assert httpx.get(live.url("/health"), timeout=10).status_code == 503
+
+
+class LeakyTokenizer(ByteTokenizer):
+    """A tokenizer with a bug: encoding raises a ValueError whose text must stay private."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        raise ValueError("secret internal detail")
+
+
+def test_a_bug_is_a_500_with_a_request_id_and_no_internals(tiny_lm, caplog):
+    # A ValueError from a bug is not the client's fault: no 400, and its text is only logged.
+    leaky = dataclasses.replace(tiny_lm, tokenizer=LeakyTokenizer())
+    with run_server(leaky) as live:
+        r = httpx.post(live.url("/v1/completions"), json={**BODY, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 500
+        error = error_of(r)
+        assert error["code"] == "internal_error"
+        assert "secret" not in error["message"]
+        request_id = error["message"].rsplit("request id ", 1)[1].rstrip(")")
+        assert "secret internal detail" in caplog.text and request_id in caplog.text
 
 
 def test_engine_fault_reaches_every_concurrent_request(tiny_lm):
@@ -105,7 +135,7 @@ def test_engine_fault_reaches_every_concurrent_request(tiny_lm):
         for text in results:
             payloads = sse_events(text)
             assert payloads[-1] == "[DONE]"
-            assert "injected engine fault" in json.loads(payloads[-2])["error"]["message"]
+            assert json.loads(payloads[-2])["error"]["code"] == "engine_unavailable"
 
 
 def test_stuck_step_turns_health_503(tiny_lm):

@@ -15,7 +15,6 @@ import subprocess
 
 import pytest
 
-from server.app import ServerSettings
 from tests.conftest import LiveServer, run_server, sse_events
 
 README_URL = "http://127.0.0.1:8000"
@@ -59,9 +58,7 @@ print()
 @pytest.fixture(scope="module")
 def named_server(tiny_lm):
     """TinyGPT answering to the default model's name, so the snippets need no edits."""
-    with run_server(
-        tiny_lm, settings=ServerSettings(served_model_names=("smollm2-135m-instruct",))
-    ) as live:
+    with run_server(tiny_lm, served_model_names=("smollm2-135m-instruct",)) as live:
         yield live
 
 
