@@ -1,15 +1,34 @@
 # cbserve: the OpenAI-compatible continuous-batching server on CPU torch, with the default chat
-# model (SmolLM2-135M-Instruct, GGUF Q4_1) baked in at build time.
+# model (SmolLM2-135M-Instruct, GGUF Q4_1) and its converted tokenizer baked in at build time.
 #
 #   docker build -t cbserve .
 #   docker run -p 8000:8000 cbserve                      # serves on http://127.0.0.1:8000
 #   docker run -p 8000:8000 cbserve --api-key sekret     # extra flags go to `python -m server`
 #
+# Build arguments (all optional):
+#   TORCH_INDEX    where torch's CPU wheel comes from (default PyTorch's CPU index); a mirror or a
+#                  local PEP 503 index works too. Other packages come from pip's usual index.
+#   TORCH_VERSION  torch release (default 2.13.0; on x86_64 the +cpu build is pinned)
+#   PIP_OPTIONS    extra options for every pip install, e.g. "--trusted-host 10.0.0.5" for a plain
+#                  HTTP index, or "--index-url https://mirror/simple" for a PyPI mirror
+#   STRIP          1 (default): strip the static symbol tables of torch's libraries (~90 MB)
+#
+#   docker build --network host \
+#     --build-arg TORCH_INDEX=http://127.0.0.1:8701/simple \
+#     --build-arg PIP_OPTIONS="--trusted-host 127.0.0.1" -t cbserve .
+#
 # The install steps live in scripts/docker-install.sh (which runs scripts/install.sh), so the
-# tests run the same steps outside Docker.
+# tests run the same steps outside Docker. Only /opt/venv and /opt/models leave the build stage:
+# no compiler, binutils, pip cache or sources in the final image.
 
 FROM python:3.11-slim AS build
+ARG STRIP=1
+RUN if [ "$STRIP" = 1 ]; then \
+        apt-get update && apt-get install -y --no-install-recommends binutils \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
     CBSERVE_MODEL_DIR=/opt/models
 WORKDIR /src
 COPY pyproject.toml README.md ./
@@ -20,16 +39,23 @@ COPY server/ server/
 COPY clients/ clients/
 COPY loadtest/ loadtest/
 COPY tools/ tools/
-RUN TORCH_INDEX=https://download.pytorch.org/whl/cpu scripts/docker-install.sh /opt/venv
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG TORCH_VERSION=2.13.0
+ARG PIP_OPTIONS=
+RUN TORCH_INDEX="$TORCH_INDEX" TORCH_VERSION="$TORCH_VERSION" PIP_OPTIONS="$PIP_OPTIONS" \
+    STRIP="$STRIP" scripts/docker-install.sh /opt/venv
 
 FROM python:3.11-slim
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin cbserve
-# The venv's interpreter links to /usr/local/bin/python3.11, the same path in both stages.
+# The venv's interpreter links to the base image's python, the same path in both stages.
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build --chown=cbserve:cbserve /opt/models /opt/models
+# The venv is root's and read-only to the server: it never writes byte-code at start (the modules
+# a start imports were compiled at build time), so nothing lands in the container's layer.
 ENV PATH=/opt/venv/bin:$PATH \
     CBSERVE_MODEL_DIR=/opt/models \
     HF_HUB_OFFLINE=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 USER cbserve
 WORKDIR /home/cbserve

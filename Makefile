@@ -1,8 +1,9 @@
 # Two entry points: `make serve` (install, then run the server) and `make test` (install, then
-# lint and run the whole suite). Each creates .venv with the CPU build of torch.
+# lint and run the whole suite). Each creates .venv with the CPU build of torch: on Linux x86_64
+# scripts/install.sh pins torch==2.13.0+cpu, which only PyTorch's CPU index (or a local wheel) has.
 #
-# On a normal Linux machine pass PyTorch's CPU wheel index so pip does not fetch the CUDA build:
-#   make serve TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# To take torch from another index (a mirror, or a CUDA build with TORCH_VERSION=2.13.0+cu126):
+#   make serve TORCH_INDEX=https://mirror.example/pytorch/whl/cpu
 
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -17,6 +17,7 @@ from torch import nn
 
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig, RopeScaling
+from models.cpu import has_native_bf16
 
 
 def _inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -80,6 +81,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
+_NATIVE_BF16 = has_native_bf16()
+
+
 class Linear(nn.Linear):
     """nn.Linear whose matmul may run in a narrower dtype than the activations around it.
 
@@ -87,12 +91,20 @@ class Linear(nn.Linear):
     for the matmul only and the result comes back in the activations' dtype, so the residual
     stream, norms, attention and logits stay float32. Running the whole model in bfloat16 instead
     turned SmolLM2's "The capital of France is Paris." into "L'Étoile, la Marseillaise, ...".
+
+    On a CPU without native bfloat16 (AVX2), torch's emulated bfloat16 GEMM loses enough
+    precision against SmolLM2's massive activations (~25,000 in one channel) to change that same
+    answer, so there the bfloat16 operands are widened and multiplied in float32: the same
+    rounding of inputs and weights as the native path, exact accumulation. (It saves memory, not
+    time; `--dtype auto` picks float32 on such CPUs.)
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if w.dtype == x.dtype:
             return F.linear(x, w, self.bias)
+        if w.dtype == torch.bfloat16 and not _NATIVE_BF16:
+            return F.linear(x.to(w.dtype).to(x.dtype), w.to(x.dtype), self.bias)
         return F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
 
 

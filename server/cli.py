@@ -154,12 +154,9 @@ def resolve_dtype(choice: str) -> str:
     slower than float32."""
     if choice != "auto":
         return choice
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return "float32"
-    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
+    from models.cpu import has_native_bf16
+
+    return "bfloat16" if has_native_bf16() else "float32"
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

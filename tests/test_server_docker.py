@@ -1,23 +1,61 @@
-"""The Docker image's recipe. No Docker daemon runs here, so: the Dockerfile is checked for what
-`docker run -p 8000:8000 IMAGE` relies on, and its install script (scripts/docker-install.sh) is
-run for real into a temporary venv, whose installed server then starts and answers."""
+"""The Docker image's recipe and the install scripts it runs.
+
+No Docker daemon runs in CI, so: the Dockerfile is checked for what `docker run -p 8000:8000 IMAGE`
+and `docker build --build-arg ...` rely on; scripts/install.sh's choice of torch is checked with
+`--print-torch` against loopback indexes; the image's install script (scripts/docker-install.sh)
+is run for real into a temporary venv, whose pruned, installed server then starts and answers; and
+the tokenizer cache key, which the baked image relies on, is checked to ignore mtimes.
+(The image itself was built and run with ../shared/tools/verify-dockerfile.sh; see the README.)
+"""
 
 from __future__ import annotations
 
+import http.server
 import os
+import platform
+import shutil
 import signal
 import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+INSTALL = ROOT / "scripts" / "install.sh"
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def dockerfile_lines() -> list[str]:
+    """The Dockerfile's instructions, continuation lines joined, comments dropped."""
+    joined, current = [], ""
+    for raw in (ROOT / "Dockerfile").read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        current += line[:-1] + " " if line.endswith("\\") else line
+        if not line.endswith("\\"):
+            joined.append(current)
+            current = ""
+    return joined
+
+
+def stages() -> list[list[str]]:
+    out: list[list[str]] = []
+    for line in dockerfile_lines():
+        if line.startswith("FROM "):
+            out.append([])
+        out[-1].append(line)
+    return out
 
 
 def test_dockerfile_runs_the_install_script_as_a_non_root_server_on_port_8000():
     text = (ROOT / "Dockerfile").read_text()
-    lines = [line.strip() for line in text.splitlines()]
+    lines = dockerfile_lines()
     assert any(
         line.startswith("RUN ") and "scripts/docker-install.sh /opt/venv" in line for line in lines
     )
@@ -38,14 +76,132 @@ def test_dockerfile_runs_the_install_script_as_a_non_root_server_on_port_8000():
                 assert src.rstrip("/") not in ignored, src
 
 
+def test_dockerfile_takes_the_torch_index_and_pip_options_as_build_arguments():
+    build = stages()[0]
+    args = dict(
+        line.removeprefix("ARG ").split("=", 1) for line in build if line.startswith("ARG ")
+    )
+    assert args["TORCH_INDEX"] == CPU_INDEX
+    assert args["PIP_OPTIONS"] == ""
+    assert "TORCH_VERSION" in args
+    run = next(line for line in build if "docker-install.sh" in line)
+    assert 'TORCH_INDEX="$TORCH_INDEX"' in run and 'PIP_OPTIONS="$PIP_OPTIONS"' in run
+    # No index is hard-coded where a build argument cannot reach it.
+    assert all("download.pytorch.org" not in line for line in build if line.startswith("RUN "))
+
+
+def test_final_image_stage_takes_only_the_venv_and_the_model_from_the_build():
+    *_, final = stages()
+    assert len(stages()) == 2
+    copies = [line for line in final if line.startswith("COPY ")]
+    assert copies and all("--from=build" in line for line in copies)
+    assert sorted(line.split()[-1] for line in copies) == ["/opt/models", "/opt/venv"]
+    # Nothing installed or downloaded in the final stage: no apt, no pip, no build tools.
+    assert not any(
+        word in line for line in final if line.startswith("RUN ") for word in ("apt", "pip")
+    )
+
+
+# scripts/install.sh --print-torch: which torch and from where, without installing anything.
+
+
+@pytest.fixture(scope="module")
+def torch_index(tmp_path_factory) -> Iterator[str]:
+    """A PEP 503 index on loopback whose torch page lists one (empty) wheel."""
+    root = tmp_path_factory.mktemp("index")
+    (root / "simple" / "torch").mkdir(parents=True)
+    (root / "simple" / "torch" / "torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl").touch()
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(root), **kwargs)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/simple"
+    httpd.shutdown()
+    thread.join(10)
+
+
+def print_torch(**env: str) -> subprocess.CompletedProcess:
+    # A proxy that refuses at once: nothing here may reach the network, and the probe of
+    # PyTorch's real index must fail fast, as where the index is unreachable.
+    proxy = "http://127.0.0.1:9"
+    base = {k: v for k, v in os.environ.items() if k not in ("TORCH_INDEX", "TORCH_VERSION")}
+    full = {**base, "https_proxy": proxy, "http_proxy": proxy, "no_proxy": "127.0.0.1", **env}
+    return subprocess.run(
+        [str(INSTALL), "--print-torch"], env=full, capture_output=True, text=True, timeout=60
+    )
+
+
+X86_LINUX = sys.platform == "linux" and platform.machine() == "x86_64"
+CPU_PIN = "torch==2.13.0+cpu" if X86_LINUX else "torch==2.13.0"
+
+
+def test_install_pins_the_cpu_build_and_adds_a_reachable_torch_index(torch_index):
+    done = print_torch(TORCH_INDEX=torch_index)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [CPU_PIN, "--extra-index-url", torch_index]
+
+
+def test_install_skips_an_unreachable_cpu_index_at_once_and_keeps_the_cpu_pin():
+    start = time.monotonic()
+    done = print_torch()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [CPU_PIN]  # pip's own sources (find-links, a mirror) only
+    assert time.monotonic() - start < 15  # one bounded probe, not pip's retries per package
+    if X86_LINUX:
+        assert "unreachable" in done.stderr
+
+
+def test_install_refuses_a_torch_index_that_does_not_answer():
+    done = print_torch(TORCH_INDEX="http://127.0.0.1:9/simple")
+    assert done.returncode == 1
+    assert "does not answer" in done.stderr
+
+
+def test_install_uses_a_torch_version_with_a_local_label_as_given(torch_index):
+    done = print_torch(TORCH_INDEX=torch_index, TORCH_VERSION="2.13.0+cu126")
+    assert done.stdout.split()[0] == "torch==2.13.0+cu126"
+
+
+# The tokenizer cache the image bakes at build time and reads at every start.
+
+
+def test_tokenizer_cache_key_ignores_mtime_and_path_but_not_content(tmp_path, monkeypatch):
+    from models.hf_tokenizer import _gguf_cache_dir
+
+    monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))
+    a = tmp_path / "a" / "m.gguf"
+    a.parent.mkdir()
+    a.write_bytes(os.urandom(1 << 16))
+    key = _gguf_cache_dir(a)
+    st = a.stat()
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns // 10**9 * 10**9))  # a layer's rounding
+    assert _gguf_cache_dir(a) == key
+    b = tmp_path / "b" / "m.gguf"
+    b.parent.mkdir()
+    shutil.copyfile(a, b)
+    assert _gguf_cache_dir(b) == key
+    data = bytearray(a.read_bytes())
+    data[100] ^= 1
+    b.write_bytes(bytes(data))
+    assert _gguf_cache_dir(b) != key
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_docker_install_script_builds_a_venv_whose_server_starts(tmp_path):
+def test_docker_install_script_builds_a_pruned_venv_whose_server_answers(tmp_path):
     venv = tmp_path / "venv"
     env = {
         **os.environ,
         "TORCH_INDEX": "",
         "SKIP_MODEL": "1",
+        "STRIP": "1" if shutil.which("strip") else "0",
         "CBSERVE_MODEL_DIR": str(tmp_path / "models"),
     }
     subprocess.run(
@@ -55,6 +211,10 @@ def test_docker_install_script_builds_a_venv_whose_server_starts(tmp_path):
         timeout=540,
         capture_output=True,
     )
+    torch_dir = next(venv.glob("lib/python*/site-packages/torch"))
+    assert not (torch_dir / "include").exists() and not (torch_dir / "test").exists()
+    assert [p.name for p in (torch_dir / "bin").iterdir()] == ["torch_shm_manager"]
+    assert not list(venv.glob("lib/python*/site-packages/pip"))
     # The installed package, run from elsewhere: not the source tree.
     proc = subprocess.Popen(
         [str(venv / "bin" / "python"), "-m", "server", "--model", "tinygpt", "--port", "0"],
@@ -73,6 +233,9 @@ def test_docker_install_script_builds_a_venv_whose_server_starts(tmp_path):
         assert httpx.get(url + "/health", timeout=30).status_code == 200
         models = httpx.get(url + "/v1/models", timeout=30).json()
         assert models["data"][0]["id"] == "tinygpt"
+        body = {"model": "tinygpt", "prompt": "Hello", "max_tokens": 5, "temperature": 0}
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert reply["usage"]["completion_tokens"] >= 1  # TinyGPT may draw EOS early
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
