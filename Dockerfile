@@ -18,18 +18,18 @@
 #     --build-arg PIP_OPTIONS="--trusted-host 127.0.0.1" -t cbserve .
 #
 # The install steps live in scripts/docker-install.sh (which runs scripts/install.sh), so the
-# tests run the same steps outside Docker. Only /opt/venv and /opt/models leave the build stage:
+# tests run the same steps outside Docker. Only /opt/venv, /opt/models and /opt/kernels leave the build stage:
 # no compiler, binutils, pip cache or sources in the final image.
 
 FROM python:3.11-slim AS build
 ARG STRIP=1
-RUN if [ "$STRIP" = 1 ]; then \
-        apt-get update && apt-get install -y --no-install-recommends binutils \
-        && rm -rf /var/lib/apt/lists/*; \
-    fi
+# g++ compiles the CPU kernels (models/csrc) into /opt/kernels; binutils strips torch.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ binutils \
+    && rm -rf /var/lib/apt/lists/*
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
-    CBSERVE_MODEL_DIR=/opt/models
+    CBSERVE_MODEL_DIR=/opt/models \
+    CBSERVE_KERNEL_DIR=/opt/kernels
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY scripts/ scripts/
@@ -50,10 +50,13 @@ RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin cbserve
 # The venv's interpreter links to the base image's python, the same path in both stages.
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build --chown=cbserve:cbserve /opt/models /opt/models
+# Built for x86-64-v3 (AVX2, FMA, F16C): runs on any such CPU, not only the build machine's.
+COPY --from=build /opt/kernels /opt/kernels
 # The venv is root's and read-only to the server: it never writes byte-code at start (the modules
 # a start imports were compiled at build time), so nothing lands in the container's layer.
 ENV PATH=/opt/venv/bin:$PATH \
     CBSERVE_MODEL_DIR=/opt/models \
+    CBSERVE_KERNEL_DIR=/opt/kernels \
     HF_HUB_OFFLINE=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1

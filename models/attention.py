@@ -47,6 +47,29 @@ class AttentionMetadata:
     # Built by the first layer and reused by the rest (the step's layers all share one layout):
     # which padded key slots each decode row may see.
     decode_mask: torch.Tensor | None = field(default=None, repr=False)  # (B_dec, 1, 1, L) bool
+    _chunk_meta: torch.Tensor | None = field(default=None, repr=False)
+    _chunk_tables: torch.Tensor | None = field(default=None, repr=False)
+
+    def chunk_meta(self) -> torch.Tensor:
+        """(C, 3) long rows [token_start, num_tokens, context_len], for the fused kernel."""
+        if self._chunk_meta is None:
+            rows = [[c.token_start, c.num_tokens, c.context_len] for c in self.prefills]
+            self._chunk_meta = torch.tensor(rows, dtype=torch.long).view(-1, 3)
+        return self._chunk_meta
+
+    def chunk_tables(self) -> torch.Tensor:
+        """(C, max_blocks) long: each chunk's block table, padded with block 0."""
+        if self._chunk_tables is None:
+            tables = [c.block_table for c in self.prefills if c.block_table is not None]
+            if not tables:
+                self._chunk_tables = torch.zeros((len(self.prefills), 1), dtype=torch.long)
+            else:
+                width = max(len(t) for t in tables)
+                out = torch.zeros((len(tables), width), dtype=torch.long)
+                for i, t in enumerate(tables):
+                    out[i, : len(t)] = t
+                self._chunk_tables = out
+        return self._chunk_tables
 
 
 def write_kv(

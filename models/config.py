@@ -64,6 +64,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     dtype: torch.dtype = torch.float32  # activations, norms, embeddings, logits
     matmul_dtype: torch.dtype | None = None  # the decoder layers' projection weights; None: dtype
+    kv_cache_dtype: torch.dtype | None = None  # the KV pool; None: float32
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -74,9 +75,10 @@ class ModelConfig:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The KV pool and attention run in float32 whatever the weights' dtype: CPU attention
-        kernels are slower in bfloat16 than in float32, and the pool is small next to the weights."""
-        return torch.float32
+        """The KV pool's dtype: float32 unless the loader chose float16 (which only the cbserve
+        attention kernel reads; it computes in float32 either way). Never bfloat16: CPU
+        attention is slower in bfloat16 than in float32."""
+        return self.kv_cache_dtype or torch.float32
 
     @property
     def kv_layout(self) -> KVLayout:

@@ -28,6 +28,7 @@ from models.base import LoadedModel, ModelLoadError
 from models.config import ModelConfig
 from models.hf_loader import check_weight_names
 from models.hf_tokenizer import HFTokenizer, end_token_ids, load_gguf_tokenizer
+from models.quant import QTensor, from_gguf_blocks
 from models.registry import model_class
 
 Q = GGMLQuantizationType
@@ -242,6 +243,21 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
             value = _unpermute(value, self._heads[proj])
         return value
 
+    def blocks(self, name: str) -> QTensor | None:
+        """The tensor's own quantized blocks (Q4_0, Q4_1, Q8_0), row-permuted like `self[name]`
+        but never dequantized; None for other formats or names."""
+        t = self._tensors.get(name)
+        if t is None:
+            return None
+        n, k = (int(d) for d in reversed(t.shape.tolist()))
+        qt = from_gguf_blocks(t.data, int(t.tensor_type), n, k)
+        proj = name.split(".")[-2]
+        if qt is not None and proj in self._heads:
+            heads = self._heads[proj]
+            order = torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1)
+            qt = qt.rows(order)
+        return qt
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
 
@@ -250,9 +266,15 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
 
 
 def load_gguf(
-    path: str | Path, name: str | None = None, dtype: torch.dtype = torch.float32
+    path: str | Path,
+    name: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    kernels: str | None = None,
 ) -> LoadedModel:
-    """Load a Llama-architecture GGUF file: weights, tokenizer, chat template, EOS ids."""
+    """Load a Llama-architecture GGUF file: weights, tokenizer, chat template, EOS ids.
+
+    `kernels`: a quantization scheme for `LlamaForCausalLM.enable_kernels`, which then takes
+    the file's own Q4_0/Q4_1/Q8_0 blocks as they are (None: the pure-torch float model)."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"no such GGUF file: {path}")
@@ -285,5 +307,7 @@ def load_gguf(
     except ValueError as e:
         raise ModelLoadError(f"{path.name}: {e}") from e
     model.eval().requires_grad_(False)
+    if kernels is not None:
+        model.enable_kernels(kernels, weights.blocks)
     config.extra["load_seconds"] = round(time.perf_counter() - t0, 3)
     return LoadedModel(config.name, model, HFTokenizer(tok, eos), config)

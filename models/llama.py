@@ -9,7 +9,8 @@ one matmul instead of three (or two) per layer, which matters on CPU where every
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,9 @@ from torch import nn
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig, RopeScaling
 from models.cpu import has_native_bf16
+from models.quant import F32, KIND_NAMES, QB, PackedWeight, QTensor, pack, quantize
+from models.quant import Q4_1 as Q4_1_KIND
+from models.quant import Q8_0 as Q8_0_KIND
 
 
 def _inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -65,15 +69,34 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos().to(config.dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(config.dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, halves: bool = False) -> RopeTables:
         """cos and signed sin for these positions, (T, 1, hd) each: looked up once per step and
-        shared by every layer."""
+        shared by every layer; with `halves`, also the plain (T, hd/2) tables the fused
+        attention kernel takes."""
         half = self.cos.shape[-1] // 2
         cos = self.cos[positions].unsqueeze(1)  # (T, 1, hd)
         sin = self.sin[positions].unsqueeze(1)  # (T, 1, hd)
         # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: fold the sign in here.
-        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        return cos, sin
+        signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        if not halves:
+            return RopeTables(cos, signed)
+        return RopeTables(
+            cos,
+            signed,
+            cos[:, 0, :half].float().contiguous(),
+            sin[:, 0, :half].float().contiguous(),
+        )
+
+
+class RopeTables(NamedTuple):
+    cos: torch.Tensor  # (T, 1, hd)
+    sin: torch.Tensor  # (T, 1, hd), sign of rotate_half folded in
+    cos_half: torch.Tensor | None = None  # (T, hd/2) float32, for the fused kernel
+    sin_half: torch.Tensor | None = None
+
+
+def _or_empty(t: torch.Tensor | None, dims: int) -> torch.Tensor:
+    return t if t is not None else torch.empty((0,) * dims, dtype=torch.long)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -99,13 +122,49 @@ class Linear(nn.Linear):
     time; `--dtype auto` picks float32 on such CPUs.)
     """
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T (+ bias), plus `residual` when given (the decoder's skip connection)."""
         w = self.weight
         if w.dtype == x.dtype:
-            return F.linear(x, w, self.bias)
-        if w.dtype == torch.bfloat16 and not _NATIVE_BF16:
-            return F.linear(x.to(w.dtype).to(x.dtype), w.to(x.dtype), self.bias)
-        return F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
+            y = F.linear(x, w, self.bias)
+        elif w.dtype == torch.bfloat16 and not _NATIVE_BF16:
+            y = F.linear(x.to(w.dtype).to(x.dtype), w.to(x.dtype), self.bias)
+        else:
+            y = F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
+        return y if residual is None else residual + y
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for a fused [gate; up] projection."""
+        gate, up = self(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class PackedLinear(nn.Module):
+    """A projection whose weight lives in packed blocks (`models.quant`), multiplied by the
+    cbserve kernel with float32 activations; the bias, the residual add and SwiGLU's
+    silu(gate) * up happen in the kernel's epilogue rather than as separate passes."""
+
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.packed = packed
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    def _run(self, x: torch.Tensor, residual: torch.Tensor | None, act: int) -> torch.Tensor:
+        p = self.packed
+        return torch.ops.cbserve.packed_linear(
+            x, p.qs, p.d, p.m, p.kind, p.out_features, self.bias, residual, act
+        )
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self._run(x, residual, 0)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, None, 1)
+
+    def extra_repr(self) -> str:
+        kind = KIND_NAMES[self.packed.kind]
+        return f"in={self.in_features}, out={self.out_features}, weights={kind}"
 
 
 class RMSNorm(nn.Module):
@@ -132,20 +191,34 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeTables,
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
         meta: AttentionMetadata,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Self-attention of x (T, d) over the pool, plus `residual` when given."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, (H + 2 KV) * hd)
+        if rope.cos_half is not None and kv_cache is not None:
+            # One kernel: RoPE, K/V into the pool, attention reading the pool's blocks in place.
+            o = torch.ops.cbserve.attention(
+                qkv, rope.cos_half, rope.sin_half, kv_cache[0], kv_cache[1],
+                meta.slot_mapping, meta.num_decode_tokens,
+                _or_empty(meta.decode_block_tables, 2), _or_empty(meta.decode_context_lens, 1),
+                meta.chunk_meta(), meta.chunk_tables(),
+                self.n_heads, self.n_kv, self.hd, self.scale,
+            )  # fmt: skip
+            return self.o_proj(o, residual)
+        rope_full = (rope.cos, rope.sin)
         # Rotate q and k in one go: they are adjacent columns of the fused projection.
         qk = apply_rotary(
-            qkv[:, : self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv, self.hd), *rope
+            qkv[:, : self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv, self.hd),
+            *rope_full,
         )
         q, k = qk.split([self.n_heads, self.n_kv], dim=1)  # (T, H, hd), (T, KV, hd)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.n_kv, self.hd)  # (T, KV, hd)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # (T, H, hd)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.o_proj(o.reshape(t, self.q_size), residual)
 
 
 class MLP(nn.Module):
@@ -155,9 +228,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.ffn, bias=False)
         self.down_proj = Linear(self.ffn, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.ffn, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj.silu_mul(x), residual)
 
 
 class DecoderLayer(nn.Module):
@@ -169,8 +241,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, rope, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # The skip connections ride into the projections (added in the packed kernel's epilogue).
+        x = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -196,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: (T,). Returns final hidden states (T, d_model)."""
         x = self.embed_tokens(input_ids)  # (T, d)
-        rope = self.rotary(positions)
+        rope = self.rotary(positions, halves=self.kernels)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, None if kv_caches is None else kv_caches[i], meta)
         return self.norm(x)
@@ -219,11 +292,86 @@ class LlamaForCausalLM(nn.Module):
 
     def num_parameters(self) -> int:
         n = sum(p.numel() for p in self.parameters())
-        if self.config.tie_word_embeddings and self.lm_head.weight is not self.embed_tokens.weight:
-            n -= (
-                self.lm_head.weight.numel()
-            )  # a bfloat16 copy of the tied table is not a parameter more
+        for name, mod in self.named_modules():
+            if isinstance(mod, PackedLinear) and name != "lm_head":
+                n += mod.in_features * mod.out_features + (
+                    0 if mod.bias is None else mod.out_features
+                )
+        head = self.lm_head
+        if isinstance(head, PackedLinear):
+            if not self.config.tie_word_embeddings:
+                n += head.in_features * head.out_features
+        elif self.config.tie_word_embeddings and head.weight is not self.embed_tokens.weight:
+            n -= head.weight.numel()  # a bfloat16 copy of the tied table is not a parameter more
         return n
+
+    # -- kernels -------------------------------------------------------------------------------
+
+    kernels = False  # True once enable_kernels ran
+
+    @torch.no_grad()
+    def enable_kernels(
+        self, scheme: str = "auto", blocks: Callable[[str], QTensor | None] | None = None
+    ) -> None:
+        """Run through `torch.ops.cbserve` (the caller checked `models.kernels.available()`):
+        attention fused with RoPE and the K/V write over the paged pool, and every projection and
+        the head as packed weights, per `scheme`:
+
+        - auto: the checkpoint's own blocks where `blocks(name)` has them (GGUF Q4_0/Q4_1/Q8_0,
+          so the model computes exactly what the file holds), else the float weights;
+        - none: the float weights (float32 panels: the same numbers as F.linear);
+        - q8_0 / q4_1: that format, quantized from the float weights unless the checkpoint
+          already holds it.
+        The float copies are dropped: the packed weights replace them.
+        """
+        if self.config.matmul_dtype not in (None, torch.float32):
+            raise ValueError("the kernels run float32 activations; load the model in float32")
+        target = {"auto": None, "none": F32, "q8_0": Q8_0_KIND, "q4_1": Q4_1_KIND}[scheme]
+
+        def packed(linear: nn.Module, names: list[str], gate_up: bool = False) -> nn.Module:
+            if isinstance(linear, PackedLinear) or linear.weight.shape[1] % QB:
+                return linear
+            parts = [blocks(n) for n in names] if blocks is not None and scheme != "none" else []
+            usable = (
+                parts
+                and all(p is not None for p in parts)
+                and len({p.kind for p in parts}) == 1
+                and (target is None or parts[0].kind == target)
+            )
+            if usable:
+                qt = QTensor.cat(parts)  # type: ignore[arg-type]
+            else:
+                qt = quantize(linear.weight.float(), F32 if target is None else target)
+            return PackedLinear(pack(qt, gate_up=gate_up), linear.bias)
+
+        for i, layer in enumerate(self.layers):
+            src = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj = packed(
+                attn.qkv_proj, [f"{src}self_attn.{n}_proj.weight" for n in "qkv"]
+            )
+            attn.o_proj = packed(attn.o_proj, [f"{src}self_attn.o_proj.weight"])
+            mlp.gate_up_proj = packed(
+                mlp.gate_up_proj, [f"{src}mlp.{n}_proj.weight" for n in ("gate", "up")], True
+            )
+            mlp.down_proj = packed(mlp.down_proj, [f"{src}mlp.down_proj.weight"])
+        tied = self.config.tie_word_embeddings
+        self.lm_head = packed(
+            self.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"]
+        )
+        self.kernels = True
+
+    def weight_formats(self) -> dict[str, int]:
+        """Bytes of projection and head weights by format ("f32", "q4_1", ...)."""
+        out: dict[str, int] = {}
+        for mod in self.modules():
+            if isinstance(mod, PackedLinear):
+                k = KIND_NAMES[mod.packed.kind]
+                out[k] = out.get(k, 0) + mod.packed.nbytes()
+            elif isinstance(mod, Linear):
+                k = str(mod.weight.dtype).removeprefix("torch.")
+                out[k] = out.get(k, 0) + mod.weight.numel() * mod.weight.element_size()
+        return out
 
     # -- loading -------------------------------------------------------------------------------
 

@@ -30,23 +30,74 @@ SUPPORTED = (
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
-def load_model(name_or_path: str, dtype: str | torch.dtype | None = None) -> LoadedModel:
-    """Load a model. `dtype="bfloat16"` stores the projection weights and the output head (the
-    bytes a decode step reads) in bfloat16 and runs those matmuls in bfloat16; the residual
-    stream, norms, embeddings, attention, KV cache and logits stay float32.
+def load_model(
+    name_or_path: str,
+    dtype: str | torch.dtype | None = None,
+    quantization: str = "auto",
+    kv_cache_dtype: str = "auto",
+) -> LoadedModel:
+    """Load a model, ready to serve.
 
-    float32 is the default and the reference. bfloat16 halves the bytes every decode step reads
-    and doubles matmul throughput on CPUs with AVX512-BF16; its tokens are not float32's.
+    Where the cbserve CPU kernels run (`models.kernels`: x86-64 with AVX2, a C++ compiler at
+    first use; `CBSERVE_KERNELS=0` turns them off), a float32 model computes through them:
+    projections as packed weights per `quantization` (see `LlamaForCausalLM.enable_kernels`:
+    "auto" keeps a GGUF file's own 4/8-bit blocks, "none" float weights, "q8_0"/"q4_1"
+    quantize), attention over the paged pool in place. Elsewhere the pure-torch path computes
+    the same model (dequantized weights), slower.
+
+    `kv_cache_dtype`: "auto" is float16 when the weights are quantized (as llama.cpp's default
+    cache) and float32 otherwise; "float16" needs the kernels.
+
+    `dtype="bfloat16"` is the pure-torch bfloat16-matmul mode: projection weights and the head in
+    bfloat16 (the residual stream, norms, attention, KV cache and logits stay float32). It pays
+    on CPUs with AVX512-BF16; its tokens are not float32's.
     """
-    lm = _load(name_or_path)
-    if dtype is None:
-        return lm
+    from models import kernels
+    from models.quant import SCHEMES
+
+    if quantization not in SCHEMES:
+        raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {SCHEMES}")
+    if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_DTYPES:
+        raise ModelLoadError(
+            f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose auto, {', '.join(KV_DTYPES)}"
+        )
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
         dtype = DTYPES[dtype]
+    wants_bf16 = dtype is not None and dtype != torch.float32
+    use_kernels = not wants_bf16 and kernels.available()
+    if quantization in ("q8_0", "q4_1") and not use_kernels:
+        why = "it runs float32" if wants_bf16 else kernels.unavailable_reason()
+        raise ModelLoadError(f"--quantization {quantization} needs the CPU kernels: {why}")
+    if kv_cache_dtype == "float16" and not use_kernels:
+        why = "bfloat16 mode" if wants_bf16 else kernels.unavailable_reason()
+        raise ModelLoadError(f"a float16 KV cache needs the CPU kernels: {why}")
+
+    lm = _load(name_or_path, quantization if use_kernels else None)
+    model: Any = lm.model
+    if use_kernels and not getattr(model, "kernels", True):
+        model.enable_kernels(quantization)  # a GGUF file's loader already did, with its blocks
+    if wants_bf16:
+        lm = _to_bfloat16(lm, dtype)  # type: ignore[arg-type]
+    formats = model.weight_formats() if use_kernels else {}
+    quantized = bool({"q4_1", "q8_0"} & formats.keys())
+    if kv_cache_dtype == "auto":
+        kv = torch.float16 if quantized else torch.float32
+    else:
+        kv = KV_DTYPES[kv_cache_dtype]
+    if kv != lm.config.kv_dtype:
+        config = dataclasses.replace(lm.config, kv_cache_dtype=kv)
+        model.config = config
+        lm = LoadedModel(lm.name, lm.model, lm.tokenizer, config)
+    _return_freed_memory()
+    return lm
+
+
+def _to_bfloat16(lm: LoadedModel, dtype: torch.dtype) -> LoadedModel:
     if dtype == (lm.config.matmul_dtype or lm.config.dtype):
         return lm
     # The Llama family's layout: decoder layers of `models.llama.Linear`, and an `lm_head`.
@@ -61,7 +112,6 @@ def load_model(name_or_path: str, dtype: str | torch.dtype | None = None) -> Loa
     head.weight = torch.nn.Parameter(head.weight.detach().to(dtype), requires_grad=False)
     config = dataclasses.replace(lm.config, matmul_dtype=dtype)
     model.config = config
-    _return_freed_memory()
     return LoadedModel(lm.name, lm.model, lm.tokenizer, config)
 
 
@@ -72,16 +122,18 @@ def _return_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _load(name_or_path: str) -> LoadedModel:
+def _load(name_or_path: str, kernels: str | None) -> LoadedModel:
+    """The model as its checkpoint holds it; a GGUF file's loader also packs its own blocks
+    for the kernels when `kernels` names a quantization scheme."""
     key = str(name_or_path).strip()
     if key.lower() == "tinygpt":
         model, tok = build_tinygpt()
         return LoadedModel("tinygpt", model, tok, model.config)
     if key.lower() in ("smollm2-135m-instruct", "smollm2", "smollm2-135m"):
-        return load_gguf(smollm2_path(), name="smollm2-135m-instruct")
+        return load_gguf(smollm2_path(), name="smollm2-135m-instruct", kernels=kernels)
     path = Path(key).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, name=path.stem)
+        return load_gguf(path, name=path.stem, kernels=kernels)
     if path.is_dir() and (path / "config.json").is_file():
         return load_hf_directory(path)
     if path.exists():

@@ -63,6 +63,8 @@ cd /
 unset PYTHONDONTWRITEBYTECODE
 "$py" -c "import engine, models, server.app, server.cli, uvicorn, fastapi"
 "$py" -m server --help > /dev/null
+# The CPU kernels were built into $CBSERVE_KERNEL_DIR by install.sh: fail the build if they don't load.
+"$py" -c "from models import kernels; assert kernels.available(), kernels.unavailable_reason()"
 "$py" - <<'EOF'
 from engine import ContinuousBatchEngine, Request, SamplingParams
 from models import load_model

@@ -104,3 +104,6 @@ fi
 if [ "${SKIP_MODEL:-0}" != "1" ]; then
     "$venv/bin/python" -m models.fetch
 fi
+# The CPU kernels (models/csrc), compiled once per machine and torch version (~1 min). Without a
+# C++ compiler or on a CPU without AVX2 the server runs its pure-torch path: not an error.
+"$venv/bin/python" -m models.kernels || echo "install.sh: CPU kernels not built; the pure-torch path will be used" >&2

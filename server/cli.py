@@ -97,9 +97,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=("auto", "float32", "bfloat16"),
         default="auto",
-        help="the decoder's projection weights and their matmuls (residual stream, norms, "
-        "attention, KV cache and logits stay float32). auto: bfloat16 on CPUs with native "
-        "bfloat16 matmul (AVX512-BF16, AMX), else float32. bfloat16 is about twice as fast there, but its tokens differ from float32's (default: %(default)s)",
+        help="activations and (unless quantized) weights. auto: float32 through the cbserve CPU "
+        "kernels where they run (x86-64 with AVX2); else bfloat16 matmuls on CPUs with native "
+        "bfloat16 (AVX512-BF16, AMX), else float32. bfloat16 is a pure-torch mode whose tokens "
+        "differ from float32's (default: %(default)s)",
+    )
+    m.add_argument(
+        "--quantization",
+        choices=("auto", "none", "q8_0", "q4_1"),
+        default="auto",
+        help="projection and head weights in the CPU kernels. auto: a GGUF file's own "
+        "Q4_0/Q4_1/Q8_0 blocks as they are, float weights otherwise; none: float (a GGUF file "
+        "dequantized); q8_0 / q4_1: quantize at load (default: %(default)s)",
+    )
+    m.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "float32", "float16"),
+        default="auto",
+        help="KV pool storage. auto: float16 with quantized weights (as llama.cpp), else "
+        "float32; attention computes in float32 either way (default: %(default)s)",
     )
 
     s = p.add_argument_group("server")
@@ -150,12 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_dtype(choice: str) -> str:
-    """`auto` picks bfloat16 only where the CPU multiplies it natively; emulated bfloat16 is
-    slower than float32."""
+    """`auto`: float32 where the cbserve kernels run (their quantized float32 path is the fast
+    one on every x86 CPU); elsewhere bfloat16 only where the CPU multiplies it natively
+    (emulated bfloat16 is slower than float32)."""
     if choice != "auto":
         return choice
+    from models import kernels
     from models.cpu import has_native_bf16
 
+    if kernels.available():
+        return "float32"
     return "bfloat16" if has_native_bf16() else "float32"
 
 
@@ -193,7 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     try:
-        lm = load_model(args.model, dtype=resolve_dtype(args.dtype))
+        lm = load_model(
+            args.model,
+            dtype=resolve_dtype(args.dtype),
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
     except ModelLoadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -59,10 +59,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--quantization", default="auto", help="auto|none|q8_0|q4_1 (load_model)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto|float32|float16")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = load_model(args.model, dtype=args.dtype)
+    lm = load_model(
+        args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     print(f"Conditions: {conditions(lm)}")
     print(
         f"{'batch':>5} {'prefill tok/s':>14} {'step p50 ms':>12} {'step p90 ms':>12} {'decode tok/s':>13}"

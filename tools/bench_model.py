@@ -41,11 +41,12 @@ class Pool:
         c = model.config
         per_seq = math.ceil(max_len / BLOCK)
         shape = (seqs * per_seq, BLOCK, c.num_kv_heads, c.head_dim)
+        dt = c.kv_dtype
         caches = [
-            (torch.zeros(shape, dtype=c.dtype), torch.zeros(shape, dtype=c.dtype))
+            (torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt))
             for _ in range(c.num_layers)
         ]
-        return cls(caches, per_seq, 2 * c.num_layers * math.prod(shape) * c.dtype.itemsize)
+        return cls(caches, per_seq, 2 * c.num_layers * math.prod(shape) * dt.itemsize)
 
     def table(self, seq: int) -> torch.Tensor:
         return torch.arange(seq * self.per_seq, (seq + 1) * self.per_seq)
@@ -123,7 +124,9 @@ def rss_mib() -> float:
 
 
 def weight_bytes(model: LlamaForCausalLM) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())  # tied counted once
+    """Parameters (tied counted once) plus packed projection weights (`models.quant`)."""
+    packed = sum(m.packed.nbytes() for m in model.modules() if hasattr(m, "packed"))
+    return packed + sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def bench_prefill(model: LlamaForCausalLM, prompt_len: int, reps: int = 3) -> float:
@@ -183,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--quantization", default="auto", help="auto|none|q8_0|q4_1 (load_model)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto|float32|float16")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
@@ -191,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rss0 = rss_mib()
     t0 = time.perf_counter()
-    lm = load_model(args.model)
+    lm = load_model(args.model, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     load_s = time.perf_counter() - t0
     model, params = lm.model, lm.num_parameters()
     flops_per_token = 2 * params

@@ -29,9 +29,13 @@ def cpu_name() -> str:
 def conditions(lm: LoadedModel) -> str:
     c = lm.config
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    formats = getattr(lm.model, "weight_formats", dict)()
+    weights = "+".join(sorted(formats)) or str(c.matmul_dtype or c.dtype)
+    engine = "cbserve kernels" if getattr(lm.model, "kernels", False) else "pure torch"
     return (
-        f"model {lm.name} ({lm.num_parameters():,} params, {c.dtype}, "
-        f"matmuls {c.matmul_dtype or c.dtype}, {c.num_layers} layers, d {c.hidden_size}), "
+        f"model {lm.name} ({lm.num_parameters():,} params, {c.dtype}, weights {weights}, "
+        f"KV {str(c.kv_dtype).removeprefix('torch.')}, {engine}, "
+        f"{c.num_layers} layers, d {c.hidden_size}), "
         f"{cores} cores ({cpu_name()}), torch {torch.__version__}, "
         f"{torch.get_num_threads()} intra-op threads, "
         f"date {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}, "

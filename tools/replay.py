@@ -155,11 +155,18 @@ def main(argv: list[str] | None = None) -> None:
         "--max-num-batched-tokens", type=int, default=None, help="token budget of a step"
     )
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--quantization", default="auto", help="auto|none|q8_0|q4_1 (load_model)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto|float32|float16")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    lm = load_model(args.model, dtype=args.dtype)
+    lm = load_model(
+        args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     cls = engine_class(args.engine)
     config = EngineConfig(
         max_batch_size=args.max_batch_size,

@@ -1,0 +1,495 @@
+// cbserve CPU kernels: AVX2 + FMA + F16C (x86-64-v3), fp32 activations and accumulation.
+// Built and loaded by models/kernels.py; registered as torch.ops.cbserve.*.
+//
+// packed_linear: y = x @ W^T (+ bias) (+ residual) or silu(gate) * up, for weights stored in
+//   16-output panels: f32, q8_0 (int8 x fp16 scale per 32 inputs) or q4_1 (4-bit x fp16 scale and
+//   fp16 min per 32 inputs). Activations and accumulation are fp32.
+// rms_norm: y = x / rms(x) * w.
+// attention: RoPE on q and k, K/V written into the paged pool, then causal attention of every
+//   token over its sequence's pool blocks (decode rows through a paged kernel that reads blocks
+//   in place; prefill chunks through ATen SDPA).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace cbserve {
+namespace {
+
+constexpr int NR = 16;  // outputs per panel
+constexpr int QB = 32;  // inputs per quantization block
+
+enum Kind : int64_t { F32 = 0, Q8_0 = 1, Q4_1 = 2 };
+enum Act : int64_t { NONE = 0, SILU_MUL = 1 };
+
+inline __m256 load_h8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return load_h8(p); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max), Cephes-style polynomial; rel err ~1e-7.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  __m256 x2 = _mm256_mul_ps(x, x);
+  y = _mm256_fmadd_ps(y, x2, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// ------------------------------------------------------------------------------------------------
+// packed_linear
+// ------------------------------------------------------------------------------------------------
+
+// The 16 weights of one panel at one input index k, as two fp32 vectors.
+template <int KIND>
+struct Panel {
+  const uint8_t* q;     // this panel's weights
+  const at::Half* d;    // (blocks, 16) scales
+  const at::Half* m;    // (blocks, 16) mins (q4_1)
+  __m256 d0, d1, m0, m1;
+  inline void block(int64_t b) {
+    if constexpr (KIND != F32) { d0 = load_h8(d + b * NR); d1 = load_h8(d + b * NR + 8); }
+    if constexpr (KIND == Q4_1) { m0 = load_h8(m + b * NR); m1 = load_h8(m + b * NR + 8); }
+  }
+  inline void weights(int64_t k, __m256& w0, __m256& w1) const {
+    if constexpr (KIND == F32) {
+      const float* p = reinterpret_cast<const float*>(q) + k * NR;
+      w0 = _mm256_loadu_ps(p);
+      w1 = _mm256_loadu_ps(p + 8);
+    } else if constexpr (KIND == Q8_0) {
+      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16));
+      w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d0);
+      w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), d1);
+    } else {  // byte i holds output i (low nibble) and output 8 + i (high nibble)
+      __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 8)));
+      w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))), d0, m0);
+      w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d1, m1);
+    }
+  }
+};
+
+struct Epilogue {
+  const float* bias;      // (N,) or null
+  const float* residual;  // (M, ldr) or null
+  int64_t ldr;
+  int64_t act;
+  float* out;
+  int64_t ldo;
+  int64_t N;  // outputs of the layer (before silu_mul halves them)
+  // acc: 16 sums of panel p for row r.
+  inline void apply(int64_t r, int64_t p, const float* acc) const {
+    const int64_t n0 = p * NR;
+    alignas(32) float t[NR];
+    for (int j = 0; j < NR; ++j) t[j] = acc[j] + (bias && n0 + j < N ? bias[n0 + j] : 0.f);
+    if (act == SILU_MUL) {  // panel p = gate[8p:8p+8] then up[8p:8p+8]
+      float* o = out + r * ldo + p * 8;
+      const int64_t nv = std::min<int64_t>(8, N / 2 - p * 8);
+      for (int64_t j = 0; j < nv; ++j) {
+        const float g = t[j];
+        o[j] = g / (1.f + std::exp(-g)) * t[8 + j];
+      }
+      return;
+    }
+    float* o = out + r * ldo + n0;
+    const int64_t nv = std::min<int64_t>(NR, N - n0);
+    const float* res = residual ? residual + r * ldr + n0 : nullptr;
+    for (int64_t j = 0; j < nv; ++j) o[j] = t[j] + (res ? res[j] : 0.f);
+  }
+};
+
+#define CB_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define CB_DECL(r) __m256 a##r##0 = _mm256_setzero_ps(), a##r##1 = _mm256_setzero_ps();
+#define CB_FMA(r)                                          \
+  if constexpr (MR > r) {                                  \
+    __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);      \
+    a##r##0 = _mm256_fmadd_ps(w0, xv, a##r##0);            \
+    a##r##1 = _mm256_fmadd_ps(w1, xv, a##r##1);            \
+  }
+#define CB_SPILL(r)                                        \
+  if constexpr (MR > r) {                                  \
+    float* cr = c + r * NR;                                \
+    if (accumulate) {                                      \
+      a##r##0 = _mm256_add_ps(a##r##0, _mm256_load_ps(cr));        \
+      a##r##1 = _mm256_add_ps(a##r##1, _mm256_load_ps(cr + 8));    \
+    }                                                      \
+    _mm256_store_ps(cr, a##r##0);                          \
+    _mm256_store_ps(cr + 8, a##r##1);                      \
+  }
+
+// MR rows x 16 outputs over inputs [k0, k1), weights dequantized in registers as they stream.
+// c: MR x 16 partial sums (added to when accumulate).
+template <int MR, int KIND>
+inline void micro_direct(const float* x, int64_t ldx, Panel<KIND>& pan, int64_t b0, int64_t b1,
+                         float* c, bool accumulate) {
+  CB_ROWS(CB_DECL)
+  for (int64_t b = b0; b < b1; ++b) {
+    pan.block(b);
+    for (int64_t k = b * QB; k < (b + 1) * QB; ++k) {
+      __m256 w0, w1;
+      pan.weights(k, w0, w1);
+      CB_ROWS(CB_FMA)
+    }
+  }
+  CB_ROWS(CB_SPILL)
+}
+
+// MR rows x 16 outputs over kc inputs whose weights were dequantized into w (kc x 16).
+template <int MR>
+inline void micro_buf(const float* x, int64_t ldx, const float* w, int64_t kc, float* c,
+                      bool accumulate) {
+  CB_ROWS(CB_DECL)
+  for (int64_t k = 0; k < kc; ++k) {
+    __m256 w0 = _mm256_load_ps(w + k * NR), w1 = _mm256_load_ps(w + k * NR + 8);
+    CB_ROWS(CB_FMA)
+  }
+  CB_ROWS(CB_SPILL)
+}
+
+template <int KIND>
+void dequant_blocks(Panel<KIND>& pan, int64_t b0, int64_t b1, float* w) {
+  for (int64_t b = b0; b < b1; ++b) {
+    pan.block(b);
+    for (int64_t k = b * QB; k < (b + 1) * QB; ++k) {
+      __m256 w0, w1;
+      pan.weights(k, w0, w1);
+      float* dst = w + (k - b0 * QB) * NR;
+      _mm256_store_ps(dst, w0);
+      _mm256_store_ps(dst + 8, w1);
+    }
+  }
+}
+
+template <int MR>
+inline void micro_buf_n(int64_t mr, const float* x, int64_t ldx, const float* w, int64_t kc,
+                        float* c, bool acc) {
+  switch (mr) {
+    case 1: micro_buf<1>(x, ldx, w, kc, c, acc); break;
+    case 2: micro_buf<2>(x, ldx, w, kc, c, acc); break;
+    case 3: micro_buf<3>(x, ldx, w, kc, c, acc); break;
+    case 4: micro_buf<4>(x, ldx, w, kc, c, acc); break;
+    case 5: micro_buf<5>(x, ldx, w, kc, c, acc); break;
+    default: micro_buf<6>(x, ldx, w, kc, c, acc); break;
+  }
+}
+
+template <int KIND>
+void linear_kernel(const float* x, int64_t M, int64_t K, const uint8_t* qs, const at::Half* d,
+                   const at::Half* m, int64_t P, const Epilogue& ep) {
+  const int64_t B = K / QB;
+  const int64_t qstride = KIND == F32 ? K * NR * 4 : KIND == Q8_0 ? K * NR : K * NR / 2;
+  const int64_t sstride = B * NR;
+  // Rows handled with weights dequantized on the fly; more rows reuse a dequantized chunk.
+  constexpr int64_t DIRECT_MAX = 4;
+  constexpr int64_t KCB = 4;  // blocks per chunk: 128 inputs x 16 outputs x 4 B = 8 KiB (L1)
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> cbuf(static_cast<size_t>(std::max<int64_t>(M, 6)) * NR + 16);
+    float* c = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(cbuf.data()) + 31) & ~uintptr_t(31));
+    alignas(64) float wbuf[KCB * QB * NR];
+    for (int64_t p = p0; p < p1; ++p) {
+      Panel<KIND> pan{qs + p * qstride, d ? d + p * sstride : nullptr, m ? m + p * sstride : nullptr};
+      if (M <= DIRECT_MAX) {
+        // Same summation order as the buffered path below (chunks of KCB blocks summed from
+        // zero, then added to the running total), so a row's result never depends on how many
+        // rows share the step: batching must not change a single token.
+        for (int64_t b0 = 0; b0 < B; b0 += KCB) {
+          const int64_t b1 = std::min(B, b0 + KCB);
+          switch (M) {
+            case 1: micro_direct<1, KIND>(x, K, pan, b0, b1, c, b0 > 0); break;
+            case 2: micro_direct<2, KIND>(x, K, pan, b0, b1, c, b0 > 0); break;
+            case 3: micro_direct<3, KIND>(x, K, pan, b0, b1, c, b0 > 0); break;
+            default: micro_direct<4, KIND>(x, K, pan, b0, b1, c, b0 > 0); break;
+          }
+        }
+      } else {
+        for (int64_t b0 = 0; b0 < B; b0 += KCB) {
+          const int64_t b1 = std::min(B, b0 + KCB);
+          const float* w = wbuf;
+          if constexpr (KIND == F32) {
+            w = reinterpret_cast<const float*>(pan.q) + b0 * QB * NR;
+          } else {
+            dequant_blocks<KIND>(pan, b0, b1, wbuf);
+          }
+          const int64_t kc = (b1 - b0) * QB;
+          for (int64_t r = 0; r < M; r += 6)
+            micro_buf_n<6>(std::min<int64_t>(6, M - r), x + r * K + b0 * QB, K, w, kc, c + r * NR, b0 > 0);
+        }
+      }
+      for (int64_t r = 0; r < M; ++r) ep.apply(r, p, c + r * NR);
+    }
+  });
+}
+
+at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::optional<at::Tensor>& d_,
+                         const c10::optional<at::Tensor>& m_, int64_t kind, int64_t N,
+                         const c10::optional<at::Tensor>& bias_, const c10::optional<at::Tensor>& residual_,
+                         int64_t act) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.dim() == 2, "x must be a 2-D float32 tensor");
+  at::Tensor x = x_.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % QB == 0, "in_features must be a multiple of 32");
+  const int64_t P = qs.size(0);
+  TORCH_CHECK(P * NR >= N, "N exceeds the packed panels");
+  const int64_t out_n = act == SILU_MUL ? N / 2 : N;
+  at::Tensor out = at::empty({M, out_n}, x.options());
+  if (M == 0) return out;
+  at::Tensor bias, residual, d, m;
+  if (bias_.has_value() && bias_->defined()) bias = bias_->contiguous();
+  if (residual_.has_value() && residual_->defined()) {
+    residual = residual_->contiguous();
+    TORCH_CHECK(residual.size(0) == M && residual.size(1) == N, "residual must be (M, N)");
+  }
+  if (d_.has_value() && d_->defined()) d = d_->contiguous();
+  if (m_.has_value() && m_->defined()) m = m_->contiguous();
+  Epilogue ep{bias.defined() ? bias.data_ptr<float>() : nullptr,
+              residual.defined() ? residual.data_ptr<float>() : nullptr,
+              residual.defined() ? residual.size(1) : 0, act, out.data_ptr<float>(), out_n, N};
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(qs.data_ptr());
+  const at::Half* dp = d.defined() ? d.data_ptr<at::Half>() : nullptr;
+  const at::Half* mp = m.defined() ? m.data_ptr<at::Half>() : nullptr;
+  const float* xp = x.data_ptr<float>();
+  switch (kind) {
+    case F32: linear_kernel<F32>(xp, M, K, q, nullptr, nullptr, P, ep); break;
+    case Q8_0: linear_kernel<Q8_0>(xp, M, K, q, dp, nullptr, P, ep); break;
+    case Q4_1: linear_kernel<Q4_1>(xp, M, K, q, dp, mp, P, ep); break;
+    default: TORCH_CHECK(false, "unknown weight kind ", kind);
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------
+// rms_norm
+// ------------------------------------------------------------------------------------------------
+
+at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {
+  at::Tensor x = x_.contiguous(), w = w_.contiguous();
+  const int64_t T = x.size(0), D = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* xr = xp + t * D;
+      float* orow = op + t * D;
+      __m256 acc = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 8 <= D; i += 8) { __m256 v = _mm256_loadu_ps(xr + i); acc = _mm256_fmadd_ps(v, v, acc); }
+      float ss = hsum(acc);
+      for (; i < D; ++i) ss += xr[i] * xr[i];
+      const float inv = 1.f / std::sqrt(ss / D + static_cast<float>(eps));
+      const __m256 vinv = _mm256_set1_ps(inv);
+      for (i = 0; i + 8 <= D; i += 8)
+        _mm256_storeu_ps(orow + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), vinv), _mm256_loadu_ps(wp + i)));
+      for (; i < D; ++i) orow[i] = xr[i] * inv * wp[i];
+    }
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------
+// attention
+// ------------------------------------------------------------------------------------------------
+
+// q: D floats (roped), scores of keys [0, L) of one kv head, softmax, weighted sum of values.
+template <typename C>
+void decode_one(const float* q, const C* kc, const C* vc, const int64_t* table, int64_t L, int64_t bs,
+                int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float* out, float* s) {
+  // scores
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < L; ++j) {
+    const C* kr = kc + table[j / bs] * blk_stride + (j % bs) * tok_stride;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= D; i += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(kr + i), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(kr + i + 8), a1);
+    }
+    for (; i < D; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(kr + i), a0);
+    s[j] = hsum(_mm256_add_ps(a0, a1)) * scale;
+    mx = std::max(mx, s[j]);
+  }
+  // softmax
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= L; j += 8) {
+    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
+    _mm256_storeu_ps(s + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float sum = hsum(vsum);
+  for (; j < L; ++j) { s[j] = std::exp(s[j] - mx); sum += s[j]; }
+  const float inv = 1.f / sum;
+  // values: D <= 256
+  __m256 acc[32];
+  const int64_t nv = D / 8;
+  for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_setzero_ps();
+  for (j = 0; j < L; ++j) {
+    const C* vr = vc + table[j / bs] * blk_stride + (j % bs) * tok_stride;
+    const __m256 p = _mm256_set1_ps(s[j]);
+    for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vr + 8 * i), acc[i]);
+  }
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], vinv));
+}
+
+template <typename C>
+void rope_and_write(float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, const float* cos,
+                    const float* sin, const int64_t* slots, C* kcache, C* vcache) {
+  const int64_t half = D / 2, width = (H + 2 * KVH) * D;
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* row = qkv + t * width;
+      const float* c = cos + t * half;
+      const float* s = sin + t * half;
+      for (int64_t h = 0; h < H + KVH; ++h) {  // q heads then k heads
+        float* x = row + h * D;
+        int64_t i = 0;
+        for (; i + 8 <= half; i += 8) {
+          __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+          __m256 vc = _mm256_loadu_ps(c + i), vs = _mm256_loadu_ps(s + i);
+          _mm256_storeu_ps(x + i, _mm256_fmsub_ps(x1, vc, _mm256_mul_ps(x2, vs)));
+          _mm256_storeu_ps(x + half + i, _mm256_fmadd_ps(x2, vc, _mm256_mul_ps(x1, vs)));
+        }
+        for (; i < half; ++i) {
+          const float x1 = x[i], x2 = x[half + i];
+          x[i] = x1 * c[i] - x2 * s[i];
+          x[half + i] = x2 * c[i] + x1 * s[i];
+        }
+      }
+      const int64_t slot = slots[t];
+      const float* k = row + H * D;
+      const float* v = row + (H + KVH) * D;
+      C* kd = kcache + slot * KVH * D;
+      C* vd = vcache + slot * KVH * D;
+      int64_t i = 0;
+      for (; i + 8 <= KVH * D; i += 8) { store8(kd + i, _mm256_loadu_ps(k + i)); store8(vd + i, _mm256_loadu_ps(v + i)); }
+      for (; i < KVH * D; ++i) { kd[i] = static_cast<C>(k[i]); vd[i] = static_cast<C>(v[i]); }
+    }
+  });
+}
+
+// chunk_meta: (C, 3) int64 rows [token_start, num_tokens, context_len]; chunk_tables (C, maxb).
+at::Tensor attention(const at::Tensor& qkv_, const at::Tensor& cos_, const at::Tensor& sin_,
+                     const at::Tensor& kcache, const at::Tensor& vcache, const at::Tensor& slots_,
+                     int64_t num_decode, const at::Tensor& dec_tables_, const at::Tensor& dec_lens_,
+                     const at::Tensor& chunk_meta_, const at::Tensor& chunk_tables_, int64_t H,
+                     int64_t KVH, int64_t D, double scale_) {
+  at::Tensor qkv = qkv_.contiguous();  // roped in place: it is this op's own input buffer
+  at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous(), slots = slots_.contiguous();
+  const int64_t T = qkv.size(0);
+  const float scale = static_cast<float>(scale_);
+  const bool half_cache = kcache.scalar_type() == at::kHalf;
+  TORCH_CHECK(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
+  if (half_cache)
+    rope_and_write<at::Half>(qkv.data_ptr<float>(), T, H, KVH, D, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                             slots.data_ptr<int64_t>(), kcache.data_ptr<at::Half>(), vcache.data_ptr<at::Half>());
+  else
+    rope_and_write<float>(qkv.data_ptr<float>(), T, H, KVH, D, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                          slots.data_ptr<int64_t>(), kcache.data_ptr<float>(), vcache.data_ptr<float>());
+  at::Tensor out = at::empty({T, H * D}, qkv.options());
+  const int64_t width = (H + 2 * KVH) * D;
+  const int64_t bs = kcache.size(1), tok_stride = KVH * D, blk_stride = bs * KVH * D;
+  const int64_t G = H / KVH;
+  const float* qp = qkv.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  if (num_decode > 0) {
+    at::Tensor tables = dec_tables_.contiguous(), lens = dec_lens_.contiguous();
+    const int64_t* tp = tables.data_ptr<int64_t>();
+    const int64_t* lp = lens.data_ptr<int64_t>();
+    const int64_t maxb = tables.size(1);
+    at::parallel_for(0, num_decode * KVH, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> s;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / KVH, kvh = i % KVH, L = lp[b];
+        s.resize(L + 8);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t h = kvh * G + g;
+          if (half_cache)
+            decode_one<at::Half>(qp + b * width + h * D, kcache.data_ptr<at::Half>() + kvh * D,
+                                 vcache.data_ptr<at::Half>() + kvh * D, tp + b * maxb, L, bs, tok_stride,
+                                 blk_stride, D, scale, op + b * H * D + h * D, s.data());
+          else
+            decode_one<float>(qp + b * width + h * D, kcache.data_ptr<float>() + kvh * D,
+                              vcache.data_ptr<float>() + kvh * D, tp + b * maxb, L, bs, tok_stride,
+                              blk_stride, D, scale, op + b * H * D + h * D, s.data());
+        }
+      }
+    });
+  }
+  const int64_t C = chunk_meta_.defined() ? chunk_meta_.size(0) : 0;
+  if (C > 0) {
+    at::Tensor meta = chunk_meta_.contiguous();
+    const int64_t* mp = meta.data_ptr<int64_t>();
+    at::Tensor kflat = kcache.view({-1, KVH, D}), vflat = vcache.view({-1, KVH, D});
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t start = mp[c * 3], n = mp[c * 3 + 1], L = mp[c * 3 + 2];
+      at::Tensor q = qkv.narrow(0, start, n).narrow(1, 0, H * D).view({n, H, D}).transpose(0, 1).unsqueeze(0);
+      at::Tensor k, v;
+      if (L == n) {  // no past: the chunk's own (roped) K and V
+        k = qkv.narrow(0, start, n).narrow(1, H * D, KVH * D).view({n, KVH, D});
+        v = qkv.narrow(0, start, n).narrow(1, (H + KVH) * D, KVH * D).view({n, KVH, D});
+      } else {  // past in the pool: gather the sequence's first L slots
+        const int64_t nb = (L + bs - 1) / bs;
+        at::Tensor blocks = chunk_tables_[c].narrow(0, 0, nb);
+        at::Tensor idx = (blocks.unsqueeze(1) * bs + at::arange(bs, blocks.options()).unsqueeze(0)).view({-1}).narrow(0, 0, L);
+        k = kflat.index_select(0, idx).to(at::kFloat);
+        v = vflat.index_select(0, idx).to(at::kFloat);
+      }
+      k = k.transpose(0, 1).unsqueeze(0);
+      v = v.transpose(0, 1).unsqueeze(0);
+      at::Tensor o;
+      if (L == n) {
+        o = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true, scale, true);
+      } else {
+        at::Tensor qpos = at::arange(L - n, L, at::TensorOptions().dtype(at::kLong)).unsqueeze(1);
+        at::Tensor mask = at::arange(L, at::TensorOptions().dtype(at::kLong)).unsqueeze(0) <= qpos;
+        o = at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale, true);
+      }
+      out.narrow(0, start, n).view({n, H, D}).copy_(o[0].transpose(0, 1));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace cbserve
+
+
+TORCH_LIBRARY(cbserve, m) {
+  m.def("packed_linear(Tensor x, Tensor qs, Tensor? d, Tensor? m, int kind, int N, Tensor? bias, Tensor? residual, int act) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("attention(Tensor qkv, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache, Tensor slots, int num_decode, Tensor dec_tables, Tensor dec_lens, Tensor chunk_meta, Tensor chunk_tables, int H, int KVH, int D, float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(cbserve, CPU, m) {
+  m.impl("packed_linear", &cbserve::packed_linear);
+  m.impl("rms_norm", &cbserve::rms_norm);
+  m.impl("attention", &cbserve::attention);
+}

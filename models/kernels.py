@@ -1,0 +1,158 @@
+"""The project's CPU kernels (models/csrc/cbserve_kernels.cpp), built once and loaded as torch ops.
+
+Owns compiling the C++ source into a shared library, caching it, and loading it so its ops appear
+under `torch.ops.cbserve`. The source uses AVX2, FMA and F16C and is compiled for `x86-64-v3`, so
+one build runs on every x86 CPU that has those (Intel since 2013, AMD since 2015) and can be baked
+into a Docker image built elsewhere. Where it cannot run (another architecture, no C++ compiler,
+`CBSERVE_KERNELS=0`) `available()` is False and the models use their pure-torch path, which
+computes the same thing, slower.
+
+The library is cached in `$CBSERVE_KERNEL_DIR` (default `~/.cache/cbserve/kernels`), keyed by the
+source, the compiler flags and torch's version: an upgrade rebuilds, nothing else does.
+
+    python -m models.kernels        # build now (the install script does), print where it is
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from models.cpu import cpu_flags
+
+log = logging.getLogger("models.kernels")
+
+SOURCE = Path(__file__).with_name("csrc") / "cbserve_kernels.cpp"
+FLAGS = ("-O3", "-march=x86-64-v3", "-mtune=generic", "-fopenmp", "-std=c++20", "-shared", "-fPIC")
+REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+class KernelBuildError(RuntimeError):
+    """The kernels could not be built here; the message says why."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("CBSERVE_KERNEL_DIR")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "cbserve" / "kernels"
+
+
+def _cpu_supported() -> str | None:
+    """None if this CPU can run the kernels, else the reason it cannot."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the kernels are x86-64 only (this is {platform.machine()})"
+    flags = cpu_flags()
+    if not flags:
+        return None  # not Linux: let the compiler and the loader decide
+    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in flags]
+    return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _key() -> str:
+    h = hashlib.sha256()
+    h.update(SOURCE.read_bytes())
+    h.update(" ".join(FLAGS).encode())
+    h.update(torch.__version__.encode())
+    return h.hexdigest()[:16]
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernels unless a build for this source, flags and torch is cached (a cached
+    build needs no compiler: a Docker image carries one built in its build stage)."""
+    reason = _cpu_supported()
+    if reason:
+        raise KernelBuildError(reason)
+    out_dir = cache_dir()
+    target = out_dir / f"cbserve_kernels-{_key()}.so"
+    if target.is_file() and not force:
+        return target
+    compiler = _compiler()
+    if compiler is None:
+        raise KernelBuildError("no C++ compiler found (set CXX, or install g++)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libdir = cpp_extension.library_paths()[0]
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    # One build at a time per cache (several servers may start together); the loser of the race
+    # finds the library already built.
+    with open(out_dir / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file() and not force:
+            return target
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
+        os.close(fd)
+        cmd = [
+            compiler, *FLAGS, abi, *includes, str(SOURCE), "-o", tmp,
+            f"-L{libdir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{libdir}",
+        ]  # fmt: skip
+        log.info("building the CPU kernels (once per machine, ~1 min): %s", target.name)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            raise KernelBuildError(f"compiling {SOURCE.name} failed:\n{done.stderr[-3000:]}")
+        os.replace(tmp, target)
+    return target
+
+
+def available() -> bool:
+    """True once the kernels are loaded (building them on first use); False where they cannot
+    run. The outcome is decided once per process."""
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"], _state["why"] = _load()
+        return bool(_state["ok"])
+
+
+def unavailable_reason() -> str | None:
+    available()
+    return _state.get("why")  # type: ignore[return-value]
+
+
+def _load() -> tuple[bool, str | None]:
+    if os.environ.get("CBSERVE_KERNELS", "1") == "0":
+        return False, "disabled by CBSERVE_KERNELS=0"
+    try:
+        path = build()
+        torch.ops.load_library(str(path))
+    except (KernelBuildError, OSError, RuntimeError) as e:
+        log.warning("CPU kernels unavailable, using the pure-torch path: %s", e)
+        return False, str(e)
+    return True, None
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        path = build(force="--force" in sys.argv)
+    except KernelBuildError as e:
+        print(f"models.kernels: {e}", file=sys.stderr)
+        return 1
+    torch.ops.load_library(str(path))
+    print(f"cbserve kernels: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,204 @@
+"""The cbserve CPU kernels against the pure-torch path they replace.
+
+packed_linear for every weight format (and its epilogues), batch invariance of a row's result,
+GGUF block decoding against the gguf package's own dequantizer, the fused attention op against
+`paged_attention` (decode rows, chunks with and without a past, float32 and float16 pools), and the
+whole SmolLM2 model through the kernels against the float model with the same weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import kernels
+from models.attention import AttentionMetadata, PrefillChunk, paged_attention
+from models.quant import F32, Q4_1, Q8_0, QTensor, from_gguf_blocks, pack, quantize
+
+pytestmark = pytest.mark.skipif(
+    not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"
+)
+KINDS = [F32, Q8_0, Q4_1]
+
+
+def _linear(x, packed, bias=None, residual=None, act=0):
+    p = packed
+    return torch.ops.cbserve.packed_linear(
+        x, p.qs, p.d, p.m, p.kind, p.out_features, bias, residual, act
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 7, 13, 64])
+def test_packed_linear_matches_float_matmul_of_the_same_weights(kind, m):
+    torch.manual_seed(kind * 100 + m)
+    n, k = 72, 96  # N not a multiple of the 16-row panel: padding must not leak
+    w = torch.randn(n, k) * 0.1
+    qt = quantize(w, kind)
+    x, bias, res = torch.randn(m, k), torch.randn(n), torch.randn(m, n)
+    ref = F.linear(x, qt.dequantize(), bias) + res
+    got = _linear(x, pack(qt), bias, res)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_silu_mul_epilogue_matches_swiglu(kind):
+    torch.manual_seed(1)
+    f, k = 40, 64  # 40 = 5 panels of 8 gate + 8 up rows
+    w = torch.randn(2 * f, k) * 0.1
+    qt = quantize(w, kind)
+    x = torch.randn(6, k)
+    gate, up = F.linear(x, qt.dequantize()).chunk(2, dim=-1)
+    got = _linear(x, pack(qt, gate_up=True), act=1)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rows_result_does_not_depend_on_the_batch_around_it(kind):
+    """Batching must never change a token: bit-identical rows alone and in batches of any size
+    (the kernel switches strategy above 4 rows; the summation order must not change)."""
+    torch.manual_seed(2)
+    w = torch.randn(48, 576) * 0.05
+    packed = pack(quantize(w, kind))
+    x = torch.randn(37, 576)
+    alone = torch.cat([_linear(x[i : i + 1], packed) for i in range(37)])
+    for m in (2, 4, 5, 6, 12, 37):
+        batched = torch.cat([_linear(x[i : i + m], packed) for i in range(0, 37, m)])
+        assert torch.equal(batched, alone), f"batch of {m} changed a row"
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_decode_exactly_like_the_gguf_package(name):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from gguf.quants import quantize as gguf_quantize
+
+    qtype = GGMLQuantizationType[name]
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((24, 128)).astype(np.float32)
+    raw = gguf_quantize(w, qtype)
+    qt = from_gguf_blocks(raw, int(qtype), 24, 128)
+    assert qt is not None
+    np.testing.assert_array_equal(qt.dequantize().numpy(), dequantize(raw, qtype).reshape(24, 128))
+
+
+def test_fused_qkv_rows_keep_their_blocks():
+    torch.manual_seed(4)
+    parts = [quantize(torch.randn(r, 64), Q4_1) for r in (32, 16, 16)]
+    fused = QTensor.cat(parts)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    order = torch.randperm(64)
+    assert torch.equal(fused.rows(order).dequantize(), fused.dequantize()[order])
+
+
+# -- attention ----------------------------------------------------------------------------------
+
+H, KVH, D, BS, NB = 6, 2, 32, 4, 40
+
+
+def _rope_tables(positions: torch.Tensor):
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    freqs = torch.outer(positions.double(), inv)
+    return freqs.cos().float(), freqs.sin().float()  # (T, D/2)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
+def test_fused_attention_matches_paged_attention(pool_dtype):
+    """Two decode rows, a chunk with a cached past and a fresh prompt, in one flat batch."""
+    torch.manual_seed(5)
+    seqs = {  # name: (block table, tokens already in the pool, new tokens this step)
+        "dec_a": ([3, 9, 1 + 20], 9, 1),
+        "dec_b": ([7], 2, 1),
+        "chunk": ([11, 12, 30, 31], 6, 5),
+        "fresh": ([14, 15], 0, 7),
+    }
+    kpool = torch.zeros(NB, BS, KVH, D)
+    vpool = torch.zeros(NB, BS, KVH, D)
+    for table, past, _ in seqs.values():  # the past, already roped, as the pool holds it
+        for p in range(past):
+            kpool[table[p // BS], p % BS] = torch.randn(KVH, D)
+            vpool[table[p // BS], p % BS] = torch.randn(KVH, D)
+    kpool, vpool = kpool.to(pool_dtype).float(), vpool.to(pool_dtype).float()  # same past
+
+    positions, slots, prefills, token = [], [], [], 0
+    for name, (table, past, n) in seqs.items():
+        pos = list(range(past, past + n))
+        positions += pos
+        slots += [table[p // BS] * BS + p % BS for p in pos]
+        if not name.startswith("dec"):
+            nb = -(-(past + n) // BS)
+            prefills.append(PrefillChunk(token, n, past + n, torch.tensor(table[:nb])))
+        token += n
+    t = token
+    qkv = torch.randn(t, (H + 2 * KVH) * D)
+    cos, sin = _rope_tables(torch.tensor(positions))
+
+    def meta():
+        tables = [seqs["dec_a"][0], seqs["dec_b"][0] + [0, 0]]
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            num_decode_tokens=2,
+            decode_block_tables=torch.tensor(tables),
+            decode_context_lens=torch.tensor([10, 3]),
+            prefills=prefills,
+        )
+
+    # reference: rope in torch, the float32 pool, paged_attention
+    q = _rotate(qkv[:, : H * D].view(t, H, D), cos, sin)
+    k = _rotate(qkv[:, H * D : (H + KVH) * D].view(t, KVH, D), cos, sin)
+    v = qkv[:, (H + KVH) * D :].view(t, KVH, D)
+    if pool_dtype == torch.float16:  # what the pool will hold of this step's K/V
+        k, v = k.half().float(), v.half().float()
+    ref_cache = (kpool.clone(), vpool.clone())
+    want = paged_attention(q, k, v, ref_cache, meta(), D**-0.5).reshape(t, H * D)
+
+    cache = (kpool.to(pool_dtype), vpool.to(pool_dtype))
+    m = meta()
+    got = torch.ops.cbserve.attention(
+        qkv.clone(), cos, sin, cache[0], cache[1], m.slot_mapping, 2,
+        m.decode_block_tables, m.decode_context_lens, m.chunk_meta(), m.chunk_tables(),
+        H, KVH, D, D**-0.5,
+    )  # fmt: skip
+    # With a float16 pool a chunk without a past attends over its own unrounded K/V (the kernel
+    # never reads them back), the reference over rounded ones: float16 rounding apart.
+    tol = 1e-4 if pool_dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(cache[0].float(), ref_cache[0], rtol=1e-3, atol=1e-3)
+
+
+# -- the whole model ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_through_the_kernels_matches_the_float_model_of_the_same_weights():
+    """The GGUF's own Q4_1/Q8_0 blocks in the kernels vs the dequantized float32 model in
+    pure torch: the same weights, so logits agree to float rounding (float32 KV here)."""
+    from models import load_model
+    from models.fetch import smollm2_path
+    from models.gguf_loader import load_gguf
+
+    fast = load_model("smollm2-135m-instruct", kv_cache_dtype="float32")
+    assert set(fast.model.weight_formats()) == {"q4_1", "q8_0"}
+    ref = load_gguf(smollm2_path())  # float32, pure torch
+    ids = fast.tokenizer.encode("The capital of France is")
+    n = len(ids)
+    outs = []
+    with torch.inference_mode():
+        for model in (fast.model, ref.model):
+            layout = model.config.kv_layout
+            pool = torch.zeros(layout.pool_shape(4, 16), dtype=layout.dtype)
+            caches = [(pool[i, 0], pool[i, 1]) for i in range(layout.num_layers)]
+            chunk = PrefillChunk(0, n, n, torch.tensor([1, 2]))
+            meta = AttentionMetadata(torch.arange(16, 16 + n), 0, None, None, [chunk])
+            hidden = model(torch.tensor(ids), torch.arange(n), caches, meta)
+            outs.append(model.compute_logits(hidden[-1:]))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-3, atol=1e-3)
+    assert int(outs[0].argmax()) == int(outs[1].argmax())
