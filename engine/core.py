@@ -13,6 +13,7 @@ and `step` from one thread at a time.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import replace
 
@@ -25,6 +26,7 @@ from engine.model_runner import ModelRunner, run_full_sequence
 from engine.request import Request, RequestState, RequestStatus, StepOutput, TokenLogprob
 from engine.sampling import sample
 from engine.scheduler import Scheduler
+from engine.step_budget import StepBudget
 from models.base import CausalLM, LoadedModel
 
 DEFAULT_KV_CACHE_GIB = 1.0
@@ -206,6 +208,9 @@ class StaticBatchEngine(EngineBase):
             self.block_manager, config.max_batch_size, config.token_budget, static=self._static
         )
         self.runner = ModelRunner(self.model, num_blocks, config.block_size)
+        self.step_budget = None
+        if config.target_step_ms is not None and not self._static:
+            self.step_budget = StepBudget(config.target_step_ms / 1000, config.token_budget)
 
     def _blocks_from_budget(self, config: EngineConfig) -> int:
         """Size the pool from a memory budget; without one, enough for every slot to reach the
@@ -278,12 +283,24 @@ class StaticBatchEngine(EngineBase):
     # -- one step ----------------------------------------------------------------------------------
 
     def _step(self) -> list[StepOutput]:
+        sb = self.step_budget
+        if sb is not None:
+            decoding = sum(
+                not s.finished and s.num_tokens - s.num_computed_tokens <= 1
+                for s in self.scheduler.running
+            )
+            self.scheduler.max_num_batched_tokens = sb.budget(decoding)
         sched = self.scheduler.schedule()
         if not sched.rows:
             return []
         self.total_slot_steps += len(sched.rows)
         self.wasted_slot_steps += sum(r.wasted for r in sched.rows)
+        t0 = time.perf_counter()
         logits, sampling = self.runner.execute(sched.rows)
+        if sb is not None:
+            rows = [r.num_new_tokens for r in sched.rows]
+            decodes = sum(n == 1 for n in rows)
+            sb.observe(decodes, sum(rows) - decodes, time.perf_counter() - t0)
         self.scheduler.commit(sched)
         if not sampling:
             return []

@@ -100,6 +100,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: max(512, max_batch_size)
     enable_prefix_caching: bool | None = None  # None: the engine's default
     max_model_len: int | None = None  # None: the model's context length
+    # While requests decode, size each step's budget so the step takes about this long
+    # (`engine.step_budget`); None: the fixed `token_budget` every step.
+    target_step_ms: float | None = None
     # The disaggregated engine's pools; None: the shared value above.
     prefill_max_batch_size: int | None = None
     prefill_num_blocks: int | None = None
@@ -128,6 +131,11 @@ class EngineConfig:
                 isinstance(value, int | float) and math.isfinite(value) and value > 0
             )
             _check(ok, name, "must be > 0", value)
+        target = self.target_step_ms
+        ok = target is None or (
+            isinstance(target, int | float) and math.isfinite(target) and target > 0
+        )
+        _check(ok, "target_step_ms", "must be > 0 or None", target)
         caching = self.enable_prefix_caching
         ok = caching is None or isinstance(caching, bool)
         _check(ok, "enable_prefix_caching", "must be True, False or None", caching)

@@ -51,9 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="continuous",
         help="batching policy (default: %(default)s)",
     )
-    # Serving defaults, measured on 2 cores with SmolLM2 (docs/benchmarks.md): 32 slots keep
-    # admission from queueing at 4 req/s; a 96-token step budget bounds how long a prefill chunk
-    # can stretch a step, keeping every inter-token gap under 200 ms.
+    # Serving defaults, measured on 2 cores with SmolLM2 (docs/benchmarks.md): 32 slots; steps
+    # sized to ~120 ms while requests decode (each step's prefill chunk is what fits), so every
+    # inter-token gap stays well under a 200 ms SLO, and up to 512 tokens when none decode, so an
+    # idle server prefills a prompt at full speed.
     m.add_argument(
         "--max-batch-size",
         type=int,
@@ -63,16 +64,25 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=96,
-        help="token budget of one step; long prompts are prefilled in chunks (default: %(default)s)",
+        default=512,
+        help="most tokens one step computes; long prompts are prefilled in chunks "
+        "(default: %(default)s)",
+    )
+    m.add_argument(
+        "--target-step-ms",
+        type=float,
+        default=120.0,
+        help="while requests decode, give each step the tokens that keep it about this long, "
+        "learned from measured steps; 0 turns it off (a fixed budget every step) "
+        "(default: %(default)s)",
     )
     m.add_argument(
         "--kv-cache-memory",
         type=float,
-        default=0.25,
+        default=1.0,
         metavar="GIB",
-        help="KV cache budget in GiB; the pool is allocated up front (default: %(default)s, "
-        "5,800 tokens of SmolLM2 or 87,000 of TinyGPT)",
+        help="KV cache budget in GiB; the pool's pages are reserved up front and touched as "
+        "used (default: %(default)s: 46,000 tokens of SmolLM2 with its float16 cache)",
     )
     m.add_argument(
         "--num-kv-blocks",
@@ -192,6 +202,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "block_size": args.block_size,
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": args.prefix_caching,
+        "target_step_ms": args.target_step_ms or None,
     }
     return EngineConfig(**{k: v for k, v in options.items() if v is not None})
 

@@ -202,3 +202,10 @@ def test_smollm2_through_the_kernels_matches_the_float_model_of_the_same_weights
             outs.append(model.compute_logits(hidden[-1:]))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-3, atol=1e-3)
     assert int(outs[0].argmax()) == int(outs[1].argmax())
+
+
+def test_rms_norm_kernel_matches_torch():
+    torch.manual_seed(6)
+    x, w = torch.randn(9, 576) * 30, torch.randn(576)
+    want = F.rms_norm(x, (576,), w, 1e-5)
+    torch.testing.assert_close(torch.ops.cbserve.rms_norm(x, w, 1e-5), want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,57 @@
+"""The step's token budget, sized from measured step times so decoding requests keep their pace.
+
+A fixed budget is wrong both ways on a CPU: every token a step computes costs about the same
+(prefill and decode rows alike are matmul-bound), so a step that carries a 96-token prefill chunk
+beside 32 decodes takes several times as long as one without it, and every running request's
+inter-token gap stretches by that much; yet with nothing decoding, a small budget only delays the
+first token of a long prompt. `StepBudget` learns the time per token from the steps the engine
+runs and gives each step a budget that, while requests are decoding, keeps the step near
+`target_s` (the rest of the budget goes to prefill chunks); with none decoding, the configured
+maximum.
+
+Cost model: step seconds ~ overhead + per_token x (prefill tokens + decode rows x decode_weight),
+learned as an exponential moving average over steps large enough to be dominated by their tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StepBudget:
+    target_s: float  # aim for steps this long while requests are decoding
+    max_tokens: int  # the configured ceiling (`max_num_batched_tokens`)
+    min_chunk: int = 16  # prefill tokens a step always admits, so prompts never starve
+    decode_weight: float = 1.25  # a decode row also pays its head matmul and its attention
+    smoothing: float = 0.2
+    per_token_s: float | None = None  # learned; None until a step large enough was seen
+    overhead_s: float = 0.0
+
+    def budget(self, num_decoding: int) -> int:
+        """Tokens (decode rows included) for the next step, given how many rows decode."""
+        if num_decoding == 0 or self.per_token_s is None:
+            return self.max_tokens
+        spare = (
+            self.target_s - self.overhead_s - self.per_token_s * num_decoding * self.decode_weight
+        )
+        prefill = max(self.min_chunk, int(spare / self.per_token_s))
+        return max(1, min(self.max_tokens, num_decoding + prefill))
+
+    def observe(self, num_decode_rows: int, num_prefill_tokens: int, seconds: float) -> None:
+        """Record a step's size and duration."""
+        work = num_prefill_tokens + num_decode_rows * self.decode_weight
+        if work < 8:
+            # Small steps are dominated by reading the weights and by Python: their time is
+            # the overhead, not a per-token cost.
+            a = self.smoothing
+            self.overhead_s = (
+                seconds if self.overhead_s == 0 else (1 - a) * self.overhead_s + a * seconds
+            )
+            return
+        per_token = max(seconds - self.overhead_s, 0.0) / work
+        if self.per_token_s is None:
+            self.per_token_s = per_token
+        else:
+            a = self.smoothing
+            self.per_token_s = (1 - a) * self.per_token_s + a * per_token

@@ -1,0 +1,42 @@
+"""The adaptive step budget: learns the time per token and keeps decoding steps near the target."""
+
+from __future__ import annotations
+
+from engine.step_budget import StepBudget
+
+
+def _simulate(sb: StepBudget, per_token: float, overhead: float, decoding: int, steps: int) -> int:
+    """Feed the budget steps whose time follows a linear cost model; return the last budget."""
+    budget = sb.max_tokens
+    for _ in range(steps):
+        budget = sb.budget(decoding)
+        prefill = max(0, budget - decoding)
+        seconds = overhead + per_token * (prefill + decoding * sb.decode_weight)
+        sb.observe(decoding, prefill, seconds)
+    return budget
+
+
+def test_no_decodes_means_the_full_budget():
+    sb = StepBudget(target_s=0.1, max_tokens=512)
+    assert sb.budget(0) == 512
+    sb.observe(0, 512, 1.0)
+    assert sb.budget(0) == 512
+
+
+def test_decoding_steps_converge_to_the_target_time():
+    sb = StepBudget(target_s=0.12, max_tokens=512)
+    sb.observe(1, 0, 0.008)  # a lone decode step: the fixed cost
+    budget = _simulate(sb, per_token=0.002, overhead=0.008, decoding=20, steps=30)
+    step = 0.008 + 0.002 * (budget - 20 + 20 * sb.decode_weight)
+    assert abs(step - 0.12) < 0.01, (budget, step)
+
+
+def test_prefill_never_starves_even_when_decodes_alone_exceed_the_target():
+    sb = StepBudget(target_s=0.05, max_tokens=512, min_chunk=16)
+    budget = _simulate(sb, per_token=0.003, overhead=0.0, decoding=32, steps=10)
+    assert budget == 32 + 16
+
+
+def test_budget_never_exceeds_the_configured_maximum():
+    sb = StepBudget(target_s=10.0, max_tokens=96)
+    assert _simulate(sb, per_token=0.001, overhead=0.0, decoding=4, steps=5) == 96
