@@ -13,6 +13,7 @@ so it costs a full decode row without disturbing anything a live request reads.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.block_manager import NULL_BLOCK
@@ -28,8 +29,12 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         # zeros, not empty: padded attention reads masked slots, and 0 * NaN from uninitialised
-        # memory would poison the output. torch.zeros maps pages lazily, so RSS grows with use.
-        self.kv = torch.zeros(layout.pool_shape(num_blocks, block_size), dtype=layout.dtype)
+        # memory would poison the output. numpy's zeros come from calloc, whose large blocks are
+        # fresh anonymous pages the kernel zeroes on first touch, so RSS grows with use (torch's
+        # own zeros writes every page up front: a 1 GiB pool would be 1 GiB resident at start).
+        shape = layout.pool_shape(num_blocks, block_size)
+        np_dtype = torch.empty((), dtype=layout.dtype).numpy().dtype
+        self.kv = torch.from_numpy(np.zeros(shape, dtype=np_dtype))
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(layout.num_layers)]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
