@@ -274,8 +274,37 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: (T,). Returns final hidden states (T, d_model)."""
         x = self.embed_tokens(input_ids)  # (T, d)
         rope = self.rotary(positions, halves=self.kernels)
+        if self._plan is not None and kv_caches is not None:
+            return self._forward_planned(x, rope, kv_caches, meta)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, None if kv_caches is None else kv_caches[i], meta)
+        return self.norm(x)
+
+    _plan: list[tuple] | None = None  # set by enable_kernels when every layer is fully packed
+
+    def _forward_planned(self, x, rope, kv_caches, meta) -> torch.Tensor:
+        """The layer loop as straight calls of the kernel ops (what `DecoderLayer.forward`
+        computes, op for op) without nn.Module dispatch: ~10 module calls a layer cost ~2 ms a
+        step on SmolLM2, a quarter of a batch-1 decode step."""
+        linear = torch.ops.cbserve.packed_linear.default
+        attention = torch.ops.cbserve.attention.default
+        norm = torch.ops.cbserve.rms_norm.default
+        c = self.config
+        eps, h, kvh, hd = c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim
+        scale = self.layers[0].self_attn.scale
+        cos, sin, slots, nd = rope.cos_half, rope.sin_half, meta.slot_mapping, meta.num_decode_tokens
+        tables = _or_empty(meta.decode_block_tables, 2)
+        lens = _or_empty(meta.decode_context_lens, 1)
+        chunk_meta, chunk_tables = meta.chunk_meta(), meta.chunk_tables()
+        for (n1, qkv_w, o_w, n2, gu_w, down_w), (kc, vc) in zip(self._plan, kv_caches, strict=True):
+            qkv = linear(norm(x, n1, eps), *qkv_w, None, 0)
+            o = attention(
+                qkv, cos, sin, kc, vc, slots, nd, tables, lens, chunk_meta, chunk_tables,
+                h, kvh, hd, scale,
+            )  # fmt: skip
+            x = linear(o, *o_w, x, 0)
+            g = linear(norm(x, n2, eps), *gu_w, None, 1)
+            x = linear(g, *down_w, x, 0)
         return self.norm(x)
 
     @classmethod
@@ -367,6 +396,21 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(mod, RMSNorm):
                 mod.fused = True
         self.kernels = True
+
+        def args(m: nn.Module) -> tuple:
+            p = m.packed
+            return (p.qs, p.d, p.m, p.kind, p.out_features, m.bias)
+
+        linears = [
+            (ly.self_attn.qkv_proj, ly.self_attn.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj)
+            for ly in self.layers
+        ]
+        if all(isinstance(m, PackedLinear) for group in linears for m in group):
+            self._plan = [
+                (layer.input_layernorm.weight, args(qkv), args(o),
+                 layer.post_attention_layernorm.weight, args(gu), args(down))
+                for layer, (qkv, o, gu, down) in zip(self.layers, linears, strict=True)
+            ]  # fmt: skip
 
     def weight_formats(self) -> dict[str, int]:
         """Bytes of projection and head weights by format ("f32", "q4_1", ...)."""

@@ -209,3 +209,49 @@ def test_rms_norm_kernel_matches_torch():
     x, w = torch.randn(9, 576) * 30, torch.randn(576)
     want = F.rms_norm(x, (576,), w, 1e-5)
     torch.testing.assert_close(torch.ops.cbserve.rms_norm(x, w, 1e-5), want, rtol=1e-5, atol=1e-5)
+
+
+_LOGITS_SCRIPT = """
+import json, torch
+from models import load_model
+from engine.model_runner import ModelRunner
+from models.attention import AttentionMetadata, PrefillChunk
+lm = load_model("tinygpt")
+ids = lm.tokenizer.encode("Batching must never change a token.")
+n = len(ids)
+runner = ModelRunner(lm.model, num_blocks=8, block_size=16)
+meta = AttentionMetadata(torch.arange(16, 16 + n), 0, None, None,
+                         [PrefillChunk(0, n, n, torch.tensor([1, 2, 3]))])
+with torch.inference_mode():
+    h = lm.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta)
+    logits = lm.model.compute_logits(h[-1:])[0]
+print(json.dumps({"kernels": lm.model.kernels, "logits": logits.tolist()}))
+"""
+
+
+@pytest.mark.parametrize("env", [{"CBSERVE_KERNELS": "0"}, {"ATEN_CPU_CAPABILITY": "avx2"}])
+def test_the_pure_torch_fallback_and_the_avx2_capped_path_compute_the_same_model(env):
+    """Where the kernels cannot run (CBSERVE_KERNELS=0 stands in for a CPU without AVX2 or a
+    machine without a compiler) the pure-torch path serves the same model; with torch's ISA
+    capped at AVX2 (many users' CPUs) the kernel path is unchanged."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def run(extra):
+        out = subprocess.run(
+            [sys.executable, "-c", _LOGITS_SCRIPT],
+            env={**os.environ, **extra},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    base, other = run({}), run(env)
+    assert base["kernels"] is True
+    assert other["kernels"] is (env.get("CBSERVE_KERNELS") != "0")
+    torch.testing.assert_close(
+        torch.tensor(other["logits"]), torch.tensor(base["logits"]), rtol=1e-4, atol=1e-4
+    )

@@ -29,7 +29,9 @@ from loadtest.report import to_json
 from loadtest.sweep import MeasureOptions, measure
 from loadtest.trace import TraceSpec
 
-SLO_ISSUE = SLO(ttft=1.0, itl_mean=0.2, itl_p99=0.2)  # TTFT <= 1 s, each request's p99 gap <= 200 ms
+SLO_ISSUE = SLO(
+    ttft=1.0, itl_mean=0.2, itl_p99=0.2
+)  # TTFT <= 1 s, each request's p99 gap <= 200 ms
 
 
 @dataclass

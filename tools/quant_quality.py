@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     ref_logits = None
     ids: list[int] = []
     print(f"model {args.model}, text {args.text.name}, first {args.tokens} tokens\n")
-    print(f"{'configuration':58} {'ppl':>7} {'max |dlogit|':>12} {'mean':>8} {'argmax differs':>14}")
+    print(
+        f"{'configuration':58} {'ppl':>7} {'max |dlogit|':>12} {'mean':>8} {'argmax differs':>14}"
+    )
     for label, mode, kw in configs:
         if mode == "ref":
             os.environ["CBSERVE_KERNELS"] = "0"
