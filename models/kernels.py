@@ -34,6 +34,8 @@ from models.cpu import cpu_flags
 log = logging.getLogger("models.kernels")
 
 SOURCE = Path(__file__).with_name("csrc") / "cbserve_kernels.cpp"
+# -fopenmp: at::parallel_for is inline code that parallelises through OpenMP pragmas (serial
+# without the flag); libgomp then resolves to torch's own copy through the rpath.
 FLAGS = ("-O3", "-march=x86-64-v3", "-mtune=generic", "-fopenmp", "-std=c++20", "-shared", "-fPIC")
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
@@ -112,6 +114,8 @@ def build(force: bool = False) -> Path:
         if done.returncode != 0:
             os.unlink(tmp)
             raise KernelBuildError(f"compiling {SOURCE.name} failed:\n{done.stderr[-3000:]}")
+        # Readable by all (mkstemp's file was not), so an image's non-root user can load it.
+        os.chmod(tmp, 0o755)
         os.replace(tmp, target)
     return target
 
