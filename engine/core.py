@@ -201,7 +201,9 @@ class StaticBatchEngine(EngineBase):
         if caching is None:
             caching = self._default_prefix_caching
         self.max_batch_size = config.max_batch_size
-        self.block_manager = BlockManager(num_blocks, config.block_size, caching)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, caching, model_identity=self.model_config.name
+        )
         self.scheduler = Scheduler(
             self.block_manager, config.max_batch_size, config.token_budget, static=self._static
         )
@@ -311,6 +313,7 @@ class StaticBatchEngine(EngineBase):
             prefix_cache_evictions=bm.counters.evictions,
             total_slot_steps=self.total_slot_steps,
             wasted_slot_steps=self.wasted_slot_steps,
+            num_slots=sch.max_batch_size,
         )
 
 
@@ -374,4 +377,5 @@ class NaiveEngine(EngineBase):
             prefix_cache_evictions=0,
             total_slot_steps=self.total_slot_steps,
             wasted_slot_steps=0,
+            num_slots=1,
         )

@@ -31,6 +31,15 @@ class EngineStats:
     prefix_cache_evictions: int
     total_slot_steps: int
     wasted_slot_steps: int
+    # Batch slots (requests that can run at once); waiting requests up to the free slots start
+    # at the next step, which is what admission control (`--max-waiting`) needs to know.
+    num_slots: int
+
+    @property
+    def num_cannot_start(self) -> int:
+        """Waiting requests beyond the free batch slots: those the next step cannot start."""
+        free = max(self.num_slots - self.num_running, 0)
+        return max(self.num_waiting - free, 0)
 
     @property
     def kv_usage(self) -> float:

@@ -129,10 +129,14 @@ class AsyncEngineDriver(EngineClient):
         if self._stopping or self._task is None:
             raise EngineDeadError("the engine is not running")
         if self.max_waiting is not None:
-            waiting = self.stats().num_waiting
-            if waiting + len(requests) > self.max_waiting:
+            # Only requests the engine cannot start at its next step count as queued: a burst
+            # on an idle server fills the free batch slots first. A group arriving at an empty
+            # queue is taken whatever its size, so a large n is never refused by an idle server.
+            queued = self.stats().num_cannot_start
+            if queued and queued + len(requests) > self.max_waiting:
                 raise QueueFullError(
-                    f"the waiting queue is full ({waiting} waiting, limit {self.max_waiting})"
+                    f"the engine's queue is full ({queued} requests waiting for a batch slot, "
+                    f"limit {self.max_waiting})"
                 )
         stream = OutputStream([r.request_id for r in requests])
         add = _PendingAdd(requests, stream, asyncio.get_running_loop().create_future())
