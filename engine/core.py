@@ -205,7 +205,11 @@ class StaticBatchEngine(EngineBase):
             num_blocks, config.block_size, caching, model_identity=self.model_config.name
         )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_batch_size, config.token_budget, static=self._static
+            self.block_manager,
+            config.max_batch_size,
+            config.token_budget,
+            static=self._static,
+            policy=config.scheduling,
         )
         self.runner = ModelRunner(self.model, num_blocks, config.block_size)
 

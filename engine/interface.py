@@ -109,6 +109,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: max(512, max_batch_size)
     enable_prefix_caching: bool | None = None  # None: the engine's default
     max_model_len: int | None = None  # None: the model's context length
+    # Who goes first: "fcfs", "priority" or "fair" (engine.scheduler explains them).
+    scheduling: str = "fcfs"
     # The disaggregated engine's pools; None: the shared value above.
     prefill_max_batch_size: int | None = None
     prefill_num_blocks: int | None = None
@@ -137,6 +139,12 @@ class EngineConfig:
                 isinstance(value, int | float) and math.isfinite(value) and value > 0
             )
             _check(ok, name, "must be > 0", value)
+        _check(
+            self.scheduling in ("fcfs", "priority", "fair"),
+            "scheduling",
+            "must be fcfs, priority or fair",
+            self.scheduling,
+        )
         caching = self.enable_prefix_caching
         ok = caching is None or isinstance(caching, bool)
         _check(ok, "enable_prefix_caching", "must be True, False or None", caching)
@@ -176,4 +184,5 @@ class EngineConfig:
             max_num_batched_tokens=budget,
             enable_prefix_caching=self.enable_prefix_caching,
             max_model_len=self.max_model_len,
+            scheduling=self.scheduling,
         )

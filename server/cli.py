@@ -91,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="reuse KV blocks of shared prompt prefixes (engine default)",
     )
     m.add_argument(
+        "--scheduling",
+        choices=("fcfs", "priority", "fair"),
+        default="fcfs",
+        help="who runs first: fcfs (arrival order), priority (the request's `priority`, lower "
+        "first, with aging) or fair (clients share batch slots and each step's tokens evenly; a "
+        "client is its X-Client-Id header, else its API key, else its address) "
+        "(default: %(default)s)",
+    )
+    m.add_argument(
         "--num-threads", type=int, default=None, help="torch intra-op threads for the engine step"
     )
     m.add_argument(
@@ -114,7 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-waiting",
         type=int,
         default=1024,
-        help="waiting requests beyond which new ones get 429; 0: no limit (default: %(default)s)",
+        help="requests waiting for a batch slot beyond which new ones get 429 (requests the "
+        "next step can start do not count); 0: no limit (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-concurrent-per-client",
+        type=int,
+        default=0,
+        metavar="N",
+        help="open generation requests one client (X-Client-Id, else API key, else address) may "
+        "have; more get 429; 0: no limit (default: %(default)s)",
     )
     s.add_argument(
         "--max-body-size",
@@ -172,6 +190,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "block_size": args.block_size,
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": args.prefix_caching,
+        "scheduling": args.scheduling,
     }
     return EngineConfig(**{k: v for k, v in options.items() if v is not None})
 
@@ -219,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=args.max_body_size,
         log_prompts=args.log_prompts,
         shutdown_timeout=args.shutdown_timeout,
+        max_concurrent_per_client=args.max_concurrent_per_client or None,
     )
     app = create_app(lm.tokenizer, card, driver, settings)
     config = uvicorn.Config(
