@@ -161,8 +161,10 @@ class Scheduler:
         # Finished requests were retired at the end of the step that finished them (`retire`).
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        if self.policy != "fcfs" and not self.static:
-            self._rebalance(out)
+        if not self.static:
+            self._unseat_paused(out)
+            if self.policy != "fcfs":
+                self._rebalance(out)
         preempted_for_memory = False
 
         # Fair: tokens per client this step (`grant`), and per running request (`allotment`).
@@ -260,6 +262,15 @@ class Scheduler:
             return min(candidates, key=lambda s: self._rank(s, now))
         held = self._running_per_client()
         return min(candidates, key=lambda s: (held[s.request.client_id], self._rank(s, now)))
+
+    def _unseat_paused(self, out: SchedulerOutput) -> None:
+        """With every slot taken and someone able to run waiting, a paused request (its reader
+        is behind) gives up its slot and blocks; it recomputes once resumed."""
+        while len(self.running) >= self.max_batch_size and self._next_waiting() is not None:
+            victim = next((s for s in reversed(self.running) if s.paused), None)
+            if victim is None:
+                return
+            self._preempt(victim, out)
 
     def _rebalance(self, out: SchedulerOutput) -> None:
         """With every slot taken, let the request the policy admits next take a slot from a

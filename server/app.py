@@ -53,6 +53,8 @@ class ServerSettings:
     shutdown_timeout: float = 30.0  # how long the lifespan waits for the engine to stop
     # Open generation requests one client (X-Client-Id, else API key) may have; None: no limit.
     max_concurrent_per_client: int | None = None
+    # A streamed response whose client reads nothing for this long is aborted; None: never.
+    stall_timeout: float | None = 60.0
 
 
 def create_app(
@@ -72,6 +74,7 @@ def create_app(
         metrics,
         log_prompts=settings.log_prompts,
         max_concurrent_per_client=settings.max_concurrent_per_client,
+        stall_timeout=settings.stall_timeout,
     )
 
     @asynccontextmanager

@@ -135,6 +135,22 @@ def build_parser() -> argparse.ArgumentParser:
         "have; more get 429; 0: no limit (default: %(default)s)",
     )
     s.add_argument(
+        "--max-buffered-tokens",
+        type=int,
+        default=64,
+        metavar="N",
+        help="unread output tokens per request (a client not reading its stream) beyond which "
+        "the request is paused rather than buffered; 0: no bound (default: %(default)s)",
+    )
+    s.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a streaming client that reads nothing for this long has its request aborted "
+        "(blocks freed) and its connection closed; 0: never (default: %(default)s)",
+    )
+    s.add_argument(
         "--max-body-size",
         type=int,
         default=4 * 2**20,
@@ -224,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     driver = AsyncEngineDriver(
         engine,
         max_waiting=args.max_waiting or None,
+        max_buffered_outputs=args.max_buffered_tokens or None,
         step_timeout=args.step_timeout,
         num_threads=args.num_threads,
     )
@@ -239,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         log_prompts=args.log_prompts,
         shutdown_timeout=args.shutdown_timeout,
         max_concurrent_per_client=args.max_concurrent_per_client or None,
+        stall_timeout=args.stall_timeout or None,
     )
     app = create_app(lm.tokenizer, card, driver, settings)
     config = uvicorn.Config(

@@ -88,8 +88,11 @@ class OpenAIServing:
         *,
         log_prompts: bool = False,
         max_concurrent_per_client: int | None = None,
+        stall_timeout: float | None = None,
     ) -> None:
         self.client = client
+        # A streamed response whose client reads nothing for this long is given up (aborted).
+        self.stall_timeout = stall_timeout
         # Open generation requests per client identity, against `max_concurrent_per_client`.
         self.max_concurrent_per_client = max_concurrent_per_client
         self._open_per_client: dict[str | None, int] = {}
@@ -292,7 +295,11 @@ class OpenAIServing:
     ) -> Response:
         if stream:
             await self._submit(gen, requests)
-            return SSEResponse(stream_body(fmt, self._updates(gen)), lambda: self._finish(gen))
+            return SSEResponse(
+                stream_body(fmt, self._updates(gen)),
+                lambda: self._finish(gen),
+                stall_timeout=self.stall_timeout,
+            )
         return await self._until_disconnect(http, self._full(gen, requests, fmt))
 
     async def _full(
