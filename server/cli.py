@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--max-buffered-tokens",
         type=int,
-        default=64,
+        default=16,
         metavar="N",
         help="unread output tokens per request (a client not reading its stream) beyond which "
         "the request is paused rather than buffered; 0: no bound (default: %(default)s)",

@@ -53,7 +53,7 @@ class AsyncEngineDriver(EngineClient):
         engine: Engine,
         *,
         max_waiting: int | None = None,
-        max_buffered_outputs: int | None = 64,
+        max_buffered_outputs: int | None = 16,
         step_timeout: float = 60.0,
         num_threads: int | None = None,
         observer: EngineObserver | None = None,
