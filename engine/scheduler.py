@@ -25,7 +25,9 @@ under every policy):
   with every slot taken, a client with fewer slots than another by two or more takes one from it
   (the other's newest request is preempted and recomputed later). Each step's token budget is
   split evenly between the clients with running requests, what one leaves unused going to others.
-  Within a client, requests go by priority, then age.
+  Within a client, requests go by priority, then age. A client holding no slot gets the next
+  step to itself (its prefill alone, a short step; never two such steps in a row), so a short
+  request's first token does not wait for a full batch's step.
 
 `detach` and `admit_running` hand a request from one scheduler to another with its K/V (the
 disaggregated engine's prefill-to-decode move; later a transfer between processes).
@@ -105,6 +107,7 @@ class Scheduler:
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self.num_preemptions = 0
+        self._last_newcomer_step = False
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -167,13 +170,20 @@ class Scheduler:
                 self._rebalance(out)
         preempted_for_memory = False
 
+        # Fair: a client that holds no slot gets the next step to itself, so its first token
+        # comes after one small step rather than one full-batch step; never two such steps in a
+        # row, so a stream of new clients cannot stall the running ones.
+        newcomer_step = False
+        if self.policy == "fair" and not self.static:
+            newcomer_step = not self._last_newcomer_step and self._has_newcomer()
+            self._last_newcomer_step = newcomer_step
         # Fair: tokens per client this step (`grant`), and per running request (`allotment`).
         grant: dict[str | None, int] | None = None
         allotment: dict[int, int] | None = None
         if self.policy == "fair":
             grant, allotment = self._allotments(budget)
         used: Counter = Counter()
-        for state in list(self.running):
+        for state in [] if newcomer_step else list(self.running):
             if budget <= 0:
                 break
             if state not in self.running:  # preempted earlier in this step
@@ -204,7 +214,9 @@ class Scheduler:
         if not preempted_for_memory and self._admission_open():
             # A static batch forms all at once: members join now and prefill over the next steps
             # if the budget runs out; continuous batching admits only what it can start now.
-            spent: set[str | None] = set()  # fair: clients whose grant this step is used up
+            # Fair: clients whose grant this step is used up (or, in a newcomer's step, every
+            # client already holding a slot).
+            spent: set[str | None] = set(self._running_per_client()) if newcomer_step else set()
             while len(self.running) < self.max_batch_size and (budget > 0 or self.static):
                 state = self._next_waiting(spent)
                 if state is None:
@@ -248,6 +260,19 @@ class Scheduler:
 
     def _running_per_client(self) -> Counter:
         return Counter(s.request.client_id for s in self.running if not s.finished)
+
+    def _has_newcomer(self) -> bool:
+        """A never-scheduled request can start now from a client that holds no slot, while
+        other clients hold some."""
+        if len(self.running) >= self.max_batch_size:
+            return False
+        held = self._running_per_client()
+        if not any(s.request.client_id in held and not s.paused for s in self.running):
+            return False
+        return any(
+            not s.paused and s.status == RequestStatus.WAITING and held[s.request.client_id] == 0
+            for s in self.waiting
+        )
 
     def _next_waiting(self, skip: set[str | None] = frozenset()) -> RequestState | None:  # type: ignore[assignment]
         """The waiting request the policy admits next (paused ones and `skip`'s clients sit
