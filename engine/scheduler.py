@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter, deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -274,7 +275,7 @@ class Scheduler:
             for s in self.waiting
         )
 
-    def _next_waiting(self, skip: set[str | None] = frozenset()) -> RequestState | None:  # type: ignore[assignment]
+    def _next_waiting(self, skip: Collection[str | None] = ()) -> RequestState | None:
         """The waiting request the policy admits next (paused ones and `skip`'s clients sit
         out)."""
         if self.policy == "fcfs":
