@@ -332,6 +332,7 @@ class StaticBatchEngine(EngineBase):
             total_slot_steps=self.total_slot_steps,
             wasted_slot_steps=self.wasted_slot_steps,
             num_slots=sch.max_batch_size,
+            num_paused=sum(s.paused for s in self.requests.values()),
         )
 
 
@@ -396,4 +397,5 @@ class NaiveEngine(EngineBase):
             total_slot_steps=self.total_slot_steps,
             wasted_slot_steps=0,
             num_slots=1,
+            num_paused=sum(s.paused for s in self.queue),
         )

@@ -34,6 +34,8 @@ class EngineStats:
     # Batch slots (requests that can run at once); waiting requests up to the free slots start
     # at the next step, which is what admission control (`--max-waiting`) needs to know.
     num_slots: int
+    # Requests paused because their reader is behind (backpressure); counted in running/waiting.
+    num_paused: int
 
     @property
     def num_cannot_start(self) -> int:

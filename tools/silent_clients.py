@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             gauges = {
                 line.split()[0]: line.split()[1]
                 for line in m.splitlines()
-                if line.startswith(("cbserve_num_requests_running", "cbserve_num_requests_waiting"))
+                if line.startswith("cbserve_num_requests_")
             }
             print(
                 f"t={time.monotonic() - t0:5.0f}s RSS {rss:7.1f} MiB "
