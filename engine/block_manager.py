@@ -5,8 +5,12 @@ tables and takes writes that must land somewhere harmless (the static engine's c
 rows), so it is never handed to a request. The tensors themselves live in the model runner; this
 module only decides which block ids a request owns.
 
-Prefix caching: a full block is named by a chained key (the key of the block before it and its own
-token ids), so equal keys mean equal prefixes. A freed block keeps its key and goes to the back of
+Prefix caching: a full block is named by a chained key, a BLAKE2b digest of the key of the block
+before it and its own token ids (`block_keys`), so equal keys mean equal prefixes. The chain starts
+from a root digest of the model's identity and the request's `cache_salt`: requests with different
+salts (tenants that opt out of sharing) never share a block. A cryptographic hash, not Python's
+`hash()`: a 64-bit non-cryptographic key can be made to collide (or collides by chance at scale), and
+a collision would serve one user's KV blocks to another's prompt (vLLM's GHSA-rm76-4mrf-v9r8). A freed block keeps its key and goes to the back of
 the free queue; a later request whose prefix matches takes it back (a hit) and shares it by ref
 count. Blocks are evicted from the front of the free queue (least recently freed) only when an
 allocation needs them.
@@ -14,14 +18,66 @@ allocation needs them.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.request import RequestState
 
 NULL_BLOCK = 0
 
-BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key, this block's tokens)
+BlockKey = bytes  # 32-byte BLAKE2b digest of (previous block's key, this block's token ids)
+_DIGEST = 32
+
+
+def root_key(model: str | None = None, salt: str | None = None) -> bytes:
+    """The chain's start: a digest of the model identity and the cache salt (None: no salt, which
+    is distinct from every string salt, the empty one included)."""
+    h = hashlib.blake2b(b"cbserve-prefix-v1", digest_size=_DIGEST)
+    for part in (model, salt):
+        if part is None:
+            h.update(b"\x00")
+        else:
+            raw = part.encode("utf-8", "surrogatepass")
+            h.update(b"\x01" + len(raw).to_bytes(8, "little") + raw)
+    return h.digest()
+
+
+def block_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    salt: str | None = None,
+    *,
+    model: str | None = None,
+    parent: bytes | None = None,
+    start: int = 0,
+) -> list[bytes]:
+    """The chained prefix-cache keys of every full block of `token_ids`.
+
+    Key i is BLAKE2b-256(key i-1 || block i's token ids as little-endian int64), key -1 being
+    `root_key(model, salt)`. Equal keys mean equal token prefixes under the same model and salt.
+    The engine passes its model config's `name` as `model`; a router that predicts which replica
+    caches a prompt calls this with the same arguments. `parent` and `start` continue a chain:
+    the keys of the full blocks from block `start` on, `parent` being block `start - 1`'s key.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    key = root_key(model, salt) if parent is None else parent
+    end = len(token_ids) // block_size * block_size
+    begin = start * block_size
+    if begin >= end:
+        return []
+    # One int64 conversion for the whole run, then one digest per block over a slice of it.
+    raw = array("q", token_ids[begin:end]).tobytes()
+    width = block_size * 8
+    blake2b = hashlib.blake2b
+    keys: list[bytes] = []
+    for i in range(0, len(raw), width):
+        key = blake2b(key + raw[i : i + width], digest_size=_DIGEST).digest()
+        keys.append(key)
+    return keys
 
 
 @dataclass(slots=True)
@@ -37,7 +93,11 @@ class PrefixCacheCounters:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        model_identity: str | None = None,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
@@ -46,6 +106,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.model_identity = model_identity  # part of every key's root (see `block_keys`)
         self.ref_counts = [0] * num_blocks
         # Free blocks in eviction order (front first). OrderedDict: O(1) pop-front and removal
         # of a cached block that a prefix hit takes back.
@@ -70,15 +131,25 @@ class BlockManager:
 
     # -- prefix cache --------------------------------------------------------------------------
 
-    def _block_keys(self, token_ids: list[int], num_full_blocks: int) -> list[BlockKey]:
-        keys: list[BlockKey] = []
-        parent = 0
-        bs = self.block_size
-        for i in range(num_full_blocks):
-            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
-            keys.append(key)
-            parent = hash(key)
-        return keys
+    def _block_keys(self, state: RequestState, num_full_blocks: int) -> list[BlockKey]:
+        """The keys of the request's first `num_full_blocks` blocks, kept on the state and
+        extended as it grows: a full block's tokens never change (a preempted request keeps its
+        tokens), so each block is hashed once in the request's life."""
+        keys = state.block_hashes
+        if len(keys) < num_full_blocks:
+            if not keys:
+                parent = root_key(self.model_identity, state.request.cache_salt)
+            else:
+                parent = keys[-1]
+            keys.extend(
+                block_keys(
+                    state.token_ids[: num_full_blocks * self.block_size],
+                    self.block_size,
+                    parent=parent,
+                    start=len(keys),
+                )
+            )
+        return keys[:num_full_blocks]
 
     def lookup_prefix(self, state: RequestState) -> list[int]:
         """Cached blocks for the longest run of full blocks of the request's tokens.
@@ -90,7 +161,7 @@ class BlockManager:
             return []
         max_blocks = (state.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        for key in self._block_keys(state.token_ids, max_blocks):
+        for key in self._block_keys(state, max_blocks):
             block = self._block_of_key.get(key)
             if block is None:
                 break
@@ -102,7 +173,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = state.num_computed_tokens // self.block_size
-        keys = self._block_keys(state.token_ids, num_full)
+        keys = self._block_keys(state, num_full)
         for block, key in zip(state.block_ids[:num_full], keys, strict=True):
             if block in self._key_of_block:
                 continue

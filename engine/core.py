@@ -123,7 +123,21 @@ class EngineBase:
         return True
 
     def has_work(self) -> bool:
-        return bool(self._pending) or bool(self.requests)
+        # Paused requests wait for their reader: with nothing else, there is no step to run.
+        return bool(self._pending) or any(not s.paused for s in self.requests.values())
+
+    def pause(self, request_id: str) -> None:
+        """Stop scheduling a request whose reader is behind (backpressure); it keeps its place
+        and its blocks until the scheduler needs them for someone else. Idempotent."""
+        state = self.requests.get(request_id)
+        if state is not None:
+            state.paused = True
+
+    def resume(self, request_id: str) -> None:
+        """Schedule a paused request again. Idempotent."""
+        state = self.requests.get(request_id)
+        if state is not None:
+            state.paused = False
 
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
@@ -203,9 +217,15 @@ class StaticBatchEngine(EngineBase):
         if caching is None:
             caching = self._default_prefix_caching
         self.max_batch_size = config.max_batch_size
-        self.block_manager = BlockManager(num_blocks, config.block_size, caching)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, caching, model_identity=self.model_config.name
+        )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_batch_size, config.token_budget, static=self._static
+            self.block_manager,
+            config.max_batch_size,
+            config.token_budget,
+            static=self._static,
+            policy=config.scheduling,
         )
         self.runner = ModelRunner(self.model, num_blocks, config.block_size)
         self.step_budget = None
@@ -328,6 +348,8 @@ class StaticBatchEngine(EngineBase):
             prefix_cache_evictions=bm.counters.evictions,
             total_slot_steps=self.total_slot_steps,
             wasted_slot_steps=self.wasted_slot_steps,
+            num_slots=sch.max_batch_size,
+            num_paused=sum(s.paused for s in self.requests.values()),
         )
 
 
@@ -367,16 +389,16 @@ class NaiveEngine(EngineBase):
         self.queue.remove(state)
 
     def _step(self) -> list[StepOutput]:
-        if not self.queue:
+        state = next((s for s in self.queue if not s.paused), None)
+        if state is None:
             return []
-        state = self.queue[0]
         state.status = RequestStatus.RUNNING
         logits = run_full_sequence(self.model, state.token_ids)
         self.total_slot_steps += 1
         tokens, logprobs = sample(logits, [state])
         out = self._append_token(state, tokens[0], logprobs[0])
         if state.finished:
-            self.queue.popleft()
+            self.queue.remove(state)
         return [out]
 
     def stats(self) -> EngineStats:
@@ -391,4 +413,6 @@ class NaiveEngine(EngineBase):
             prefix_cache_evictions=0,
             total_slot_steps=self.total_slot_steps,
             wasted_slot_steps=0,
+            num_slots=1,
+            num_paused=sum(s.paused for s in self.queue),
         )

@@ -31,6 +31,17 @@ class EngineStats:
     prefix_cache_evictions: int
     total_slot_steps: int
     wasted_slot_steps: int
+    # Batch slots (requests that can run at once); waiting requests up to the free slots start
+    # at the next step, which is what admission control (`--max-waiting`) needs to know.
+    num_slots: int
+    # Requests paused because their reader is behind (backpressure); counted in running/waiting.
+    num_paused: int
+
+    @property
+    def num_cannot_start(self) -> int:
+        """Waiting requests beyond the free batch slots: those the next step cannot start."""
+        free = max(self.num_slots - self.num_running, 0)
+        return max(self.num_waiting - free, 0)
 
     @property
     def kv_usage(self) -> float:
@@ -103,6 +114,8 @@ class EngineConfig:
     # While requests decode, size each step's budget so the step takes about this long
     # (`engine.step_budget`); None: the fixed `token_budget` every step.
     target_step_ms: float | None = None
+    # Who goes first: "fcfs", "priority" or "fair" (engine.scheduler explains them).
+    scheduling: str = "fcfs"
     # The disaggregated engine's pools; None: the shared value above.
     prefill_max_batch_size: int | None = None
     prefill_num_blocks: int | None = None
@@ -136,6 +149,12 @@ class EngineConfig:
             isinstance(target, int | float) and math.isfinite(target) and target > 0
         )
         _check(ok, "target_step_ms", "must be > 0 or None", target)
+        _check(
+            self.scheduling in ("fcfs", "priority", "fair"),
+            "scheduling",
+            "must be fcfs, priority or fair",
+            self.scheduling,
+        )
         caching = self.enable_prefix_caching
         ok = caching is None or isinstance(caching, bool)
         _check(ok, "enable_prefix_caching", "must be True, False or None", caching)
@@ -175,4 +194,5 @@ class EngineConfig:
             max_num_batched_tokens=budget,
             enable_prefix_caching=self.enable_prefix_caching,
             max_model_len=self.max_model_len,
+            scheduling=self.scheduling,
         )

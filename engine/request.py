@@ -102,10 +102,24 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=_next_request_id)
     arrival_time: float = field(default_factory=time.monotonic)
+    # Prefix-cache namespace: only requests with the same salt share cached KV blocks (None is
+    # the shared default). A tenant that must not share sets its own, as vLLM's `cache_salt`.
+    cache_salt: str | None = None
+    # Scheduling: lower runs earlier under the priority and fair policies (vLLM's semantics).
+    priority: int = 0
+    # Whose request this is, for per-client fair sharing (an API key or X-Client-Id); None is
+    # one anonymous client.
+    client_id: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise InvalidRequestError("prompt_token_ids must not be empty", "prompt_token_ids")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise InvalidRequestError(
+                f"priority must be an integer, got {self.priority!r}", "priority"
+            )
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise InvalidRequestError("cache_salt must be a string", "cache_salt")
 
 
 class RequestStatus(enum.IntEnum):
@@ -172,6 +186,8 @@ class RequestState:
         "stop_ids",
         "num_preemptions",
         "first_scheduled_time",
+        "block_hashes",
+        "paused",
     )
 
     def __init__(self, request: Request, eos_token_ids: tuple[int, ...]) -> None:
@@ -196,6 +212,10 @@ class RequestState:
         self.stop_ids = frozenset(eos) | frozenset(self.params.stop_token_ids)
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
+        # Prefix-cache keys of the full blocks hashed so far (engine.block_manager.block_keys).
+        self.block_hashes: list[bytes] = []
+        # The reader is behind (backpressure): not scheduled until resumed.
+        self.paused = False
 
     @property
     def request_id(self) -> str:

@@ -51,6 +51,10 @@ class ServerSettings:
     max_body_bytes: int = 4 * 2**20
     log_prompts: bool = False
     shutdown_timeout: float = 30.0  # how long the lifespan waits for the engine to stop
+    # Open generation requests one client (X-Client-Id, else API key) may have; None: no limit.
+    max_concurrent_per_client: int | None = None
+    # A streamed response whose client reads nothing for this long is aborted; None: never.
+    stall_timeout: float | None = 60.0
 
 
 def create_app(
@@ -64,7 +68,13 @@ def create_app(
     metrics = ServerMetrics(engine_client.stats, lambda: engine_client.health().ok)
     engine_client.set_observer(metrics)  # step and queue times, where the client measures them
     serving = OpenAIServing(
-        engine_client, tokenizer, card, metrics, log_prompts=settings.log_prompts
+        engine_client,
+        tokenizer,
+        card,
+        metrics,
+        log_prompts=settings.log_prompts,
+        max_concurrent_per_client=settings.max_concurrent_per_client,
+        stall_timeout=settings.stall_timeout,
     )
 
     @asynccontextmanager

@@ -101,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="reuse KV blocks of shared prompt prefixes (engine default)",
     )
     m.add_argument(
+        "--scheduling",
+        choices=("fcfs", "priority", "fair"),
+        default="fcfs",
+        help="who runs first: fcfs (arrival order), priority (the request's `priority`, lower "
+        "first, with aging) or fair (clients share batch slots and each step's tokens evenly; a "
+        "client is its X-Client-Id header, else its API key, else its address) "
+        "(default: %(default)s)",
+    )
+    m.add_argument(
         "--num-threads", type=int, default=None, help="torch intra-op threads for the engine step"
     )
     m.add_argument(
@@ -140,7 +149,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-waiting",
         type=int,
         default=1024,
-        help="waiting requests beyond which new ones get 429; 0: no limit (default: %(default)s)",
+        help="requests waiting for a batch slot beyond which new ones get 429 (requests the "
+        "next step can start do not count); 0: no limit (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-concurrent-per-client",
+        type=int,
+        default=0,
+        metavar="N",
+        help="open generation requests one client (X-Client-Id, else API key, else address) may "
+        "have; more get 429; 0: no limit (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-buffered-tokens",
+        type=int,
+        default=16,
+        metavar="N",
+        help="unread output tokens per request (a client not reading its stream) beyond which "
+        "the request is paused rather than buffered; 0: no bound (default: %(default)s)",
+    )
+    s.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a streaming client that reads nothing for this long has its request aborted "
+        "(blocks freed) and its connection closed; 0: never (default: %(default)s)",
     )
     s.add_argument(
         "--max-body-size",
@@ -203,6 +237,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": args.prefix_caching,
         "target_step_ms": args.target_step_ms or None,
+        "scheduling": args.scheduling,
     }
     return EngineConfig(**{k: v for k, v in options.items() if v is not None})
 
@@ -241,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     driver = AsyncEngineDriver(
         engine,
         max_waiting=args.max_waiting or None,
+        max_buffered_outputs=args.max_buffered_tokens or None,
         step_timeout=args.step_timeout,
         num_threads=args.num_threads,
     )
@@ -255,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=args.max_body_size,
         log_prompts=args.log_prompts,
         shutdown_timeout=args.shutdown_timeout,
+        max_concurrent_per_client=args.max_concurrent_per_client or None,
+        stall_timeout=args.stall_timeout or None,
     )
     app = create_app(lm.tokenizer, card, driver, settings)
     config = uvicorn.Config(

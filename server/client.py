@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,14 +33,29 @@ class OutputStream(AsyncIterator[StepOutput]):
     Iteration ends once every request in the group has finished or been closed; it raises the
     error given to `fail` (an `EngineDeadError`) if that comes first. Producer and consumer run
     on the same event loop.
+
+    Backpressure: with `max_buffered` set, once that many outputs per request of the group wait
+    unread, `on_pressure(self, True)` asks the producer to pause the group's requests (not to
+    buffer more); once the reader has drained half of them, `on_pressure(self, False)` resumes
+    them. The producer may still deliver a step's worth past the mark: the bound is soft by one
+    step.
     """
 
-    def __init__(self, request_ids: Sequence[str]) -> None:
+    def __init__(
+        self,
+        request_ids: Sequence[str],
+        *,
+        max_buffered: int | None = None,
+        on_pressure: Callable[[OutputStream, bool], None] | None = None,
+    ) -> None:
         self.request_ids = tuple(request_ids)
         self._open = set(request_ids)
         # An output, the error that ended the stream, or None once every request has ended.
         self._queue: asyncio.Queue[StepOutput | BaseException | None] = asyncio.Queue()
         self._ended = False
+        self._high = None if max_buffered is None else max_buffered * max(len(request_ids), 1)
+        self.on_pressure = on_pressure
+        self.paused = False
 
     # -- producer side (the engine client) -------------------------------------------------------
 
@@ -51,6 +66,14 @@ class OutputStream(AsyncIterator[StepOutput]):
         self._queue.put_nowait(out)
         if out.finished:
             self.close(out.request_id)
+        elif (
+            self._high is not None
+            and not self.paused
+            and self._queue.qsize() >= self._high
+            and self.on_pressure is not None
+        ):
+            self.paused = True
+            self.on_pressure(self, True)
 
     def close(self, request_id: str) -> None:
         """No more outputs for this request (it finished, or the server aborted it)."""
@@ -75,8 +98,17 @@ class OutputStream(AsyncIterator[StepOutput]):
     def __aiter__(self) -> OutputStream:
         return self
 
+    @property
+    def num_buffered(self) -> int:
+        """Outputs delivered and not yet read."""
+        return self._queue.qsize()
+
     async def __anext__(self) -> StepOutput:
         item = await self._queue.get()
+        if self.paused and self._high is not None and self._queue.qsize() <= self._high // 2:
+            self.paused = False
+            if self.on_pressure is not None and not self._ended:
+                self.on_pressure(self, False)
         if item is None:
             self._queue.put_nowait(item)  # stay exhausted
             raise StopAsyncIteration

@@ -6,6 +6,12 @@ applies queued adds and aborts (so the engine is never touched by two threads at
 SSE while torch computes; and it hands each `StepOutput` to its stream's queue as soon as the step
 returns. With no work it sleeps on an event that the next submit or abort sets: no polling.
 
+Backpressure: each `OutputStream` is bounded (`max_buffered_outputs` unread outputs per request);
+when its reader falls behind, the driver pauses the group's requests in the engine (`pause`, not
+scheduled, their slot and blocks given up if someone else needs them) and resumes them once the
+reader has caught up, so a client that does not read costs memory bounded by that, not by its
+max_tokens.
+
 If a step raises, every open stream ends with an `EngineDeadError`, later submits fail at once,
 and `health()` reports the failure (the exception itself goes to the log, not to clients). A step that runs longer than `step_timeout` makes `health()`
 report the engine as stuck.
@@ -47,6 +53,7 @@ class AsyncEngineDriver(EngineClient):
         engine: Engine,
         *,
         max_waiting: int | None = None,
+        max_buffered_outputs: int | None = 16,
         step_timeout: float = 60.0,
         num_threads: int | None = None,
         observer: EngineObserver | None = None,
@@ -54,6 +61,9 @@ class AsyncEngineDriver(EngineClient):
     ) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
+        # Unread outputs per request beyond which its requests are paused (backpressure).
+        self.max_buffered_outputs = max_buffered_outputs
+        self._pressure: list[tuple[tuple[str, ...], bool]] = []
         self.step_timeout = step_timeout
         self.num_threads = num_threads
         self.observer = observer
@@ -129,12 +139,20 @@ class AsyncEngineDriver(EngineClient):
         if self._stopping or self._task is None:
             raise EngineDeadError("the engine is not running")
         if self.max_waiting is not None:
-            waiting = self.stats().num_waiting
-            if waiting + len(requests) > self.max_waiting:
+            # Only requests the engine cannot start at its next step count as queued: a burst
+            # on an idle server fills the free batch slots first. A group arriving at an empty
+            # queue is taken whatever its size, so a large n is never refused by an idle server.
+            queued = self.stats().num_cannot_start
+            if queued and queued + len(requests) > self.max_waiting:
                 raise QueueFullError(
-                    f"the waiting queue is full ({waiting} waiting, limit {self.max_waiting})"
+                    f"the engine's queue is full ({queued} requests waiting for a batch slot, "
+                    f"limit {self.max_waiting})"
                 )
-        stream = OutputStream([r.request_id for r in requests])
+        stream = OutputStream(
+            [r.request_id for r in requests],
+            max_buffered=self.max_buffered_outputs,
+            on_pressure=self._on_pressure,
+        )
         add = _PendingAdd(requests, stream, asyncio.get_running_loop().create_future())
         self._adds.append(add)
         self._wake.set()
@@ -159,6 +177,13 @@ class AsyncEngineDriver(EngineClient):
             if request_id in add.stream.request_ids:
                 add.requests = [r for r in add.requests if r.request_id != request_id]
                 add.stream.close(request_id)
+
+    def _on_pressure(self, stream: OutputStream, pause: bool) -> None:
+        """The stream's reader fell behind (pause) or caught up (resume): tell the engine at the
+        next window. An engine without pause/resume just keeps generating."""
+        self._pressure.append((tuple(stream.open_request_ids), pause))
+        if not pause:
+            self._wake.set()
 
     def health(self) -> Health:
         if self._error is not None:
@@ -191,6 +216,12 @@ class AsyncEngineDriver(EngineClient):
         aborts, self._aborts = self._aborts, []
         for request_id in aborts:
             engine.abort(request_id)
+        pressure, self._pressure = self._pressure, []
+        for request_ids, pause in pressure:
+            act = getattr(engine, "pause" if pause else "resume", None)
+            if act is not None:
+                for request_id in request_ids:
+                    act(request_id)
         adds, self._adds = self._adds, []
         for add in adds:
             if add.accepted.done():  # the submitter was cancelled meanwhile
@@ -222,7 +253,7 @@ class AsyncEngineDriver(EngineClient):
                     if self._stopping:
                         return
                     self._wake.clear()
-                    if self._adds or self._aborts:
+                    if self._adds or self._aborts or self._pressure:
                         continue
                     await self._wake.wait()
                     continue

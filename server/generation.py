@@ -128,6 +128,8 @@ class Generation:
     by_request: dict[str, Choice] = field(default_factory=dict)
     status: str = "ok"
     done: bool = False
+    client_id: str | None = None  # who asked (X-Client-Id or API key), for fair sharing
+    counted: bool = False  # holds one of its client's concurrent-request places
 
     def usage(self) -> dict:
         prompt = sum(len(p) for p in self.prompts)

@@ -38,6 +38,11 @@ class _EngineCollector(Collector):
             "cbserve_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting
         )
         yield GaugeMetricFamily(
+            "cbserve_num_requests_paused",
+            "Requests paused because their client is not reading (backpressure).",
+            s.num_paused,
+        )
+        yield GaugeMetricFamily(
             "cbserve_kv_cache_blocks_total", "KV cache blocks in the pool.", s.num_total_blocks
         )
         used = s.num_total_blocks - s.num_free_blocks

@@ -73,6 +73,10 @@ class SamplingFields(_Body):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     user: str | None = None
+    # vLLM's extras: scheduling priority (lower runs earlier; used by --scheduling priority and
+    # fair) and a prefix-cache salt (only requests with the same salt share cached KV blocks).
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     stream: bool = False
     stream_options: StreamOptions | None = None
 

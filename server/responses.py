@@ -8,8 +8,10 @@ Also here: SSE framing, `SSEResponse`, and token text for logprobs (`TokenText`)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -22,6 +24,8 @@ from models import Tokenizer
 from server.errors import api_error
 from server.generation import Choice, Generation
 from server.protocol import ModelCard
+
+log = logging.getLogger("server.requests")
 
 # JSON has no infinities; a token the sampler ruled out gets this floor, as vLLM does.
 _LOGPROB_FLOOR = -9999.0
@@ -261,19 +265,40 @@ def models_body(card: ModelCard) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
+class _Stalled(Exception):
+    """A write to the client did not complete within the stall timeout."""
+
+
 class SSEResponse(StreamingResponse):
     """`text/event-stream` whose generator is always closed, so its cleanup (aborting the
-    engine requests) runs however the response ends: finished, client gone, or cancelled."""
+    engine requests) runs however the response ends: finished, client gone, or cancelled.
+
+    With `stall_timeout`, a client that reads nothing for that long (one write stays blocked:
+    the socket's buffers are full) has its response given up and its connection closed; the
+    cleanup then aborts its engine requests and frees their blocks. Until then the engine
+    has paused them (the output stream's bound), so nothing piles up meanwhile.
+    """
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        on_close: Callable[[], None],
+        stall_timeout: float | None = None,
+    ) -> None:
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.on_close = on_close
+        self.stall_timeout = stall_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.stall_timeout is not None:
+            send = self._bounded(send, self.stall_timeout)
         try:
             await super().__call__(scope, receive, send)
+        except _Stalled:
+            # Returning with the response incomplete makes the server close the connection.
+            log.warning("client read nothing for %gs: stream given up", self.stall_timeout)
         finally:
             # A generator cancelled between two chunks, or never started, runs no cleanup of its
             # own; closing it and calling on_close makes sure the engine requests end here.
@@ -282,3 +307,14 @@ class SSEResponse(StreamingResponse):
                 with contextlib.suppress(RuntimeError):
                     await aclose()
             self.on_close()
+
+    @staticmethod
+    def _bounded(send: Send, timeout: float) -> Send:
+        async def bounded_send(message: Any) -> None:
+            try:
+                async with asyncio.timeout(timeout):
+                    await send(message)
+            except TimeoutError:
+                raise _Stalled() from None
+
+        return bounded_send

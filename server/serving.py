@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
@@ -24,7 +25,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
-from engine import EngineDeadError, Request, SamplingParams, StepOutput
+from engine import EngineDeadError, QueueFullError, Request, SamplingParams, StepOutput
 from models import Tokenizer
 from server.client import EngineClient
 from server.errors import APIError, ClientDisconnected
@@ -57,6 +58,25 @@ from server.responses import (
 
 log = logging.getLogger("server.requests")
 
+CLIENT_ID_HEADER = "x-client-id"
+MAX_CLIENT_ID_CHARS = 128
+
+
+def client_identity(http: HTTPRequest) -> str | None:
+    """Who sends a request, for per-client fairness and limits: the `X-Client-Id` header, else a
+    digest of the bearer token (the key itself is never kept), else the peer's address, else
+    None. The header is trusted as given: behind a gateway that sets it, it names the tenant."""
+    given = http.headers.get(CLIENT_ID_HEADER)
+    if given:
+        return "id:" + given[:MAX_CLIENT_ID_CHARS]
+    auth = http.headers.get("authorization", "")
+    if auth.lower().startswith("bearer ") and auth[7:].strip():
+        digest = hashlib.blake2b(auth[7:].strip().encode(), digest_size=8).hexdigest()
+        return "key:" + digest
+    if http.client is not None:
+        return "ip:" + http.client.host
+    return None
+
 
 class OpenAIServing:
     def __init__(
@@ -67,8 +87,15 @@ class OpenAIServing:
         metrics: ServerMetrics | None = None,
         *,
         log_prompts: bool = False,
+        max_concurrent_per_client: int | None = None,
+        stall_timeout: float | None = None,
     ) -> None:
         self.client = client
+        # A streamed response whose client reads nothing for this long is given up (aborted).
+        self.stall_timeout = stall_timeout
+        # Open generation requests per client identity, against `max_concurrent_per_client`.
+        self.max_concurrent_per_client = max_concurrent_per_client
+        self._open_per_client: dict[str | None, int] = {}
         self.tokenizer = tokenizer
         self.card = card
         self.metrics = metrics
@@ -215,6 +242,7 @@ class OpenAIServing:
             logprobs=logprobs,
         )
         http.state.request_id = gen.id  # errors from here on name it (server.errors)
+        gen.client_id = client_identity(http)
         if self.log_prompts:
             log.info("%s prompt=%r", gen.id, texts if len(texts) > 1 else texts[0])
         return gen
@@ -245,7 +273,15 @@ class OpenAIServing:
                 gen.choices.append(choice)
                 gen.by_request[rid] = choice
                 requests.append(
-                    Request(list(ids), choice_params, request_id=rid, arrival_time=gen.arrival)
+                    Request(
+                        list(ids),
+                        choice_params,
+                        request_id=rid,
+                        arrival_time=gen.arrival,
+                        cache_salt=req.cache_salt,
+                        priority=req.priority,
+                        client_id=gen.client_id,
+                    )
                 )
         return requests
 
@@ -259,7 +295,11 @@ class OpenAIServing:
     ) -> Response:
         if stream:
             await self._submit(gen, requests)
-            return SSEResponse(stream_body(fmt, self._updates(gen)), lambda: self._finish(gen))
+            return SSEResponse(
+                stream_body(fmt, self._updates(gen)),
+                lambda: self._finish(gen),
+                stall_timeout=self.stall_timeout,
+            )
         return await self._until_disconnect(http, self._full(gen, requests, fmt))
 
     async def _full(
@@ -273,7 +313,19 @@ class OpenAIServing:
     async def _submit(self, gen: Generation, requests: list[Request]) -> None:
         # What the client refuses (QueueFullError, InvalidRequestError, EngineDeadError) leaves
         # through server.errors' table.
-        gen.stream = await self.client.submit(requests)
+        limit = self.max_concurrent_per_client
+        open_now = self._open_per_client.get(gen.client_id, 0)
+        if limit is not None and open_now >= limit:
+            raise QueueFullError(
+                f"this client has {open_now} requests in progress, the limit is {limit}"
+            )
+        self._open_per_client[gen.client_id] = open_now + 1
+        gen.counted = True
+        try:
+            gen.stream = await self.client.submit(requests)
+        except BaseException:
+            self._release(gen)
+            raise
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in requests))
 
@@ -308,6 +360,7 @@ class OpenAIServing:
         if gen.done:
             return
         gen.done = True
+        self._release(gen)
         if gen.stream is not None:
             for rid in gen.stream.open_request_ids:
                 self.client.abort(rid)
@@ -319,6 +372,17 @@ class OpenAIServing:
                 if self.metrics is not None:
                     self.metrics.finished.labels("abort").inc()
         self._log_done(gen)
+
+    def _release(self, gen: Generation) -> None:
+        """Give back the generation's place in its client's concurrency count. Idempotent."""
+        if not gen.counted:
+            return
+        gen.counted = False
+        left = self._open_per_client.get(gen.client_id, 1) - 1
+        if left > 0:
+            self._open_per_client[gen.client_id] = left
+        else:
+            self._open_per_client.pop(gen.client_id, None)
 
     def _observe(self, gen: Generation, c: Choice, out: StepOutput) -> None:
         now = time.monotonic()

@@ -79,6 +79,7 @@ def run_server(
     served_model_names: tuple[str, ...] | None = None,
     before_start: Callable[[Any], None] | None = None,
     wrap_client: Callable[[AsyncEngineDriver], EngineClient] | None = None,
+    sndbuf: int | None = None,
 ) -> Iterator[LiveServer]:
     options = {"max_batch_size": 8, "kv_cache_memory_gib": 0.05, **(engine_options or {})}
     engine = make_engine(engine_kind, lm.model, **options)
@@ -99,6 +100,10 @@ def run_server(
     # a protocol-0 socket handed to uvicorn delays every small SSE write by ~40 ms (Nagle).
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if sndbuf is not None:
+        # Accepted connections inherit it: a fixed, small kernel send buffer (no autotuning to
+        # megabytes), so a client that does not read pushes back on the server at once.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
     port = sock.getsockname()[1]

@@ -127,3 +127,36 @@ def test_static_batch_forms_whole_even_when_the_token_budget_is_small(model):
     while engine.has_work():
         finished |= {o.request_id for o in engine.step() if o.finished}
     assert len(finished) == 6
+
+
+@pytest.mark.parametrize("policy", ["priority", "fair"])
+def test_scheduling_policies_do_not_change_greedy_output(model, specs, alone_greedy, policy):
+    # Three clients, mixed priorities, few slots and a tight pool: the policies reorder,
+    # preempt and rebalance, and not one token may change.
+    engine = ContinuousBatchEngine(
+        model, max_batch_size=4, max_num_batched_tokens=48, num_blocks=40, scheduling=policy
+    )
+    outputs: dict[str, list[int]] = {}
+    ids = []
+    for i, (prompt, n) in enumerate(specs):
+        # The second half arrives mid-run from a new client with a better priority: it
+        # outranks (priority) or is owed slots by (fair) the requests running then.
+        late = i >= len(specs) // 2
+        r = Request(
+            list(prompt),
+            greedy(n, i),
+            client_id="late" if late else f"c{i % 3}",
+            priority=-1 if late else i % 4,
+        )
+        ids.append(r.request_id)
+        outputs[r.request_id] = []
+        engine.add_request(r)
+        if i == len(specs) // 2 - 1:
+            for _ in range(6):
+                for out in engine.step():
+                    outputs[out.request_id].extend(out.token_ids)
+    while engine.has_work():
+        for out in engine.step():
+            outputs[out.request_id].extend(out.token_ids)
+    assert [outputs[i] for i in ids] == alone_greedy
+    assert engine.stats().num_preemptions > 0  # the policies did move things around

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from engine import ContinuousBatchEngine, Request, SamplingParams
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, block_keys
 from engine.request import RequestState
 from models import load_model
 from tests.engine_utils import greedy, seeded, serve, serve_individually
@@ -141,3 +141,58 @@ def test_requests_running_together_share_blocks(model):
     while engine.has_work():
         engine.step()
     assert _accounted(engine)
+
+
+# -- keys: cryptographic, salted (issue 12) ----------------------------------------------------
+
+
+def _computed(bm: BlockManager, ids: list[int], salt: str | None = None) -> RequestState:
+    s = RequestState(Request(ids, cache_salt=salt), ())
+    assert bm.allocate(s, len(ids))
+    s.num_computed_tokens = len(ids)
+    bm.cache_full_blocks(s)
+    return s
+
+
+def test_blocks_with_a_forced_equal_python_hash_are_never_shared(monkeypatch):
+    # Make Python's hash() collide for everything: keys built on it would chain two different
+    # first blocks to the same parent, and the second prompt would get the first's KV.
+    import builtins
+
+    monkeypatch.setattr(builtins, "hash", lambda obj: 0)
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    a = _computed(bm, [1, 2, 3, 4] + [9, 9, 9, 9] + [5])
+    b = RequestState(Request([5, 6, 7, 8] + [9, 9, 9, 9] + [5]), ())
+    assert bm.lookup_prefix(b) == []
+    same = RequestState(Request([1, 2, 3, 4] + [9, 9, 9, 9] + [6]), ())
+    assert bm.lookup_prefix(same) == a.block_ids[:2]  # the cache still works
+
+
+def test_salted_requests_do_not_share_with_unsalted_or_other_salts():
+    bm = BlockManager(num_blocks=32, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(13))
+    plain = _computed(bm, prompt)
+    salted = _computed(bm, prompt, salt="tenant-a")
+    assert not set(plain.block_ids) & set(salted.block_ids)
+    assert bm.lookup_prefix(RequestState(Request(prompt), ())) == plain.block_ids[:3]
+    assert (
+        bm.lookup_prefix(RequestState(Request(prompt, cache_salt="tenant-a"), ()))
+        == (salted.block_ids[:3])
+    )
+    assert bm.lookup_prefix(RequestState(Request(prompt, cache_salt="tenant-b"), ())) == []
+    assert bm.lookup_prefix(RequestState(Request(prompt, cache_salt=""), ())) == []
+
+
+def test_block_keys_is_a_chain_that_continues_and_depends_on_model_and_salt():
+    ids = list(range(40))
+    keys = block_keys(ids, 8)
+    assert len(keys) == 5 and all(isinstance(k, bytes) and len(k) == 32 for k in keys)
+    assert len(set(keys)) == 5
+    assert block_keys(ids[:17], 8) == keys[:2]  # a partial last block has no key
+    assert block_keys(ids, 8, parent=keys[1], start=2) == keys[2:]
+    assert block_keys(ids, 8, salt="s") != keys
+    assert block_keys(ids, 8, model="m1") != block_keys(ids, 8, model="m2")
+    # A change in the first block changes every later key (the chain).
+    assert not set(block_keys([99] + ids[1:], 8)) & set(keys)
+    # Token ids are not truncated to bytes: 256 and 0 differ.
+    assert block_keys([256] * 8, 8) != block_keys([0] * 8, 8)

@@ -16,11 +16,21 @@ from engine.scheduler import Scheduler, SchedulerOutput
 TOKEN = 7  # what the fake runner samples
 
 
-def make_state(prompt: int | list[int], max_tokens: int, rid: str) -> RequestState:
+def make_state(
+    prompt: int | list[int],
+    max_tokens: int,
+    rid: str,
+    *,
+    client: str | None = None,
+    priority: int = 0,
+    arrival: float | None = None,
+) -> RequestState:
     ids = list(range(100, 100 + prompt)) if isinstance(prompt, int) else prompt
-    return RequestState(
-        Request(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id=rid), ()
-    )
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    request = Request(ids, params, request_id=rid, client_id=client, priority=priority)
+    if arrival is not None:
+        request.arrival_time = arrival
+    return RequestState(request, ())
 
 
 class FakeRunner:
@@ -33,9 +43,12 @@ class FakeRunner:
         block_size: int = 4,
         static: bool = False,
         prefix_caching: bool = False,
+        policy: str = "fcfs",
+        clock=None,
     ) -> None:
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
-        self.scheduler = Scheduler(self.bm, slots, budget, static=static)
+        extra = {} if clock is None else {"clock": clock}
+        self.scheduler = Scheduler(self.bm, slots, budget, static=static, policy=policy, **extra)
         self.steps: list[SchedulerOutput] = []
         self.sampled: list[list[str]] = []  # request ids that got a token, per step
 
@@ -211,3 +224,103 @@ def test_an_identical_prompt_still_computes_its_last_token():
     # block is recomputed (the lookup stops at (12 - 1) // 4 = 2 blocks).
     assert fr.rows(fr.step()) == {"again": 4}
     assert again.num_cached_tokens == 8 and again.num_output_tokens == 1
+
+
+# -- policies: priority, fair, aging (issue 12) ---------------------------------------------------
+
+
+def test_priority_admits_the_lowest_value_first_then_the_oldest():
+    fr = FakeRunner(slots=2, policy="priority")
+    fr.add(
+        make_state(3, 2, "late-low", priority=5, arrival=1.0),
+        make_state(3, 2, "urgent", priority=-1, arrival=3.0),
+        make_state(3, 2, "normal-old", arrival=2.0),
+        make_state(3, 2, "normal-new", arrival=4.0),
+    )
+    assert set(fr.rows(fr.step())) == {"urgent", "normal-old"}
+
+
+def test_priority_preempts_a_running_request_it_outranks():
+    fr = FakeRunner(slots=2, policy="priority")
+    fr.add(make_state(3, 8, "a", priority=1), make_state(3, 8, "b", priority=2))
+    fr.step()
+    vip = make_state(3, 2, "vip", priority=0)
+    fr.add(vip)
+    out = fr.step()
+    assert [s.request_id for s in out.preempted] == ["b"]  # the worst-ranked running one
+    assert set(fr.rows(out)) == {"a", "vip"}
+    fr.run()
+    assert all(s.num_output_tokens == s.params.max_tokens for s in (vip,))
+
+
+def test_priority_ages_so_a_low_priority_request_is_not_starved():
+    now = [100.0]
+    fr = FakeRunner(slots=1, policy="priority", clock=lambda: now[0])
+    old_low = make_state(3, 1, "old-low", priority=3, arrival=0.0)  # waited 100 s: 10 levels
+    fresh_high = make_state(3, 1, "fresh-high", priority=0, arrival=100.0)
+    fr.add(fresh_high, old_low)
+    assert fr.rows(fr.step()) == {"old-low": 3}
+
+
+def test_fair_gives_a_new_client_a_slot_taken_from_a_hog():
+    fr = FakeRunner(slots=4, budget=64, num_blocks=200, policy="fair")
+    hog = [make_state(4, 50, f"hog{i}", client="A") for i in range(8)]
+    fr.add(*hog)
+    fr.step()
+    assert len(fr.scheduler.running) == 4  # the hog alone: it may use every slot
+    short = make_state(4, 2, "short", client="B")
+    fr.add(short)
+    out = fr.step()
+    assert [s.request_id for s in out.preempted] == ["hog3"]  # the hog's newest gives one up
+    # The new client's step is its own: its prefill alone, so its first token comes fast.
+    assert fr.rows(out) == {"short": 4} and fr.sampled[-1] == ["short"]
+    assert set(fr.rows(fr.step())) == {"hog0", "hog1", "hog2", "short"}  # then all together
+    assert short.finished
+    # Two clients now: the slots split 2/2 at most one apart, never leaving B's second
+    # request behind all of A's.
+    more = [make_state(4, 20, f"b{i}", client="B") for i in range(3)]
+    fr.add(*more)
+    fr.step()
+    fr.step()
+    held = {c: sum(s.request.client_id == c for s in fr.scheduler.running) for c in "AB"}
+    assert held == {"A": 2, "B": 2}
+    fr.run()
+    assert all(s.num_output_tokens == s.params.max_tokens for s in hog + more)
+    assert fr.bm.num_free_blocks == fr.bm.num_usable_blocks
+
+
+def test_fair_splits_the_token_budget_between_clients():
+    fr = FakeRunner(slots=8, budget=32, num_blocks=200, policy="fair")
+    # Client A's long prompts would take the whole budget under fcfs.
+    fr.add(*(make_state(40, 2, f"a{i}", client="A", arrival=float(i)) for i in range(3)))
+    fr.add(make_state(40, 2, "b0", client="B", arrival=10.0))
+    rows = fr.rows(fr.step())
+    per_client = {c: sum(n for r, n in rows.items() if r.startswith(c)) for c in "ab"}
+    assert per_client == {"a": 16, "b": 16}
+    fcfs = FakeRunner(slots=8, budget=32, num_blocks=200)
+    fcfs.add(*(make_state(40, 2, f"a{i}", client="A") for i in range(3)))
+    fcfs.add(make_state(40, 2, "b0", client="B"))
+    assert fcfs.rows(fcfs.step()) == {"a0": 32}
+
+
+def test_fair_interleaves_clients_and_does_not_thrash():
+    fr = FakeRunner(slots=3, budget=64, num_blocks=200, policy="fair")
+    fr.add(*(make_state(4, 10, f"a{i}", client="A") for i in range(3)))
+    fr.add(*(make_state(4, 10, f"b{i}", client="B") for i in range(3)))
+    assert set(fr.rows(fr.step())) == {"a0", "b0", "a1"}  # not a0, a1, a2
+    fr.run()
+    # 2 slots to 1 is as even as three slots get: nobody is preempted for it.
+    assert fr.scheduler.num_preemptions == 0
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
+def test_every_policy_finishes_everything_and_frees_every_block(policy):
+    fr = FakeRunner(slots=3, budget=16, num_blocks=20, block_size=4, policy=policy)
+    states = [
+        make_state(3 + 5 * i, 3 + i, f"r{i}", client="AB"[i % 2], priority=i % 3) for i in range(8)
+    ]
+    fr.add(*states)
+    fr.run()
+    assert all(s.num_output_tokens == s.params.max_tokens for s in states)
+    assert max(out.num_tokens for out in fr.steps) <= 16
+    assert fr.bm.num_free_blocks == fr.bm.num_usable_blocks

@@ -78,13 +78,19 @@ async def test_a_group_is_admitted_whole_or_not_at_all(engine):
         await driver.stop()
 
 
-async def test_submit_beyond_max_waiting_raises_queue_full(engine):
+async def test_max_waiting_counts_only_requests_beyond_the_free_slots(engine):
     driver = AsyncEngineDriver(engine, num_threads=1, max_waiting=2)
     await driver.start()
     try:
-        with pytest.raises(QueueFullError):
-            await driver.submit([req("a"), req("b"), req("c")])
-        assert len(await run(driver, [req("a"), req("b")])) == 2
+        # Idle with 4 slots: six at once are all taken (4 start now, 2 wait).
+        burst = [asyncio.ensure_future(run(driver, [req(f"r{i}", max_tokens=8)])) for i in range(6)]
+        await asyncio.sleep(0)  # every submit has queued its request
+        assert driver.stats().num_cannot_start == 2
+        with pytest.raises(QueueFullError):  # the engine's own queue is at its limit
+            await driver.submit([req("x")])
+        assert all(len(next(iter(r.values()))) == 8 for r in await asyncio.gather(*burst))
+        # A group larger than slots + limit, arriving at an empty queue, is still taken.
+        assert len(await run(driver, [req(f"g{i}") for i in range(7)])) == 7
     finally:
         await driver.stop()
 

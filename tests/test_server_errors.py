@@ -4,6 +4,9 @@ bodies, 429 with Retry-After when the waiting queue is full. Never a 500 for bad
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import openai
 import pytest
@@ -218,21 +221,29 @@ def test_full_waiting_queue_gets_429_with_retry_after(tiny_lm):
     with (
         run_server(
             tiny_lm,
+            engine_options={"max_batch_size": 1},
             driver_options={"max_waiting": 1},
             before_start=lambda e: gate.append(StepGate(e)),
         ) as live,
         httpx.Client(timeout=30) as client,
+        ThreadPoolExecutor(1) as pool,
     ):
         # /health in run_server never steps; the first step is this request's, held at the gate.
         body = {**OK, "stream": True, "max_tokens": 3}
         with client.stream("POST", live.url("/v1/completions"), json=body) as first:
-            assert first.status_code == 200  # accepted: it is the one waiting request
+            assert first.status_code == 200  # accepted: it takes the one slot
             assert gate[0].entered.wait(30)
+            # The second cannot start (no free slot): it is the one request the queue may hold.
+            second = pool.submit(httpx.post, live.url("/v1/completions"), json=OK, timeout=60)
+            deadline = time.monotonic() + 30
+            while live.driver.stats().num_cannot_start < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
             r = client.post(live.url("/v1/completions"), json=OK)
             assert r.status_code == 429
             assert r.headers["retry-after"] == "1"
             assert error_of(r)["type"] == "rate_limit_error"
             gate[0].open()
             assert "[DONE]" in first.read().decode()
-        # The queue drained: admitted again.
+            assert second.result().status_code == 200
         assert client.post(live.url("/v1/completions"), json=OK).status_code == 200
