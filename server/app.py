@@ -50,7 +50,7 @@ class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = 4 * 2**20
     log_prompts: bool = False
-    shutdown_timeout: float = 30.0  # how long the lifespan waits for the engine to stop
+    shutdown_timeout: float = 8.0  # how long the lifespan waits for the engine to stop
 
 
 def create_app(
