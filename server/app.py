@@ -27,6 +27,7 @@ from models import Tokenizer
 from server.client import EngineClient
 from server.errors import APIError, add_error_handlers, error_body
 from server.metrics import CONTENT_TYPE, ServerMetrics
+from server.openapi import install_openapi
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -93,6 +94,9 @@ def create_app(
     app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(RequestCounterMiddleware, metrics=metrics)
     app.include_router(_routes())
+    install_openapi(
+        app, card, tokenizer.vocab_size
+    )  # 400 not 422, the OpenAI error schema, SSE, the model's limits
     return app
 
 

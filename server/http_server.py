@@ -40,7 +40,7 @@ _BACKSTOP = 1.0
 STEP_WAIT = 0.5
 
 DEFAULT_REQUEST_READ_TIMEOUT = 30.0  # seconds for a client to send a whole request
-DEFAULT_KEEP_ALIVE_TIMEOUT = 5  # idle seconds between requests on one connection (uvicorn's default)
+DEFAULT_KEEP_ALIVE_TIMEOUT = 5  # idle seconds between two requests (uvicorn's default)
 MAX_HEADER_BYTES = 64 * 1024  # h11's buffer for a request line and headers
 
 
@@ -146,4 +146,3 @@ def server_config(
         # uvicorn's own deadline is only a backstop behind DrainingServer's.
         timeout_graceful_shutdown=drain_timeout + _BACKSTOP,
     )
-

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationInfo,
@@ -71,6 +72,18 @@ def _valid_unicode(value: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
+def _integral(value: Any) -> Any:
+    """JSON has one number type: 5.0 is the integer 5 (as JSON Schema, and so the OpenAPI
+    document, says). Anything else, "5" and true included, is left to the strict int check."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+# Request integers: strict (no strings, no booleans) but 5.0 is 5.
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
 class _Body(BaseModel):
     # strict: booleans and integers must be JSON booleans and integers, as OpenAI requires
     # ("stream": "yes" and "max_tokens": "5" are 400s, not coerced); an integer is still a
@@ -83,7 +96,12 @@ class StreamOptions(_Body):
 
 
 StopField = Annotated[
-    Text | list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] | None,
+    Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+    | Annotated[
+        list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]],
+        Field(max_length=MAX_STOP_STRINGS),
+    ]
+    | None,
     Field(description="Up to 16 strings; generation stops before the first match."),
 ]
 
@@ -92,17 +110,17 @@ class SamplingFields(_Body):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
 
     model: Text | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: Int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
+    top_k: Int | None = Field(None, ge=-1, description="-1 or 0: off")
     min_p: float | None = Field(None, ge=0, le=1)
     stop: StopField = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(
         None, max_length=MAX_STOP_TOKEN_IDS
     )
     # Choice j samples with seed + j, and torch seeds are 64-bit.
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1 - MAX_N)
+    seed: Int | None = Field(None, ge=-(2**63), le=2**63 - 1 - MAX_N)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(
@@ -110,7 +128,7 @@ class SamplingFields(_Body):
     )
     logit_bias: dict[Text, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Int = Field(0, ge=0)
     user: Text | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -146,16 +164,16 @@ class SamplingFields(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-Prompt = Text | list[Text] | list[int] | list[list[int]]
+Prompt = Text | list[Text] | list[Int] | list[list[Int]]
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: Int | None = Field(16, ge=1)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Text | None = None
-    best_of: int | None = Field(None, ge=1, description="must be >= n")
+    best_of: Int | None = Field(None, ge=1, description="must be >= n")
 
     @field_validator("prompt")
     @classmethod
@@ -211,10 +229,10 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still sent by many clients
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
 
@@ -251,7 +269,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: Text | None = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
 @dataclass(frozen=True, slots=True)
