@@ -128,6 +128,14 @@ def _limits(schemas: dict[str, Any], card: ModelCard, vocab_size: int) -> None:
         for member in prop.get("anyOf", []):
             if member.get("type") == "array":
                 _token_id(member.get("items", {}), vocab_size)
+    # Accepted for compatibility but unsupported unless empty: tools (chat), suffix (completions).
+    chat_tools = schemas.get("ChatCompletionRequest", {}).get("properties", {}).get("tools", {})
+    for member in chat_tools.get("anyOf", []):
+        if member.get("type") == "array":
+            member["maxItems"] = 0
+    suffix = schemas.get("CompletionRequest", {}).get("properties", {}).get("suffix")
+    if suffix is not None:
+        suffix["anyOf"] = [m for m in suffix.get("anyOf", []) if m.get("type") == "null"]
     tokenize = schemas.get("TokenizeRequest")
     if tokenize is not None:  # exactly one of the two is given and not null
         tokenize["oneOf"] = [

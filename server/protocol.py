@@ -84,6 +84,12 @@ def _integral(value: Any) -> Any:
 Int = Annotated[int, BeforeValidator(_integral)]
 
 
+def int_in(**bounds: int) -> Any:
+    """`Int` with bounds (ge, le, ...). The bounds sit on the int inside the validator, so the
+    JSON schema says minimum/maximum (on the wrapped type it would say ge/le, not JSON Schema)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
 class _Body(BaseModel):
     # strict: booleans and integers must be JSON booleans and integers, as OpenAI requires
     # ("stream": "yes" and "max_tokens": "5" are 400s, not coerced); an integer is still a
@@ -113,14 +119,12 @@ class SamplingFields(_Body):
     n: Int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: Int | None = Field(None, ge=-1, description="-1 or 0: off")
+    top_k: int_in(ge=-1) | None = Field(None, description="-1 or 0: off")
     min_p: float | None = Field(None, ge=0, le=1)
     stop: StopField = None
-    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(
-        None, max_length=MAX_STOP_TOKEN_IDS
-    )
+    stop_token_ids: list[int_in(ge=0)] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     # Choice j samples with seed + j, and torch seeds are 64-bit.
-    seed: Int | None = Field(None, ge=-(2**63), le=2**63 - 1 - MAX_N)
+    seed: int_in(ge=-(2**63), le=2**63 - 1 - MAX_N) | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(
@@ -169,11 +173,11 @@ Prompt = Text | list[Text] | list[Int] | list[list[Int]]
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: Int | None = Field(16, ge=1)
+    max_tokens: int_in(ge=1) | None = 16
     echo: bool = False
-    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int_in(ge=0, le=MAX_LOGPROBS) | None = None
     suffix: Text | None = None
-    best_of: Int | None = Field(None, ge=1, description="must be >= n")
+    best_of: int_in(ge=1) | None = Field(None, description="must be >= n")
 
     @field_validator("prompt")
     @classmethod
@@ -229,10 +233,10 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: Int | None = Field(None, ge=1)  # deprecated by OpenAI, still sent by many clients
-    max_completion_tokens: Int | None = Field(None, ge=1)
+    max_tokens: int_in(ge=1) | None = None  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: int_in(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int_in(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
 
