@@ -30,6 +30,7 @@ for _ in $(seq 120); do
     curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
     sleep 1
 done
+cd "$OUT"  # schemathesis keeps its crash cache (.schemathesis/) in the working directory
 nice -n 15 "$ST_VENV/bin/st" run "http://127.0.0.1:$PORT/openapi.json" --checks all \
     --max-time "$SECONDS_BUDGET" --workers 1 --request-timeout 60 \
     --report junit --report-dir "$OUT" "$@"
