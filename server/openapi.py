@@ -54,7 +54,9 @@ _ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
     "/health": (503,),
 }
 _STREAMING = ("/v1/completions", "/v1/chat/completions")
-_SSE = {"schema": {"type": "string", "description": "Server-sent events, ending data: [DONE]"}}
+# Each event's data is a chunk object or an error object, and the last is `[DONE]`: no one
+# schema fits every event, so none is given.
+_SSE = {"schema": {"description": "Server-sent events: chunks, then data: [DONE]"}}
 
 
 def install_openapi(app: FastAPI, card: ModelCard, vocab_size: int) -> None:
