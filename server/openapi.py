@@ -138,23 +138,6 @@ def _limits(schemas: dict[str, Any], card: ModelCard, vocab_size: int) -> None:
     suffix = schemas.get("CompletionRequest", {}).get("properties", {}).get("suffix")
     if suffix is not None:
         suffix["anyOf"] = [m for m in suffix.get("anyOf", []) if m.get("type") == "null"]
-    # Fields that need another one: stream_options needs stream true, top_logprobs (chat) needs
-    # logprobs true. (best_of must equal n when given: JSON Schema cannot compare two fields.)
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
-        needs = [("stream_options", "stream")]
-        if name == "ChatCompletionRequest":
-            needs.append(("top_logprobs", "logprobs"))
-        if name in schemas:
-            schemas[name]["allOf"] = [
-                {
-                    "if": {
-                        "required": [field],
-                        "properties": {field: {"not": {"type": "null"}}},
-                    },
-                    "then": {"required": [flag], "properties": {flag: {"const": True}}},
-                }
-                for field, flag in needs
-            ]
     tokenize = schemas.get("TokenizeRequest")
     if tokenize is not None:  # exactly one of the two is given and not null
         tokenize["oneOf"] = [
