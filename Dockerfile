@@ -66,8 +66,9 @@ EXPOSE 8000
 # /health is 503 once the engine loop has died or a step is stuck; the start period covers loading.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
-# SIGTERM (docker stop) stops admission and lets in-flight requests finish for up to 30 s; give
-# `docker stop -t 35` to wait for all of it.
+# SIGTERM (docker stop) stops admission and lets in-flight requests finish for up to 8 s
+# (--shutdown-timeout), inside Docker's default 10 s grace; then open streams get an error event
+# and [DONE]. A longer drain needs a longer grace: --shutdown-timeout 30 with --stop-timeout 35.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["python", "-m", "server", "--host", "0.0.0.0", "--port", "8000"]
 CMD []

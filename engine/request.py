@@ -83,7 +83,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below 1e-5 (vLLM's bound) dividing logits by the temperature overflows to inf.
+        return self.temperature < 1e-5
 
     @property
     def needs_penalties(self) -> bool:

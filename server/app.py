@@ -27,6 +27,7 @@ from models import Tokenizer
 from server.client import EngineClient
 from server.errors import APIError, add_error_handlers, error_body
 from server.metrics import CONTENT_TYPE, ServerMetrics
+from server.openapi import install_openapi
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,7 +51,7 @@ class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = 4 * 2**20
     log_prompts: bool = False
-    shutdown_timeout: float = 30.0  # how long the lifespan waits for the engine to stop
+    shutdown_timeout: float = 8.0  # how long the lifespan waits for the engine to stop
     # Open generation requests one client (X-Client-Id, else API key) may have; None: no limit.
     max_concurrent_per_client: int | None = None
     # A streamed response whose client reads nothing for this long is aborted; None: never.
@@ -103,6 +104,9 @@ def create_app(
     app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(RequestCounterMiddleware, metrics=metrics)
     app.include_router(_routes())
+    install_openapi(
+        app, card, tokenizer.vocab_size
+    )  # 400 not 422, the OpenAI error schema, SSE, the model's limits
     return app
 
 

@@ -193,9 +193,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--shutdown-timeout",
         type=float,
+        default=8.0,  # under Docker's 10 s between SIGTERM and SIGKILL
+        metavar="SECONDS",
+        help="on SIGTERM, how long in-flight requests may take to finish; then open streams get "
+        "an error event and [DONE], other requests a 503 (default: %(default)s, under "
+        "Docker's 10 s stop grace)",
+    )
+    s.add_argument(
+        "--request-read-timeout",
+        type=float,
         default=30.0,
         metavar="SECONDS",
-        help="on SIGTERM, how long in-flight requests may take to finish (default: %(default)s)",
+        help="close a connection that has not sent a whole request (headers and body) this "
+        "long after its first byte (default: %(default)s)",
+    )
+    s.add_argument(
+        "--keep-alive-timeout",
+        type=int,
+        default=5,
+        metavar="SECONDS",
+        help="close an idle kept-alive connection after this long (default: %(default)s)",
     )
     s.add_argument(
         "--log-level",
@@ -248,12 +265,12 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     import torch
-    import uvicorn
 
     from engine import make_engine
     from models import ModelLoadError, load_model
     from server.app import ServerSettings, create_app
     from server.driver import AsyncEngineDriver
+    from server.http_server import STEP_WAIT, DrainingServer, server_config
     from server.protocol import ModelCard
 
     if args.num_threads:
@@ -295,18 +312,21 @@ def main(argv: list[str] | None = None) -> int:
         stall_timeout=args.stall_timeout or None,
     )
     app = create_app(lm.tokenizer, card, driver, settings)
-    config = uvicorn.Config(
+    config = server_config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        access_log=False,  # server.requests logs one line per generation request instead
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        drain_timeout=args.shutdown_timeout,
+        request_read_timeout=args.request_read_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
     )
+    # At the drain deadline stopping the driver fails every open stream: error event + [DONE].
+    server = DrainingServer(config, lambda: driver.stop(timeout=STEP_WAIT), args.shutdown_timeout)
     # uvicorn owns SIGINT/SIGTERM while it runs: it stops accepting connections, lets open ones
-    # finish (up to the timeout), runs the lifespan's shutdown (which stops the engine driver),
-    # then re-raises the signal to the handler that was there before. Make that handler a clean
-    # exit, so a drained shutdown exits 0 rather than dying of the signal.
+    # finish (up to the drain deadline), runs the lifespan's shutdown (which stops the engine
+    # driver), then re-raises the signal to the handler that was there before. Make that handler
+    # a clean exit, so a drained shutdown exits 0 rather than dying of the signal.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     # Everything alive now (torch, transformers, the model) lives as long as the server: move it
     # out of the collector's sight, so a full collection walks only per-request garbage instead
@@ -314,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     gc.freeze()
     with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.Server(config).run()
+        server.run()
     return 0
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from engine import (
@@ -38,7 +38,25 @@ def error_body(
     param: str | None = None,
     code: str | None = None,
 ) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return {
+        "error": {
+            "message": encodable(message),
+            "type": type,
+            "param": None if param is None else encodable(param),
+            "code": code,
+        }
+    }
+
+
+def encodable(text: str) -> str:
+    """`text` with anything UTF-8 cannot encode (lone surrogates from a client's JSON, echoed in
+    a message or a field path) replaced by "?": an error body must always be sendable, or the
+    error itself becomes a 500."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
 
 
 class APIError(Exception):
@@ -149,12 +167,27 @@ def add_error_handlers(app: FastAPI) -> None:
         )
 
     @app.exception_handler(ClientDisconnected)
-    async def disconnected(request: Request, exc: ClientDisconnected) -> Response:
+    @app.exception_handler(ClientDisconnect)  # gone (or timed out) while sending its body
+    async def disconnected(request: Request, exc: Exception) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
         return render(api_error(exc, request_id_of(request)))
+
+
+# Union members repeat the same field path with a tag naming the member's type
+# ("str", "list[int]", "function-after[_valid_unicode(), str]"): not part of the field's path.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool"})
+_TYPE_TAG_PREFIXES = ("list[", "dict[", "function-", "constrained-", "lax-", "strict-")
+
+
+def _field_path(loc: list[str]) -> str:
+    """The dotted field path of a pydantic error location, for `param` and the message. A bad
+    dict key ("[key]" follows the key) names its dict: the key itself is the client's text."""
+    if "[key]" in loc:
+        loc = loc[: max(loc.index("[key]") - 1, 0)]
+    return ".".join(x for x in loc if x not in _TYPE_TAGS and not x.startswith(_TYPE_TAG_PREFIXES))
 
 
 def _describe_validation_errors(errors) -> tuple[str, str | None]:
@@ -176,8 +209,7 @@ def _describe_validation_errors(errors) -> tuple[str, str | None]:
         if not loc and kind == "missing":
             parts.append("a JSON request body is required")
             continue
-        # Union members repeat the same field path with a type suffix: keep only the field path.
-        path = ".".join(x for x in loc if not x.startswith(("list[", "str", "int", "function-")))
+        path = _field_path(loc)
         param = param or path or None
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         parts.append(f"{path}: {msg}" if path else msg)

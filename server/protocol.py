@@ -21,7 +21,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from engine import SamplingParams
 from server.errors import APIError
@@ -37,10 +46,55 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20  # completions `logprobs` and chat `top_logprobs`
 MAX_LOGIT_BIAS = 300
 MAX_MESSAGES = 1024
+# Sampling value ranges, checked here so the OpenAPI schema states them (SamplingParams checks
+# them again for callers of the engine). A repetition penalty near 0 (or huge) divides logits into
+# infinities, so only a sane band is allowed; OpenAI's penalties are in [-2, 2].
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+# Below this a temperature is greedy (as vLLM's _SAMPLING_EPS): dividing logits by 1e-38 overflows
+# to inf and the draw degenerates to token 0. SamplingParams.greedy uses the same bound.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def _valid_unicode(value: str) -> str:
+    """JSON may carry a lone surrogate escape ("\\ud800"): valid JSON, but not text. It cannot be
+    encoded to UTF-8, so it would fail in the tokenizer, the log, or the error body echoing it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"contains invalid Unicode (a lone surrogate at position {e.start})"
+        ) from None
+    return value
+
+
+# Every client string that can reach a tokenizer, a log line or an error body is `Text`.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def _integral(value: Any) -> Any:
+    """JSON has one number type: 5.0 is the integer 5 (as JSON Schema, and so the OpenAPI
+    document, says). Anything else, "5" and true included, is left to the strict int check."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+# Request integers: strict (no strings, no booleans) but 5.0 is 5.
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
+def int_in(**bounds: int) -> Any:
+    """`Int` with bounds (ge, le, ...). The bounds sit on the int inside the validator, so the
+    JSON schema says minimum/maximum (on the wrapped type it would say ge/le, not JSON Schema)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: booleans and integers must be JSON booleans and integers, as OpenAI requires
+    # ("stream": "yes" and "max_tokens": "5" are 400s, not coerced); an integer is still a
+    # valid float. No NaN or infinity (Python's JSON parser accepts them).
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -48,7 +102,12 @@ class StreamOptions(_Body):
 
 
 StopField = Annotated[
-    str | list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] | None,
+    Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+    | Annotated[
+        list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]],
+        Field(max_length=MAX_STOP_STRINGS),
+    ]
+    | None,
     Field(description="Up to 16 strings; generation stops before the first match."),
 ]
 
@@ -56,27 +115,29 @@ StopField = Annotated[
 class SamplingFields(_Body):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
 
-    model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    model: Text | None = None
+    n: Int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int_in(ge=-1) | None = Field(None, description="-1 or 0: off")
+    min_p: float | None = Field(None, ge=0, le=1)
     stop: StopField = None
-    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[int_in(ge=0)] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     # Choice j samples with seed + j, and torch seeds are 64-bit.
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1 - MAX_N)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    seed: int_in(ge=-(2**63), le=2**63 - 1 - MAX_N) | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(
+        None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY
+    )
+    logit_bias: dict[Text, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    user: str | None = None
+    min_tokens: Int = Field(0, ge=0)
+    user: Text | None = None
     # vLLM's extras: scheduling priority (lower runs earlier; used by --scheduling priority and
     # fair) and a prefix-cache salt (only requests with the same salt share cached KV blocks).
-    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
-    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    priority: int_in(ge=-(2**31), le=2**31 - 1) = 0
+    cache_salt: Text | None = Field(None, min_length=1, max_length=256)
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -111,16 +172,16 @@ class SamplingFields(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+Prompt = Text | list[Text] | list[Int] | list[list[Int]]
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int_in(ge=1) | None = 16
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: str | None = None
-    best_of: int | None = None
+    logprobs: int_in(ge=0, le=MAX_LOGPROBS) | None = None
+    suffix: Text | None = None
+    best_of: int_in(ge=1) | None = Field(None, description="must be >= n")
 
     @field_validator("prompt")
     @classmethod
@@ -130,6 +191,14 @@ class CompletionRequest(SamplingFields):
                 raise ValueError("prompt must not be an empty list")
             if len(v) > MAX_PROMPTS and not isinstance(v[0], int):
                 raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed, got {len(v)}")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_covers_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)  # n is validated first (a field of the base class)
+        if v is not None and v < n:
+            raise ValueError(f"best_of must be >= n, got best_of={v}, n={n}")
         return v
 
     def max_output_tokens(self) -> int:
@@ -149,14 +218,14 @@ class CompletionRequest(SamplingFields):
 
 class TextPart(_Body):
     type: Literal["text"] = "text"
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
-    role: str = Field(min_length=1)
+    role: Text = Field(min_length=1)
     # Only text content: image/audio parts fail validation with a 400 naming the part.
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -168,10 +237,10 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still sent by many clients
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int_in(ge=1) | None = None  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: int_in(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int_in(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
 
@@ -193,8 +262,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_Body):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
@@ -207,8 +276,8 @@ class TokenizeRequest(_Body):
 
 
 class DetokenizeRequest(_Body):
-    model: str | None = None
-    tokens: list[int]
+    model: Text | None = None
+    tokens: list[Int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +342,10 @@ def _sampling_params(
     stop_ids = tuple(req.stop_token_ids or ())
     check_token_ids(stop_ids, vocab_size, "stop_token_ids")
 
+    def _temperature(value: float | None) -> float:
+        t = given(value, 1.0)
+        return 0.0 if t < GREEDY_TEMPERATURE else t  # greedy, not an overflowing division
+
     def given(value: float | None, default: float) -> float:
         return default if value is None else value
 
@@ -281,7 +354,7 @@ def _sampling_params(
     return [
         SamplingParams(
             max_tokens=max_tokens,
-            temperature=given(req.temperature, 1.0),
+            temperature=_temperature(req.temperature),
             # OpenAI / vLLM spell "off" -1 (and 0); the engine spells it None.
             top_k=None if req.top_k in (None, 0, -1) else req.top_k,
             top_p=given(req.top_p, 1.0),

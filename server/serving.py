@@ -113,9 +113,9 @@ class OpenAIServing:
         model = self._check_model(req.model)
         if req.suffix is not None:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if req.best_of is not None and req.best_of > 1:
+        if req.best_of is not None and req.best_of > req.n:  # best_of == n: all n choices
             raise APIError(
-                400, "best_of > 1 is not supported; use n for several choices", param="best_of"
+                400, "best_of > n is not supported; use n for several choices", param="best_of"
             )
         if req.echo and req.logprobs is not None:
             raise APIError(

@@ -1,0 +1,151 @@
+"""The OpenAPI document (/openapi.json) as the server really behaves.
+
+FastAPI's generated document says 422 with its own error shape for an invalid body; this server
+answers 400 with OpenAI's error object (`server.errors`). It also cannot know that a completion
+streams as `text/event-stream`, that /metrics is Prometheus text, or the limits that depend on
+the served model. `install_openapi` post-processes the generated document once, so generated
+clients and fuzzers (schemathesis) see the statuses, media types and limits the server uses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from server.protocol import MAX_PROMPTS, ModelCard
+
+_ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+_ERROR_SCHEMA = {
+    "type": "object",
+    "title": "ErrorResponse",
+    "description": "OpenAI's error object.",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+_REASONS = {
+    400: "Invalid request: a bad field value, malformed JSON or bad Unicode.",
+    401: "Missing or wrong API key (when the server has one).",
+    404: "Unknown model.",
+    413: "Request body over the size limit.",
+    429: "The engine's queue is full; retry after Retry-After seconds.",
+    500: "Internal error; the message names the request id.",
+    503: "The engine is unavailable or the server is shutting down.",
+}
+# Error statuses each route can answer with, beyond what every route can (500).
+_ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
+    "/v1/completions": (400, 401, 404, 413, 429, 503),
+    "/v1/chat/completions": (400, 401, 404, 413, 429, 503),
+    "/tokenize": (400, 401, 404, 413),
+    "/detokenize": (400, 401, 404, 413),
+    "/v1/models": (401,),
+    "/v1/models/{model_id}": (401, 404),
+    "/health": (503,),
+}
+_STREAMING = ("/v1/completions", "/v1/chat/completions")
+# Each event's data is a chunk object or an error object, and the last is `[DONE]`: no one
+# schema fits every event, so none is given.
+_SSE = {"schema": {"description": "Server-sent events: chunks, then data: [DONE]"}}
+
+
+def install_openapi(app: FastAPI, card: ModelCard, vocab_size: int) -> None:
+    """Make `app.openapi()` return the corrected document (built once, then cached)."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _fix(generate(), card, vocab_size)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _fix(doc: dict[str, Any], card: ModelCard, vocab_size: int) -> dict[str, Any]:
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas.pop("HTTPValidationError", None)
+    schemas.pop("ValidationError", None)
+    schemas["ErrorResponse"] = _ERROR_SCHEMA
+    for path, ops in doc.get("paths", {}).items():
+        for op in ops.values():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            for status in (*_ROUTE_ERRORS.get(path, ()), 500):
+                responses[str(status)] = {
+                    "description": _REASONS[status],
+                    "content": {"application/json": {"schema": _ERROR_REF}},
+                }
+            if path in _STREAMING:
+                responses["200"]["content"]["text/event-stream"] = _SSE
+            if path == "/metrics":
+                responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+    _limits(schemas, card, vocab_size)
+    return doc
+
+
+def _limits(schemas: dict[str, Any], card: ModelCard, vocab_size: int) -> None:
+    """Limits the request models cannot state statically: the served model's context length and
+    vocabulary, the prompt-count limit that applies to lists of text prompts only, and
+    /tokenize's "exactly one of prompt or messages"."""
+    for name, fields in (
+        ("CompletionRequest", ("max_tokens",)),
+        ("ChatCompletionRequest", ("max_tokens", "max_completion_tokens")),
+    ):
+        props = schemas.get(name, {}).get("properties", {})
+        for field in fields:
+            for member in props.get(field, {}).get("anyOf", []):
+                if member.get("type") == "integer":
+                    member["maximum"] = card.max_model_len
+    prompt = schemas.get("CompletionRequest", {}).get("properties", {}).get("prompt", {})
+    for member in prompt.get("anyOf", []):
+        if member.get("type") != "array":
+            continue
+        member["minItems"] = 1  # an empty prompt list, or an empty token-id prompt, is a 400
+        items = member.get("items", {})
+        if items.get("type") == "integer":
+            member["maxItems"] = card.max_model_len
+            _token_id(items, vocab_size)
+        else:  # text prompts, or token-id prompts
+            member["maxItems"] = MAX_PROMPTS
+            if items.get("type") == "array":
+                items["minItems"] = 1
+                _token_id(items.get("items", {}), vocab_size)
+    for name, field in (("DetokenizeRequest", "tokens"), ("CompletionRequest", "stop_token_ids")):
+        prop = schemas.get(name, {}).get("properties", {}).get(field, {})
+        for member in [prop, *prop.get("anyOf", [])]:
+            if member.get("type") == "array":
+                _token_id(member.get("items", {}), vocab_size)
+    for name in ("ChatCompletionRequest",):
+        prop = schemas.get(name, {}).get("properties", {}).get("stop_token_ids", {})
+        for member in prop.get("anyOf", []):
+            if member.get("type") == "array":
+                _token_id(member.get("items", {}), vocab_size)
+    # Accepted for compatibility but unsupported unless empty: tools (chat), suffix (completions).
+    chat_tools = schemas.get("ChatCompletionRequest", {}).get("properties", {}).get("tools", {})
+    for member in chat_tools.get("anyOf", []):
+        if member.get("type") == "array":
+            member["maxItems"] = 0
+    suffix = schemas.get("CompletionRequest", {}).get("properties", {}).get("suffix")
+    if suffix is not None:
+        suffix["anyOf"] = [m for m in suffix.get("anyOf", []) if m.get("type") == "null"]
+    tokenize = schemas.get("TokenizeRequest")
+    if tokenize is not None:  # exactly one of the two is given and not null
+        tokenize["oneOf"] = [
+            {"required": [field], "properties": {field: {"type": kind}}}
+            for field, kind in (("prompt", "string"), ("messages", "array"))
+        ]
+
+
+def _token_id(schema: dict[str, Any], vocab_size: int) -> None:
+    schema["minimum"] = 0
+    schema["maximum"] = vocab_size - 1
