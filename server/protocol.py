@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -216,6 +216,9 @@ class ModelCard:
     parameter_count: int
     engine: str
     created: int = field(default_factory=lambda: int(time.time()))
+    # Sampling defaults for fields a request leaves out (models.generation_config), e.g.
+    # {"temperature": 0.2, "top_p": 0.9}; empty: OpenAI's defaults.
+    default_sampling_params: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -235,21 +238,55 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
         )
 
 
-def completion_sampling_params(req: CompletionRequest, vocab_size: int) -> list[SamplingParams]:
-    """One `SamplingParams` per choice of each prompt (choice j samples with seed + j)."""
-    return _sampling_params(req, req.max_output_tokens(), req.logprobs, vocab_size)
+# OpenAI's defaults, for fields neither the request nor the model's defaults set.
+OPENAI_DEFAULTS: dict[str, float] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+
+
+def sent(req: BaseModel, name: str) -> bool:
+    """Whether the client gave `name` a value (an explicit null counts as not given)."""
+    return name in req.model_fields_set and getattr(req, name) is not None
+
+
+def completion_sampling_params(
+    req: CompletionRequest, vocab_size: int, defaults: Mapping[str, Any] | None = None
+) -> list[SamplingParams]:
+    """One `SamplingParams` per choice of each prompt (choice j samples with seed + j).
+    `defaults` (the model card's `default_sampling_params`) fill the fields the client did not
+    send; request fields always win."""
+    defaults = defaults or {}
+    max_tokens = req.max_output_tokens()
+    if not sent(req, "max_tokens") and "max_tokens" in defaults:
+        max_tokens = defaults["max_tokens"]
+    return _sampling_params(req, max_tokens, req.logprobs, vocab_size, defaults)
 
 
 def chat_sampling_params(
-    req: ChatCompletionRequest, vocab_size: int, max_tokens: int
+    req: ChatCompletionRequest,
+    vocab_size: int,
+    max_tokens: int,
+    defaults: Mapping[str, Any] | None = None,
 ) -> list[SamplingParams]:
     """As `completion_sampling_params`; `max_tokens` is `req.max_output_tokens(...)`, which
-    needs the prompt's length."""
-    return _sampling_params(req, max_tokens, req.num_logprobs, vocab_size)
+    needs the prompt's length (a default max_tokens only lowers it)."""
+    defaults = defaults or {}
+    if not (sent(req, "max_tokens") or sent(req, "max_completion_tokens")):
+        max_tokens = min(max_tokens, defaults.get("max_tokens", max_tokens))
+    return _sampling_params(req, max_tokens, req.num_logprobs, vocab_size, defaults)
 
 
 def _sampling_params(
-    req: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int
+    req: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    vocab_size: int,
+    defaults: Mapping[str, Any],
 ) -> list[SamplingParams]:
     bias: list[tuple[int, float]] = []
     for key, value in (req.logit_bias or {}).items():
@@ -269,22 +306,27 @@ def _sampling_params(
     stop_ids = tuple(req.stop_token_ids or ())
     check_token_ids(stop_ids, vocab_size, "stop_token_ids")
 
-    def given(value: float | None, default: float) -> float:
-        return default if value is None else value
+    def given(name: str) -> Any:
+        # The request's value, else the model's default, else OpenAI's.
+        if sent(req, name):
+            return getattr(req, name)
+        return defaults.get(name, OPENAI_DEFAULTS.get(name))
+
+    top_k = given("top_k")
 
     # Choice j of every prompt samples with seed + j (as vLLM does for n > 1): reproducible,
     # and the n choices differ from one another. SamplingParams checks the values.
     return [
         SamplingParams(
             max_tokens=max_tokens,
-            temperature=given(req.temperature, 1.0),
+            temperature=given("temperature"),
             # OpenAI / vLLM spell "off" -1 (and 0); the engine spells it None.
-            top_k=None if req.top_k in (None, 0, -1) else req.top_k,
-            top_p=given(req.top_p, 1.0),
-            min_p=given(req.min_p, 0.0),
-            repetition_penalty=given(req.repetition_penalty, 1.0),
-            presence_penalty=given(req.presence_penalty, 0.0),
-            frequency_penalty=given(req.frequency_penalty, 0.0),
+            top_k=None if top_k in (None, 0, -1) else top_k,
+            top_p=given("top_p"),
+            min_p=given("min_p"),
+            repetition_penalty=given("repetition_penalty"),
+            presence_penalty=given("presence_penalty"),
+            frequency_penalty=given("frequency_penalty"),
             stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens,

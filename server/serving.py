@@ -74,6 +74,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.log_prompts = log_prompts
         self.vocab_size = tokenizer.vocab_size
+        self.defaults = card.default_sampling_params
         self.token_text = TokenText(tokenizer)
 
     # -- public entry points -------------------------------------------------------------------------
@@ -112,8 +113,9 @@ class OpenAIServing:
                 )
         gen = self._generation("cmpl", http, arrival, model, prompts, texts, req, req.logprobs)
         gen.echo = req.echo
-        self._check_lengths(gen, req.n, req.max_output_tokens())
-        requests = self._engine_requests(gen, req, completion_sampling_params(req, self.vocab_size))
+        params = completion_sampling_params(req, self.vocab_size, self.defaults)
+        self._check_lengths(gen, req.n, params[0].max_tokens)
+        requests = self._engine_requests(gen, req, params)
         fmt = CompletionFormat(gen, self.token_text)
         return await self._respond(gen, requests, fmt, req.stream, http)
 
@@ -132,8 +134,8 @@ class OpenAIServing:
         max_tokens = req.max_output_tokens(context_left=self.card.max_model_len - len(ids))
         if max_tokens < 1:  # no max_tokens given, and the prompt fills the context
             raise self._too_long(len(ids), 1)
-        self._check_lengths(gen, req.n, max_tokens)
-        params = chat_sampling_params(req, self.vocab_size, max_tokens)
+        params = chat_sampling_params(req, self.vocab_size, max_tokens, self.defaults)
+        self._check_lengths(gen, req.n, params[0].max_tokens)
         requests = self._engine_requests(gen, req, params)
         fmt = ChatFormat(gen, self.token_text)
         return await self._respond(gen, requests, fmt, req.stream, http)
