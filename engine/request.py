@@ -13,10 +13,14 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.structured import TokenConstraint
 
 _ids = itertools.count()
 
@@ -102,6 +106,9 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=_next_request_id)
     arrival_time: float = field(default_factory=time.monotonic)
+    # Structured output: this request's grammar state (engine.structured), built off the step
+    # path; the sampler masks its row with it and the engine advances it. In-process only.
+    constraint: TokenConstraint | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -172,6 +179,7 @@ class RequestState:
         "stop_ids",
         "num_preemptions",
         "first_scheduled_time",
+        "constraint",
     )
 
     def __init__(self, request: Request, eos_token_ids: tuple[int, ...]) -> None:
@@ -196,6 +204,7 @@ class RequestState:
         self.stop_ids = frozenset(eos) | frozenset(self.params.stop_token_ids)
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
+        self.constraint = request.constraint
 
     @property
     def request_id(self) -> str:

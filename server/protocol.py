@@ -47,6 +47,41 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """`response_format.json_schema`: OpenAI's {"name", "schema", "strict"}."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    # `schema` would shadow a BaseModel attribute: stored as schema_, spelled "schema" on the wire.
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatParam(_Body):
+    """`response_format`: {"type": "text" | "json_object" | "json_schema", "json_schema": ...}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormatParam:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema object')
+        return self
+
+
+class StructuredOutputsParam(_Body):
+    """vLLM's `structured_outputs` (its newer spelling of the guided_* fields): one of these."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 StopField = Annotated[
     str | list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] | None,
     Field(description="Up to 16 strings; generation stops before the first match."),
@@ -75,6 +110,13 @@ class SamplingFields(_Body):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Structured output (server.structured): OpenAI's response_format, or vLLM's spellings.
+    response_format: ResponseFormatParam | None = None
+    structured_outputs: StructuredOutputsParam | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod

@@ -54,6 +54,7 @@ from server.responses import (
     models_body,
     stream_body,
 )
+from server.structured import StructuredOutputs, structured_spec
 
 log = logging.getLogger("server.requests")
 
@@ -75,6 +76,7 @@ class OpenAIServing:
         self.log_prompts = log_prompts
         self.vocab_size = tokenizer.vocab_size
         self.defaults = card.default_sampling_params
+        self.structured = StructuredOutputs(tokenizer)
         self.token_text = TokenText(tokenizer)
 
     # -- public entry points -------------------------------------------------------------------------
@@ -115,7 +117,7 @@ class OpenAIServing:
         gen.echo = req.echo
         params = completion_sampling_params(req, self.vocab_size, self.defaults)
         self._check_lengths(gen, req.n, params[0].max_tokens)
-        requests = self._engine_requests(gen, req, params)
+        requests = await self._engine_requests(gen, req, params)
         fmt = CompletionFormat(gen, self.token_text)
         return await self._respond(gen, requests, fmt, req.stream, http)
 
@@ -136,7 +138,7 @@ class OpenAIServing:
             raise self._too_long(len(ids), 1)
         params = chat_sampling_params(req, self.vocab_size, max_tokens, self.defaults)
         self._check_lengths(gen, req.n, params[0].max_tokens)
-        requests = self._engine_requests(gen, req, params)
+        requests = await self._engine_requests(gen, req, params)
         fmt = ChatFormat(gen, self.token_text)
         return await self._respond(gen, requests, fmt, req.stream, http)
 
@@ -232,10 +234,17 @@ class OpenAIServing:
             if len(ids) + max_tokens > self.card.max_model_len:
                 raise self._too_long(len(ids), max_tokens)
 
-    def _engine_requests(
+    async def _engine_requests(
         self, gen: Generation, req: SamplingFields, params: Sequence[SamplingParams]
     ) -> list[Request]:
-        """One engine request (and choice) per prompt and choice index, the choice's params."""
+        """One engine request (and choice) per prompt and choice index, the choice's params, and
+        its own grammar state when the request asks for structured output."""
+        spec = structured_spec(req)
+        constraints = (
+            await self.structured.constraints(spec, len(gen.prompts) * len(params))
+            if spec is not None
+            else None
+        )
         eos = () if req.ignore_eos else tuple(self.tokenizer.eos_token_ids)
         stop_ids = frozenset(eos) | frozenset(req.stop_token_ids or ())
         requests = []
@@ -247,7 +256,13 @@ class OpenAIServing:
                 gen.choices.append(choice)
                 gen.by_request[rid] = choice
                 requests.append(
-                    Request(list(ids), choice_params, request_id=rid, arrival_time=gen.arrival)
+                    Request(
+                        list(ids),
+                        choice_params,
+                        request_id=rid,
+                        arrival_time=gen.arrival,
+                        constraint=None if constraints is None else constraints[index],
+                    )
                 )
         return requests
 
