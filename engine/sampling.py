@@ -105,14 +105,17 @@ def _logprobs(
 
 
 def _keep_a_grammar_token(
-    logits: torch.Tensor, raw: torch.Tensor, states: Sequence[RequestState], allowed: torch.Tensor
+    logits: torch.Tensor,
+    raw: torch.Tensor,
+    states: Sequence[RequestState],
+    disallowed: torch.Tensor,
 ) -> None:
     """A constrained row that bias or min_tokens left with no allowed token (min_tokens masking
     the EOS a finished grammar needs) samples from the grammar's tokens alone instead."""
     rows = [i for i, s in enumerate(states) if s.constraint is not None]
     for j, i in enumerate(rows):
         if torch.isneginf(logits[i]).all():
-            logits[i] = raw[i].masked_fill(~allowed[j], float("-inf"))
+            logits[i] = raw[i].masked_fill(disallowed[j], float("-inf"))
 
 
 def sample(
@@ -120,22 +123,22 @@ def sample(
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Pick one token per row. logits: (B, V) fp32, row i belongs to states[i]."""
     raw = logits
-    allowed = None
+    disallowed = None
     if any(s.constraint is not None for s in states):
         logits = logits.clone()
-        allowed = apply_constraints(logits, states)
+        disallowed = apply_constraints(logits, states)
     if (
         any(s.params.logit_bias for s in states)
         or any(s.params.min_tokens and s.num_output_tokens < s.params.min_tokens for s in states)
         or any(s.params.needs_penalties for s in states)
     ):
-        if allowed is None:
+        if disallowed is None:
             logits = logits.clone()
         _apply_logit_bias(logits, states)
         _apply_min_tokens(logits, states)
         _apply_penalties(logits, states)
-        if allowed is not None:
-            _keep_a_grammar_token(logits, raw, states, allowed)
+        if disallowed is not None:
+            _keep_a_grammar_token(logits, raw, states, disallowed)
 
     tokens = logits.argmax(dim=-1).tolist()
     random_rows = [i for i, s in enumerate(states) if not s.params.greedy]

@@ -85,23 +85,30 @@ class TokenConstraint(Protocol):
 
 # -- the step path ---------------------------------------------------------------------------------
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+# Bit k of a 32-bit word; bit 31 wraps to -2**31 in int32, which is the bit pattern we need.
+_BITS = (1 << torch.arange(32, dtype=torch.int64)).to(torch.int32)
+
+
+def disallowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(R, ceil(V/32)) int32 bits -> (R, vocab) bool, True where a token is NOT allowed; tokens
+    past the mask are not allowed."""
+    rows, words = bitmask.shape
+    off = ((bitmask.unsqueeze(-1) & _BITS) == 0).view(rows, words * 32)
+    if words * 32 >= vocab:
+        return off[:, :vocab]
+    return torch.cat([off, torch.ones(rows, vocab - words * 32, dtype=torch.bool)], dim=1)
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(R, ceil(V/32)) int32 bits -> (R, vocab) bool; tokens past the mask are not allowed."""
-    rows, words = bitmask.shape
-    bits = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).view(rows, words * 32).bool()
-    if words * 32 >= vocab:
-        return bits[:, :vocab]
-    pad = torch.zeros(rows, vocab - words * 32, dtype=torch.bool)
-    return torch.cat([bits, pad], dim=1)
+    """(R, ceil(V/32)) int32 bits -> (R, vocab) bool, True where a token is allowed."""
+    return ~disallowed_tokens(bitmask, vocab)
 
 
 def apply_constraints(logits: torch.Tensor, states: Sequence[RequestState]) -> torch.Tensor | None:
     """Mask each constrained row's disallowed tokens to -inf, in place; unconstrained rows are
-    not touched. Returns the allowed-token mask of the constrained rows (None if there are none)
-    so the sampler can fall back to it if later processing masks every allowed token."""
+    not touched. Returns the disallowed-token mask of the constrained rows, in row order (None
+    if there are none), so the sampler can fall back to it if later processing masks every
+    allowed token."""
     rows = [i for i, s in enumerate(states) if s.constraint is not None]
     if not rows:
         return None
@@ -109,9 +116,11 @@ def apply_constraints(logits: torch.Tensor, states: Sequence[RequestState]) -> t
     bitmask = torch.zeros(len(rows), (vocab + 31) // 32, dtype=torch.int32)
     for j, i in enumerate(rows):
         states[i].constraint.fill_bitmask(bitmask, j)
-    allowed = allowed_tokens(bitmask, vocab)
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-    return allowed
+    off = disallowed_tokens(bitmask, vocab)
+    # Row by row on views, in place: gathering and scattering logits[rows] costs 10x more.
+    for j, i in enumerate(rows):
+        logits[i].masked_fill_(off[j], float("-inf"))
+    return off
 
 
 # -- off the step path: compiling -----------------------------------------------------------------
