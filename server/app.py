@@ -35,6 +35,7 @@ from server.protocol import (
     TokenizeRequest,
 )
 from server.serving import OpenAIServing
+from server.web import web_routes
 
 log = logging.getLogger("server.app")
 
@@ -51,6 +52,7 @@ class ServerSettings:
     max_body_bytes: int = 4 * 2**20
     log_prompts: bool = False
     shutdown_timeout: float = 30.0  # how long the lifespan waits for the engine to stop
+    web_ui: bool = True  # the page at / (server.web); `--no-web-ui` turns it off
 
 
 def create_app(
@@ -93,6 +95,8 @@ def create_app(
     app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(RequestCounterMiddleware, metrics=metrics)
     app.include_router(_routes())
+    if settings.web_ui:
+        app.include_router(web_routes())
     return app
 
 
@@ -134,6 +138,11 @@ def _routes() -> APIRouter:
     @router.get("/metrics")
     async def metrics(m: MetricsDep) -> Response:
         return Response(m.render(), media_type=CONTENT_TYPE)
+
+    @router.get("/v1/engine/stats")
+    async def engine_stats(client: EngineDep, m: MetricsDep) -> Response:
+        # The web page's live view (server.live); behind the API key like the rest of /v1.
+        return JSONResponse(m.live.snapshot(client.stats()))
 
     @router.get("/v1/models")
     async def list_models(serving: ServingDep) -> Response:

@@ -162,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--log-prompts", action="store_true", help="include prompt text in the request log"
     )
+    s.add_argument(
+        "--no-web-ui",
+        dest="web_ui",
+        action="store_false",
+        help="do not serve the web page (chat box and live engine view) at /",
+    )
     return p
 
 
@@ -258,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=args.max_body_size,
         log_prompts=args.log_prompts,
         shutdown_timeout=args.shutdown_timeout,
+        web_ui=args.web_ui,
     )
     app = create_app(lm.tokenizer, card, driver, settings)
     config = uvicorn.Config(

@@ -344,8 +344,10 @@ class OpenAIServing:
             m.generation_tokens.inc(len(out.token_ids))
             if c.first_time is None:
                 m.ttft.observe(now - gen.arrival)
+                m.live.observe_ttft(now - gen.arrival)
             elif c.last_time is not None:
                 m.itl.observe(now - c.last_time)
+                m.live.observe_itl(now - c.last_time)
             if out.finished:
                 m.e2e.observe(now - gen.arrival)
         if c.first_time is None:
