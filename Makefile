@@ -14,7 +14,7 @@ PORT ?= 8000
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve demo test lint format bench clean
+.PHONY: install browser serve demo test lint format bench clean
 
 $(VENV)/.installed: pyproject.toml scripts/install.sh
 	TORCH_INDEX="$(TORCH_INDEX)" scripts/install.sh $(VENV)
@@ -28,7 +28,18 @@ serve: install
 demo: install
 	$(PY) -m tools.demo
 
-test: install
+# The web page's browser test drives Debian's chromium (playwright's own browser downloads are not
+# reachable everywhere): installed here only where apt-get exists and we are root, as in CI;
+# elsewhere the test skips.
+browser:
+	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		echo "installing chromium for the browser test"; \
+		(apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 || \
+		 (apt-get update -qq && apt-get install -y --no-install-recommends chromium >/dev/null)) || \
+		echo "make: could not install chromium; the browser test will skip"; \
+	fi
+
+test: install browser
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 

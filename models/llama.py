@@ -292,7 +292,12 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         eps, h, kvh, hd = c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim
         scale = self.layers[0].self_attn.scale
-        cos, sin, slots, nd = rope.cos_half, rope.sin_half, meta.slot_mapping, meta.num_decode_tokens
+        cos, sin, slots, nd = (
+            rope.cos_half,
+            rope.sin_half,
+            meta.slot_mapping,
+            meta.num_decode_tokens,
+        )
         tables = _or_empty(meta.decode_block_tables, 2)
         lens = _or_empty(meta.decode_context_lens, 1)
         chunk_meta, chunk_tables = meta.chunk_meta(), meta.chunk_tables()

@@ -1,7 +1,8 @@
 """`load_model(name_or_path)`: one entry point from a name or a path to a ready model.
 
 Returns a `LoadedModel`: the torch module, its tokenizer and its config. Names: "tinygpt"
-(built in); "smollm2-135m-instruct" (the GGUF file fetched by `python -m models.fetch`);
+(built in); "smollm2-135m-instruct" (the GGUF file `python -m models.fetch` puts in the model
+cache, fetched on first use if it is not there yet: `models.fetch.smollm2_path`);
 a path to a `.gguf` file or a Hugging Face model directory of the Llama family.
 """
 
@@ -130,7 +131,8 @@ def _load(name_or_path: str, kernels: str | None) -> LoadedModel:
         model, tok = build_tinygpt()
         return LoadedModel("tinygpt", model, tok, model.config)
     if key.lower() in ("smollm2-135m-instruct", "smollm2", "smollm2-135m"):
-        return load_gguf(smollm2_path(), name="smollm2-135m-instruct", kernels=kernels)
+        # Fetched on first use, unless CBSERVE_OFFLINE / HF_HUB_OFFLINE says not to.
+        return load_gguf(smollm2_path(fetch=True), name="smollm2-135m-instruct", kernels=kernels)
     path = Path(key).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return load_gguf(path, name=path.stem, kernels=kernels)

@@ -36,6 +36,7 @@ from server.protocol import (
     TokenizeRequest,
 )
 from server.serving import OpenAIServing
+from server.web import web_routes
 
 log = logging.getLogger("server.app")
 
@@ -56,6 +57,7 @@ class ServerSettings:
     max_concurrent_per_client: int | None = None
     # A streamed response whose client reads nothing for this long is aborted; None: never.
     stall_timeout: float | None = 60.0
+    web_ui: bool = True  # the page at / (server.web); `--no-web-ui` turns it off
 
 
 def create_app(
@@ -104,6 +106,8 @@ def create_app(
     app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(RequestCounterMiddleware, metrics=metrics)
     app.include_router(_routes())
+    if settings.web_ui:
+        app.include_router(web_routes())
     install_openapi(
         app, card, tokenizer.vocab_size
     )  # 400 not 422, the OpenAI error schema, SSE, the model's limits
@@ -148,6 +152,11 @@ def _routes() -> APIRouter:
     @router.get("/metrics")
     async def metrics(m: MetricsDep) -> Response:
         return Response(m.render(), media_type=CONTENT_TYPE)
+
+    @router.get("/v1/engine/stats")
+    async def engine_stats(client: EngineDep, m: MetricsDep) -> Response:
+        # The web page's live view (server.live); behind the API key like the rest of /v1.
+        return JSONResponse(m.live.snapshot(client.stats()))
 
     @router.get("/v1/models")
     async def list_models(serving: ServingDep) -> Response:

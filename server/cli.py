@@ -46,6 +46,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="name(s) clients use in `model`; the first is reported (default: the model's name)",
     )
     m.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|none|DIR",
+        help="default sampling parameters for fields a request leaves out. auto: the model's "
+        "generation_config.json, or the built-in preset (SmolLM2: temperature 0.2, top_p 0.9); "
+        "none: OpenAI's defaults (temperature 1); DIR: a folder with a generation_config.json "
+        "(default: %(default)s)",
+    )
+    m.add_argument(
+        "--override-generation-config",
+        default=None,
+        metavar="JSON",
+        help='replace single defaults, e.g. \'{"temperature": 0.7, "top_k": 40}\' '
+        "(fields: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)",
+    )
+    m.add_argument(
         "--engine",
         choices=engine_names(),
         default="continuous",
@@ -223,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--log-prompts", action="store_true", help="include prompt text in the request log"
     )
+    s.add_argument(
+        "--no-web-ui",
+        dest="web_ui",
+        action="store_false",
+        help="do not serve the web page (chat box and live engine view) at /",
+    )
     return p
 
 
@@ -259,6 +281,23 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{k: v for k, v in options.items() if v is not None})
 
 
+def generation_defaults(lm, generation_config: str, override: str | None) -> dict:
+    """The sampling defaults in force (`models.generation_config`), their values checked the way
+    a request's are, so a bad default fails at startup instead of in every request."""
+    from engine import InvalidRequestError, SamplingParams
+    from models import ModelLoadError
+    from models.generation_config import resolve_generation_defaults
+
+    defaults = resolve_generation_defaults(lm, generation_config, override)
+    try:
+        SamplingParams(**defaults)
+    except InvalidRequestError as e:
+        raise ModelLoadError(f"default sampling parameters {defaults}: {e}") from e
+    if defaults:
+        logging.getLogger("server").info("default sampling parameters: %s", defaults)
+    return defaults
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -286,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
+        defaults = generation_defaults(lm, args.generation_config, args.override_generation_config)
+    except ModelLoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
         engine = make_engine(args.engine, lm.model, engine_config(args))
     except ValueError as e:
         print(f"error: cannot build the {args.engine} engine: {e}", file=sys.stderr)
@@ -302,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=driver.max_model_len,
         parameter_count=lm.num_parameters(),
         engine=driver.engine_name,
+        default_sampling_params=defaults,
     )
     settings = ServerSettings(
         api_key=args.api_key or None,
@@ -310,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_timeout=args.shutdown_timeout,
         max_concurrent_per_client=args.max_concurrent_per_client or None,
         stall_timeout=args.stall_timeout or None,
+        web_ui=args.web_ui,
     )
     app = create_app(lm.tokenizer, card, driver, settings)
     config = server_config(

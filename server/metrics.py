@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine import EngineStats
+from server.live import LiveWindow
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -123,9 +124,12 @@ class ServerMetrics:
             registry=r,
         )
         r.register(_EngineCollector(stats, healthy))
+        # The last minute, for the web page's live view (GET /v1/engine/stats).
+        self.live = LiveWindow()
 
     def observe_step(self, seconds: float, num_outputs: int) -> None:
         self.step_time.observe(seconds)
+        self.live.observe_step(seconds, num_outputs)
 
     def observe_queue_time(self, seconds: float) -> None:
         self.queue_time.observe(seconds)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -101,6 +101,41 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """`response_format.json_schema`: OpenAI's {"name", "schema", "strict"}."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    # `schema` would shadow a BaseModel attribute: stored as schema_, spelled "schema" on the wire.
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatParam(_Body):
+    """`response_format`: {"type": "text" | "json_object" | "json_schema", "json_schema": ...}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormatParam:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema object')
+        return self
+
+
+class StructuredOutputsParam(_Body):
+    """vLLM's `structured_outputs` (its newer spelling of the guided_* fields): one of these."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 StopField = Annotated[
     Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
     | Annotated[
@@ -140,6 +175,13 @@ class SamplingFields(_Body):
     cache_salt: Text | None = Field(None, min_length=1, max_length=256)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Structured output (server.structured): OpenAI's response_format, or vLLM's spellings.
+    response_format: ResponseFormatParam | None = None
+    structured_outputs: StructuredOutputsParam | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -289,6 +331,9 @@ class ModelCard:
     parameter_count: int
     engine: str
     created: int = field(default_factory=lambda: int(time.time()))
+    # Sampling defaults for fields a request leaves out (models.generation_config), e.g.
+    # {"temperature": 0.2, "top_p": 0.9}; empty: OpenAI's defaults.
+    default_sampling_params: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -308,21 +353,55 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
         )
 
 
-def completion_sampling_params(req: CompletionRequest, vocab_size: int) -> list[SamplingParams]:
-    """One `SamplingParams` per choice of each prompt (choice j samples with seed + j)."""
-    return _sampling_params(req, req.max_output_tokens(), req.logprobs, vocab_size)
+# OpenAI's defaults, for fields neither the request nor the model's defaults set.
+OPENAI_DEFAULTS: dict[str, float] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+
+
+def sent(req: BaseModel, name: str) -> bool:
+    """Whether the client gave `name` a value (an explicit null counts as not given)."""
+    return name in req.model_fields_set and getattr(req, name) is not None
+
+
+def completion_sampling_params(
+    req: CompletionRequest, vocab_size: int, defaults: Mapping[str, Any] | None = None
+) -> list[SamplingParams]:
+    """One `SamplingParams` per choice of each prompt (choice j samples with seed + j).
+    `defaults` (the model card's `default_sampling_params`) fill the fields the client did not
+    send; request fields always win."""
+    defaults = defaults or {}
+    max_tokens = req.max_output_tokens()
+    if not sent(req, "max_tokens") and "max_tokens" in defaults:
+        max_tokens = defaults["max_tokens"]
+    return _sampling_params(req, max_tokens, req.logprobs, vocab_size, defaults)
 
 
 def chat_sampling_params(
-    req: ChatCompletionRequest, vocab_size: int, max_tokens: int
+    req: ChatCompletionRequest,
+    vocab_size: int,
+    max_tokens: int,
+    defaults: Mapping[str, Any] | None = None,
 ) -> list[SamplingParams]:
     """As `completion_sampling_params`; `max_tokens` is `req.max_output_tokens(...)`, which
-    needs the prompt's length."""
-    return _sampling_params(req, max_tokens, req.num_logprobs, vocab_size)
+    needs the prompt's length (a default max_tokens only lowers it)."""
+    defaults = defaults or {}
+    if not (sent(req, "max_tokens") or sent(req, "max_completion_tokens")):
+        max_tokens = min(max_tokens, defaults.get("max_tokens", max_tokens))
+    return _sampling_params(req, max_tokens, req.num_logprobs, vocab_size, defaults)
 
 
 def _sampling_params(
-    req: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int
+    req: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    vocab_size: int,
+    defaults: Mapping[str, Any],
 ) -> list[SamplingParams]:
     bias: list[tuple[int, float]] = []
     for key, value in (req.logit_bias or {}).items():
@@ -342,26 +421,29 @@ def _sampling_params(
     stop_ids = tuple(req.stop_token_ids or ())
     check_token_ids(stop_ids, vocab_size, "stop_token_ids")
 
-    def _temperature(value: float | None) -> float:
-        t = given(value, 1.0)
-        return 0.0 if t < GREEDY_TEMPERATURE else t  # greedy, not an overflowing division
+    def given(name: str) -> Any:
+        # The request's value, else the model's default, else OpenAI's.
+        if sent(req, name):
+            return getattr(req, name)
+        return defaults.get(name, OPENAI_DEFAULTS.get(name))
 
-    def given(value: float | None, default: float) -> float:
-        return default if value is None else value
+    top_k = given("top_k")
+    temperature = given("temperature")
 
     # Choice j of every prompt samples with seed + j (as vLLM does for n > 1): reproducible,
     # and the n choices differ from one another. SamplingParams checks the values.
     return [
         SamplingParams(
             max_tokens=max_tokens,
-            temperature=_temperature(req.temperature),
+            # greedy below the threshold, not an overflowing division
+            temperature=0.0 if temperature < GREEDY_TEMPERATURE else temperature,
             # OpenAI / vLLM spell "off" -1 (and 0); the engine spells it None.
-            top_k=None if req.top_k in (None, 0, -1) else req.top_k,
-            top_p=given(req.top_p, 1.0),
-            min_p=given(req.min_p, 0.0),
-            repetition_penalty=given(req.repetition_penalty, 1.0),
-            presence_penalty=given(req.presence_penalty, 0.0),
-            frequency_penalty=given(req.frequency_penalty, 0.0),
+            top_k=None if top_k in (None, 0, -1) else top_k,
+            top_p=given("top_p"),
+            min_p=given("min_p"),
+            repetition_penalty=given("repetition_penalty"),
+            presence_penalty=given("presence_penalty"),
+            frequency_penalty=given("frequency_penalty"),
             stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens,

@@ -259,6 +259,9 @@ def models_body(card: ModelCard) -> dict[str, Any]:
             "parameter_count": card.parameter_count,
             "torch_version": torch.__version__,
             "engine": card.engine,
+            # What a request gets for the sampling fields it leaves out (vLLM logs these; we
+            # show them): the model's generation config or preset, amended by the CLI.
+            "default_sampling_params": dict(card.default_sampling_params),
         }
         for name in card.names
     ]

@@ -55,6 +55,7 @@ from server.responses import (
     models_body,
     stream_body,
 )
+from server.structured import StructuredOutputs, structured_spec
 
 log = logging.getLogger("server.requests")
 
@@ -101,6 +102,8 @@ class OpenAIServing:
         self.metrics = metrics
         self.log_prompts = log_prompts
         self.vocab_size = tokenizer.vocab_size
+        self.defaults = card.default_sampling_params
+        self.structured = StructuredOutputs(tokenizer)
         self.token_text = TokenText(tokenizer)
 
     # -- public entry points -------------------------------------------------------------------------
@@ -139,8 +142,9 @@ class OpenAIServing:
                 )
         gen = self._generation("cmpl", http, arrival, model, prompts, texts, req, req.logprobs)
         gen.echo = req.echo
-        self._check_lengths(gen, req.n, req.max_output_tokens())
-        requests = self._engine_requests(gen, req, completion_sampling_params(req, self.vocab_size))
+        params = completion_sampling_params(req, self.vocab_size, self.defaults)
+        self._check_lengths(gen, req.n, params[0].max_tokens)
+        requests = await self._engine_requests(gen, req, params)
         fmt = CompletionFormat(gen, self.token_text)
         return await self._respond(gen, requests, fmt, req.stream, http)
 
@@ -159,9 +163,9 @@ class OpenAIServing:
         max_tokens = req.max_output_tokens(context_left=self.card.max_model_len - len(ids))
         if max_tokens < 1:  # no max_tokens given, and the prompt fills the context
             raise self._too_long(len(ids), 1)
-        self._check_lengths(gen, req.n, max_tokens)
-        params = chat_sampling_params(req, self.vocab_size, max_tokens)
-        requests = self._engine_requests(gen, req, params)
+        params = chat_sampling_params(req, self.vocab_size, max_tokens, self.defaults)
+        self._check_lengths(gen, req.n, params[0].max_tokens)
+        requests = await self._engine_requests(gen, req, params)
         fmt = ChatFormat(gen, self.token_text)
         return await self._respond(gen, requests, fmt, req.stream, http)
 
@@ -258,10 +262,17 @@ class OpenAIServing:
             if len(ids) + max_tokens > self.card.max_model_len:
                 raise self._too_long(len(ids), max_tokens)
 
-    def _engine_requests(
+    async def _engine_requests(
         self, gen: Generation, req: SamplingFields, params: Sequence[SamplingParams]
     ) -> list[Request]:
-        """One engine request (and choice) per prompt and choice index, the choice's params."""
+        """One engine request (and choice) per prompt and choice index, the choice's params, and
+        its own grammar state when the request asks for structured output."""
+        spec = structured_spec(req)
+        constraints = (
+            await self.structured.constraints(spec, len(gen.prompts) * len(params))
+            if spec is not None
+            else None
+        )
         eos = () if req.ignore_eos else tuple(self.tokenizer.eos_token_ids)
         stop_ids = frozenset(eos) | frozenset(req.stop_token_ids or ())
         requests = []
@@ -281,6 +292,7 @@ class OpenAIServing:
                         cache_salt=req.cache_salt,
                         priority=req.priority,
                         client_id=gen.client_id,
+                        constraint=None if constraints is None else constraints[index],
                     )
                 )
         return requests
@@ -391,8 +403,10 @@ class OpenAIServing:
             m.generation_tokens.inc(len(out.token_ids))
             if c.first_time is None:
                 m.ttft.observe(now - gen.arrival)
+                m.live.observe_ttft(now - gen.arrival)
             elif c.last_time is not None:
                 m.itl.observe(now - c.last_time)
+                m.live.observe_itl(now - c.last_time)
             if out.finished:
                 m.e2e.observe(now - gen.arrival)
         if c.first_time is None:

@@ -21,6 +21,7 @@ import uvicorn
 
 from engine import make_engine
 from models import LoadedModel, load_model
+from models.generation_config import model_generation_defaults
 from server.app import ServerSettings, create_app
 from server.client import EngineClient
 from server.driver import AsyncEngineDriver
@@ -80,7 +81,10 @@ def run_server(
     before_start: Callable[[Any], None] | None = None,
     wrap_client: Callable[[AsyncEngineDriver], EngineClient] | None = None,
     sndbuf: int | None = None,
+    default_sampling_params: dict | None = None,
 ) -> Iterator[LiveServer]:
+    """A real server on a free port. `default_sampling_params`: None takes the model's own, as
+    `python -m server --generation-config auto` does (SmolLM2's preset, nothing for TinyGPT)."""
     options = {"max_batch_size": 8, "kv_cache_memory_gib": 0.05, **(engine_options or {})}
     engine = make_engine(engine_kind, lm.model, **options)
     if before_start is not None:
@@ -94,6 +98,11 @@ def run_server(
         max_model_len=client.max_model_len,
         parameter_count=lm.num_parameters(),
         engine=client.engine_name,
+        default_sampling_params=(
+            model_generation_defaults(lm)
+            if default_sampling_params is None
+            else default_sampling_params
+        ),
     )
     app = create_app(lm.tokenizer, card, client, settings)
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose protocol is TCP, and

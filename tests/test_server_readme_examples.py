@@ -11,8 +11,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shlex
 import subprocess
+import sys
 
+import httpx
 import pytest
 
 from tests.conftest import LiveServer, run_server, sse_events
@@ -22,7 +25,7 @@ README_URL = "http://127.0.0.1:8000"
 README_CURL_CHAT = """\
 curl http://127.0.0.1:8000/v1/chat/completions \\
   -H "Content-Type: application/json" \\
-  -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32, "temperature": 0}'
+  -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "What color is the sky on a clear day?"}], "max_tokens": 32}'
 """
 
 README_CURL_STREAM = """\
@@ -38,14 +41,14 @@ client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
 
 reply = client.chat.completions.create(
     model="smollm2-135m-instruct",
-    messages=[{"role": "user", "content": "Write a haiku about CPUs."}],
+    messages=[{"role": "user", "content": "Explain what a CPU does in one sentence."}],
     max_tokens=64,
 )
 print(reply.choices[0].message.content)
 
 stream = client.chat.completions.create(
     model="smollm2-135m-instruct",
-    messages=[{"role": "user", "content": "Count to five."}],
+    messages=[{"role": "user", "content": "Name three fruits."}],
     max_tokens=32,
     stream=True,
 )
@@ -111,14 +114,41 @@ def test_readme_openai_sdk_example(named_server):
     assert printed.endswith("\n") and printed.count("\n") >= 2
 
 
+README_CLIENT = '.venv/bin/python -m clients "Give me one tip for staying healthy."'
+
+
+def looks_english(text: str) -> bool:
+    """Loose, for sampled text: mostly ASCII, and common English words among the words. At
+    temperature 1.0 SmolLM2 fails this often ("LifeAdogleyby: CPU'sa life ofprocess...")."""
+    words = text.lower().split()
+    common = {"the", "a", "is", "and", "of", "to", "in", "that", "it", "for", "are", "your"}
+    ascii_share = sum(c.isascii() for c in text) / max(len(text), 1)
+    return ascii_share > 0.95 and len(words) >= 3 and any(w.strip(".,:") in common for w in words)
+
+
 @pytest.mark.slow
 def test_readme_examples_with_the_real_smollm2_model(smollm2_lm):
+    # Sampled with the model's defaults (temperature 0.2, top_p 0.9): none of the snippets sets a
+    # temperature, so each answer may differ, and each must still read as English.
     with run_server(smollm2_lm, engine_options={"kv_cache_memory_gib": 0.1}) as live:
-        check_curl_chat(run_curl(live, README_CURL_CHAT))
+        models = httpx.get(live.url("/v1/models"), timeout=10).json()["data"][0]
+        assert models["default_sampling_params"] == {"temperature": 0.2, "top_p": 0.9}
+        body = run_curl(live, README_CURL_CHAT)
+        check_curl_chat(body)
+        assert looks_english(json.loads(body)["choices"][0]["message"]["content"])
         streamed = check_curl_stream(run_curl(live, README_CURL_STREAM))
         assert streamed.strip()  # a real model says something
         printed = run_sdk(live)
-        assert len(printed.split()) >= 3
+        assert looks_english(printed), printed
+        command = README_CLIENT.replace(".venv/bin/python", sys.executable)
+        answer = subprocess.run(
+            [*shlex.split(command), "--base-url", live.base_url, "--max-tokens", "64"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+        assert looks_english(answer), answer
 
 
 def test_readme_shows_exactly_these_snippets():
@@ -126,5 +156,5 @@ def test_readme_shows_exactly_these_snippets():
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    for snippet in (README_CURL_CHAT, README_CURL_STREAM, README_SDK):
+    for snippet in (README_CURL_CHAT, README_CURL_STREAM, README_SDK, README_CLIENT):
         assert snippet in readme
