@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,18 @@ IN_NAMESPACE = os.environ.get("CBSERVE_RAY_NETNS") == "1"
 
 if not IN_NAMESPACE:
 
+    def _kill_leftovers(tag: str) -> None:
+        """Kill the processes the suite started that outlived it (Ray's daemons re-parent to
+        init): those whose environment carries this run's tag, by pid."""
+        needle = f"CBSERVE_RAY_SUITE={tag}".encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            with contextlib.suppress(OSError):
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(entry.name), signal.SIGKILL)
+
+    @pytest.mark.timeout(900)
     def test_ray_serve_suite_in_a_loopback_only_network_namespace() -> None:
         if os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("ip")):
             pytest.skip("needs root, unshare and ip for a loopback-only network namespace")
@@ -45,6 +58,7 @@ if not IN_NAMESPACE:
             (base / "home").mkdir()
             env = {**os.environ, "CBSERVE_RAY_NETNS": "1", "HOME": str(base / "home")}
             env["RAY_USAGE_STATS_ENABLED"] = "0"
+            env["CBSERVE_RAY_SUITE"] = str(base)
             inner = [
                 sys.executable,
                 "-m",
@@ -63,12 +77,13 @@ if not IN_NAMESPACE:
                 cwd=Path(__file__).resolve().parents[1],
                 capture_output=True,
                 text=True,
-                timeout=900,
+                timeout=840,
             )
             print(r.stdout[-6000:])
             assert r.returncode == 0, r.stdout[-8000:] + "\n" + r.stderr[-4000:]
             assert " passed" in r.stdout and "skipped" not in r.stdout
         finally:
+            _kill_leftovers(str(base))
             shutil.rmtree(base, ignore_errors=True)
 
 else:
