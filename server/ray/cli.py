@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import signal
 import sys
 import threading
+from typing import Any
 
 from server.cli import DEFAULT_MODEL, build_parser, engine_config, resolve_dtype
 
@@ -70,50 +72,29 @@ def build_ray_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_ray_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        import ray
-        from ray import serve
-    except ImportError:
-        print("error: Ray is not installed; pip install '.[ray]'", file=sys.stderr)
-        return 1
-
+def make_app(args: argparse.Namespace) -> Any:
+    """The Serve application for parsed flags. Loads the model here once for its tokenizer and
+    model card (the ingress needs no weights); the replicas load their own copies."""
     from engine.registry import engine_class
-    from models import ModelLoadError, load_model
+    from models import load_model
     from server.app import ServerSettings
     from server.protocol import ModelCard
     from server.ray.deploy import DeploySpec, build_app
     from server.ray.replica import EngineSpec
 
     dtype = resolve_dtype(args.dtype)
-    try:
-        lm = load_model(args.model, dtype=dtype)
-    except ModelLoadError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    try:
-        config = engine_config(args)
-        engine_name = engine_class(args.engine).name
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    lm = load_model(args.model, dtype=dtype)  # ModelLoadError: the caller reports it
+    config = engine_config(args)  # ValueError likewise
     limit = lm.config.max_position_embeddings
     card = ModelCard(
         names=tuple(args.served_model_name or (lm.name,)),
         max_model_len=min(config.max_model_len or limit, limit),
         parameter_count=lm.num_parameters(),
-        engine=engine_name,
+        engine=engine_class(args.engine).name,
     )
-    tokenizer = lm.tokenizer
-    model_ref = args.model
-    del lm  # the replicas load their own copies; this process keeps only the tokenizer
     spec = DeploySpec(
         engine=EngineSpec(
-            model=model_ref,
+            model=args.model,
             dtype=dtype,
             engine=args.engine,
             config=config,
@@ -138,13 +119,45 @@ def main(argv: list[str] | None = None) -> int:
         log_prompts=args.log_prompts,
         shutdown_timeout=args.shutdown_timeout,
     )
+    return build_app(spec, lm.tokenizer, card, settings)
+
+
+def app_builder(config: dict[str, str]) -> Any:
+    """For Serve config files (`serve run`, `serve deploy`, KubeRay's `serveConfigV2`):
+    `import_path: server.ray.cli:app_builder` with `args: {flags: "--model ... --replicas 2"}`.
+    The flags are those of `python -m server.ray`; --address, --host and --port do not apply
+    (the cluster and its HTTP options come from the config file)."""
+    return make_app(build_ray_parser().parse_args(shlex.split(config.get("flags", ""))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_ray_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        print("error: Ray is not installed; pip install '.[ray]'", file=sys.stderr)
+        return 1
+    from models import ModelLoadError
+
+    try:
+        app = make_app(args)
+    except ModelLoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.address:
         ray.init(address=args.address)
     else:
         ray.init(include_dashboard=False, _temp_dir=args.ray_temp_dir)
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(spec, tokenizer, card, settings), name="cbserve", route_prefix="/")
-    print(f"serving {card.name} on http://{args.host}:{args.port} with Ray Serve", flush=True)
+    serve.run(app, name="cbserve", route_prefix="/")
+    print(f"serving on http://{args.host}:{args.port} with Ray Serve", flush=True)
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
