@@ -130,14 +130,16 @@ else:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         card = ModelCard(("tinygpt",), 2048, tiny_lm.num_parameters(), "continuous-batch")
         spec = DeploySpec(
-            engine=EngineSpec("tinygpt", config=EngineConfig(**ENGINE), num_threads=1),
+            engine=EngineSpec(
+                "tinygpt", config=EngineConfig(**ENGINE), num_threads=1, shutdown_timeout=2
+            ),
             replicas=2,
             replica_num_cpus=1,
             health_check_period_s=1,
             health_check_timeout_s=10,
         )
         card = replace(card, max_model_len=tiny_lm.config.max_position_embeddings)
-        settings = ServerSettings(shutdown_timeout=5)
+        settings = ServerSettings(shutdown_timeout=2)
         serve.run(build_app(spec, tiny_lm.tokenizer, card, settings), name="prefix")
         pow2 = replace(spec, prefix_routing=False)
         serve.run(
@@ -160,11 +162,21 @@ else:
         return sorted(n["name"][len(prefix) :] for n in names if n["name"].startswith(prefix))
 
     def probe(app: str) -> dict[str, dict]:
+        """Each engine replica's state, keyed by the id the replica reports. Under the prefix
+        router a `Probe` is pinned to the replica it names; under Serve's default router it
+        lands anywhere, so ask until every replica has answered."""
         handle = serve.get_deployment_handle("Engine", app_name=app)
-        out = {}
-        for replica in engine_replicas(app):
+        want = engine_replicas(app)
+        out: dict[str, dict] = {}
+        for attempt in range(40):
+            missing = [r for r in want if r not in out]
+            if not missing:
+                break
             with contextlib.suppress(Exception):  # a replica being replaced
-                out[replica] = handle.probe.remote(Probe(replica)).result(timeout_s=30)
+                state = handle.probe.remote(Probe(missing[attempt % len(missing)])).result(
+                    timeout_s=30
+                )
+                out[state["replica"]] = state
         return out
 
     def post(url: str, body: dict) -> dict:
@@ -331,10 +343,11 @@ else:
             ok = ok + 1 if r.status_code == 200 else 0
         assert ok == 5
         # Serve starts a replacement.
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            replicas = engine_replicas("prefix")
-            if victim not in replicas and len(probe("prefix")) == 2:
+            engine = serve.status().applications["prefix"].deployments["Engine"]
+            running = engine.replica_states.get("RUNNING", 0)
+            if running == 2 and victim not in engine_replicas("prefix"):
                 break
             time.sleep(1)
         else:
