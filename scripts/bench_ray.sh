@@ -12,10 +12,14 @@ PY=${PY:-.venv/bin/python}
 OUT=${1:-/tmp/cbserve-bench-ray}
 MODEL=${MODEL:-smollm2-135m-instruct}
 KV=${KV:-0.1}                # GiB per engine (process or replica): ~2,300 SmolLM2 tokens
-RATE=${RATE:-1}
-N=${N:-40}
-TENANT_N=${TENANT_N:-48}
+RATE=${RATE:-0.5}
+N=${N:-20}
+TENANT_N=${TENANT_N:-32}
+TENANT_RATE=${TENANT_RATE:-0.5}
+TENANT_OUT=${TENANT_OUT:-8}
 mkdir -p "$OUT" "$OUT/home"
+# Ray writes into HOME (~/.ray): give it a private one, but keep the model cache where it is.
+export CBSERVE_MODEL_DIR="${CBSERVE_MODEL_DIR:-$HOME/.cache/cbserve/models}"
 export HOME="$OUT/home" RAY_USAGE_STATS_ENABLED=0
 PORT=8790
 
@@ -35,7 +39,7 @@ load() {  # label
 
 tenants() {  # label
     $PY -m server.ray.bench_tenants --base-url "http://127.0.0.1:$PORT" --label "$1" \
-        --num-requests "$TENANT_N" --rate "$RATE" --out "$OUT/tenants.jsonl"
+        --num-requests "$TENANT_N" --rate "$TENANT_RATE" --output-len "$TENANT_OUT" --out "$OUT/tenants.jsonl"
 }
 
 echo "== one process (uvicorn), 1 thread"

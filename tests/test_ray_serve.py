@@ -308,7 +308,12 @@ else:
         assert any(len(s) == 2 for s in spread), spread  # (fails with probability ~1/4096)
         assert sticky_rate > spread_rate
         metrics = httpx.get(cluster.url("prefix", "/metrics")).text
-        assert 'cbserve_router_decisions_total{outcome="preferred"}' in metrics
+        preferred = next(
+            line
+            for line in metrics.splitlines()
+            if line.startswith('cbserve_router_decisions_total{outcome="preferred"}')
+        )
+        assert float(preferred.rsplit(" ", 1)[1]) >= 16  # the trace's calls, at least
 
     def test_a_killed_replica_fails_its_streams_and_serve_replaces_it(cluster):
         body = {

@@ -22,6 +22,7 @@ ranks the preferred replica first; Serve sends to the next rank only if it is at
 from __future__ import annotations
 
 import collections
+import importlib
 import logging
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -55,6 +56,13 @@ class RoutingCounters:
 ROUTING = RoutingCounters()
 
 
+def _routing() -> RoutingCounters:
+    """This process's `ROUTING`, looked up through the module: Serve may ship the router class
+    by value (cloudpickle), and then its methods see a copy of this module's globals, not the
+    counters the ingress's metrics read."""
+    return importlib.import_module("server.ray.router").ROUTING
+
+
 def _call_of(pending: PendingRequest | None) -> object:
     if pending is None or not pending.args:
         return None
@@ -81,7 +89,9 @@ class PrefixAwareRouter(RequestRouter):
             key, list(by_id), dict(self.inflight), self.imbalance_bound
         )
         if isinstance(call, EngineCall) and order:
-            ROUTING.record("unkeyed" if key is None else "fallback" if fell_back else "preferred")
+            _routing().record(
+                "unkeyed" if key is None else "fallback" if fell_back else "preferred"
+            )
         return [[by_id[r]] for r in order]
 
     # In-flight counts. Serve calls `on_send_request` for every request it sends (with or
@@ -90,7 +100,7 @@ class PrefixAwareRouter(RequestRouter):
     def on_send_request(self, replica_id) -> None:  # noqa: ANN001
         super().on_send_request(replica_id)
         self.inflight[replica_id.unique_id] += 1
-        ROUTING.sent(replica_id.unique_id)
+        _routing().sent(replica_id.unique_id)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:  # noqa: ANN001
         super().on_request_completed(replica_id, internal_request_id)
