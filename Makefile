@@ -13,11 +13,14 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
+# pip extras: test tools, and Ray Serve (~240 MB, ~50 s) so the scale-out tests run in CI too
+# (tests/test_ray_serve.py; they skip where Ray is missing). EXTRAS=test for a venv without Ray.
+EXTRAS ?= test,ray
 
 .PHONY: install browser serve demo test lint format bench clean
 
-$(VENV)/.installed: pyproject.toml scripts/install.sh
-	TORCH_INDEX="$(TORCH_INDEX)" scripts/install.sh $(VENV)
+$(VENV)/.installed: pyproject.toml scripts/install.sh Makefile
+	TORCH_INDEX="$(TORCH_INDEX)" EXTRAS="$(EXTRAS)" scripts/install.sh $(VENV)
 	touch $@
 
 install: $(VENV)/.installed

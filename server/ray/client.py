@@ -1,0 +1,178 @@
+"""`RayEngineClient`: the ingress's `EngineClient`, forwarding to the engine deployment's handle.
+
+`submit` sends the group as one `EngineCall` (with its route key) through
+`handle.options(stream=True).generate`, waits for the replica's `Accepted` (or raises the
+engine's typed error from `Refused`), and starts a pump task that feeds the returned
+`OutputStream` through its public producer methods. If the replica dies mid-stream the stream
+fails with `EngineDeadError`, which the HTTP layer turns into an error event.
+
+`abort(request_id)` closes the request here; when no request of its group is left open the Ray
+call is cancelled, which cancels the replica's generator (it aborts in `finally`). Aborting one
+choice of a group that goes on (a stop string with n > 1) sends an `AbortCall` pinned to the
+replica that runs it.
+
+`stats()` sums the latest snapshot each replica piggybacked on its items; `replica_stats()`
+keeps them apart for the per-replica metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine import EngineDeadError, EngineStats, Request
+from server.client import EngineClient, Health, OutputStream
+from server.ray.keys import DEFAULT_ROUTE_BLOCKS, route_key
+from server.ray.wire import AbortCall, Accepted, EngineCall, Refused, StepItem
+
+log = logging.getLogger("server.ray.client")
+
+_ZERO = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+@dataclass(slots=True)
+class _Group:
+    call: Any  # the DeploymentResponseGenerator
+    stream: OutputStream
+    replica: str
+    task: asyncio.Task | None = field(default=None)
+
+
+class RayEngineClient(EngineClient):
+    def __init__(
+        self,
+        handle: Any,
+        *,
+        max_model_len: int,
+        engine_name: str,
+        block_size: int,
+        route_blocks: int = DEFAULT_ROUTE_BLOCKS,
+    ) -> None:
+        self._handle = handle
+        self._max_model_len = max_model_len
+        self._engine_name = engine_name
+        self.block_size = block_size
+        self.route_blocks = route_blocks
+        self._groups: dict[str, _Group] = {}
+        self._pumps: set[asyncio.Task] = set()
+        self._stats: dict[str, tuple[float, EngineStats]] = {}  # replica -> (when, stats)
+        self._stopping = False
+        self.replica_failures = 0
+
+    # -- EngineClient ------------------------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def engine_name(self) -> str:
+        return self._engine_name
+
+    async def start(self) -> None:
+        self._stopping = False
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Serve has drained the ingress's HTTP requests before this runs; end what is left."""
+        self._stopping = True
+        if self._pumps:
+            await asyncio.wait(set(self._pumps), timeout=timeout)
+        for group in {id(g): g for g in self._groups.values()}.values():
+            group.stream.fail(EngineDeadError("the server is shutting down"))
+            group.call.cancel()
+        self._groups.clear()
+
+    async def submit(self, requests: Sequence[Request]) -> OutputStream:
+        if self._stopping:
+            raise EngineDeadError("the server is shutting down")
+        key = route_key(requests[0].prompt_token_ids, self.block_size, self.route_blocks)
+        call = self._handle.options(stream=True).generate.remote(EngineCall(tuple(requests), key))
+        try:
+            first = await call.__anext__()
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        except Exception as e:  # no replica could take it (all dead, deployment gone)
+            log.warning("engine call failed before acceptance: %r", e)
+            raise EngineDeadError("no engine replica accepted the request") from None
+        if isinstance(first, Refused):
+            raise first.error()
+        assert isinstance(first, Accepted), first
+        self._note_stats(first.replica, first.stats)
+        stream = OutputStream([r.request_id for r in requests])
+        group = _Group(call, stream, first.replica)
+        for r in requests:
+            self._groups[r.request_id] = group
+        task = asyncio.create_task(self._pump(group), name="ray-engine-pump")
+        group.task = task
+        self._pumps.add(task)
+        task.add_done_callback(self._pumps.discard)
+        return stream
+
+    async def _pump(self, group: _Group) -> None:
+        stream = group.stream
+        try:
+            async for item in group.call:
+                if isinstance(item, Refused):  # the engine failed while generating
+                    stream.fail(item.error())
+                    break
+                assert isinstance(item, StepItem), item
+                if item.stats is not None:
+                    self._note_stats(group.replica, item.stats)
+                out = item.output
+                if out.finished:
+                    self._groups.pop(out.request_id, None)
+                stream.deliver(out)
+        except asyncio.CancelledError:
+            stream.fail(EngineDeadError("the server is shutting down"))
+            raise
+        except Exception as e:  # the replica died (actor killed, node lost) or the call ended
+            if stream.open_request_ids:
+                self.replica_failures += 1
+                log.warning("engine replica %s failed mid-stream: %r", group.replica, e)
+                self._stats.pop(group.replica, None)
+            stream.fail(EngineDeadError("the engine replica failed while generating"))
+        finally:
+            for request_id in stream.request_ids:
+                if self._groups.get(request_id) is group:
+                    del self._groups[request_id]
+
+    def abort(self, request_id: str) -> None:
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        group.stream.close(request_id)
+        if not group.stream.open_request_ids:
+            group.call.cancel()  # cancels the replica's generator: it aborts in `finally`
+        else:
+            with contextlib.suppress(Exception):  # best effort; the replica frees it at the end
+                self._handle.abort.remote(AbortCall(request_id, group.replica))
+
+    def health(self) -> Health:
+        if self._stopping:
+            return Health(False, "the server is shutting down")
+        return Health(True)
+
+    def stats(self) -> EngineStats:
+        total = _ZERO
+        for _, s in self._stats.values():
+            total = EngineStats(*(a + b for a, b in zip(_astuple(total), _astuple(s), strict=True)))
+        return total
+
+    # -- per replica -------------------------------------------------------------------------------
+
+    def _note_stats(self, replica: str, stats: EngineStats) -> None:
+        self._stats[replica] = (time.monotonic(), stats)
+
+    def replica_stats(self) -> dict[str, EngineStats]:
+        return {replica: s for replica, (_, s) in self._stats.items()}
+
+
+def _astuple(s: EngineStats) -> tuple[int, ...]:
+    return tuple(getattr(s, f.name) for f in dataclasses.fields(s))

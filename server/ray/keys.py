@@ -1,0 +1,75 @@
+"""Route keys: which KV blocks a prompt would hit, named without the engine.
+
+A prompt's key is a chained hash over its first full KV blocks (at most `max_blocks`), the same
+chaining the prefix cache uses to name blocks (each block's key covers its tokens and the key
+before it), so two prompts with the same route key share those blocks' worth of prefix, and a
+replica that served one holds cached blocks for the other. As in `BlockManager.lookup_prefix`,
+the prompt's last token never counts (the engine always computes it), so a prompt of exactly one
+block has no full cached block and no key.
+
+MERGE NOTE: the engine's prefix cache is moving to a cryptographic chained block hash with a
+public function; once it lands, `route_key` should call that function (with the same block
+size) so "same key" means literally "same cache entry". Until then this is a local blake2b chain
+over the token ids, equal in meaning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+DEFAULT_ROUTE_BLOCKS = 4  # the first 64 tokens at block size 16: a shared system prompt's head
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[bytes]:
+    """Chained 16-byte hashes of the prompt's first full blocks (the last token excluded)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    num_full = min((len(token_ids) - 1) // block_size, max_blocks) if token_ids else 0
+    out: list[bytes] = []
+    parent = b""
+    for i in range(num_full):
+        block = token_ids[i * block_size : (i + 1) * block_size]
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(struct.pack(f"<{len(block)}q", *block))
+        parent = h.digest()
+        out.append(parent)
+    return out
+
+
+def route_key(
+    token_ids: Sequence[int], block_size: int, max_blocks: int = DEFAULT_ROUTE_BLOCKS
+) -> bytes | None:
+    """The key of the deepest of the first `max_blocks` full blocks, or None (shorter prompt)."""
+    hashes = block_hashes(token_ids, block_size, max_blocks)
+    return hashes[-1] if hashes else None
+
+
+def rendezvous_score(key: bytes, replica: str) -> int:
+    """Highest-random-weight score of `replica` for `key`: adding or removing a replica moves
+    only the keys whose best replica changed (about 1/N of them)."""
+    return int.from_bytes(hashlib.blake2b(key + replica.encode(), digest_size=8).digest(), "big")
+
+
+def rank_replicas(
+    key: bytes | None,
+    replicas: Sequence[str],
+    loads: dict[str, int],
+    imbalance_bound: int,
+) -> tuple[list[str], bool]:
+    """Replicas in the order to try them, and whether the load guard overrode the key.
+
+    With a key: the rendezvous order, unless the preferred replica's load exceeds the least
+    loaded one's by more than `imbalance_bound`; then least loaded first (ties by score). With
+    no key: least loaded first.
+    """
+    if not replicas:
+        return [], False
+    if key is None:
+        return sorted(replicas, key=lambda r: (loads.get(r, 0), r)), False
+    by_score = sorted(replicas, key=lambda r: rendezvous_score(key, r), reverse=True)
+    least = min(loads.get(r, 0) for r in replicas)
+    if loads.get(by_score[0], 0) - least > imbalance_bound:
+        return sorted(by_score, key=lambda r: loads.get(r, 0)), True  # stable: score breaks ties
+    return by_score, False

@@ -1,0 +1,111 @@
+"""`EngineReplica`: the engine deployment. Each replica owns a model, an engine and its
+`AsyncEngineDriver` (one asyncio task, one step thread), exactly as `python -m server` does.
+
+`generate` is an async generator called through the handle with `stream=True`: it submits the
+call's group, yields `Accepted` (or `Refused`), then one `StepItem` per step per request. When
+the ingress cancels the call (its HTTP client went away) the generator is cancelled at its
+`await`, and `finally` aborts whatever is still open, freeing the blocks before the next step.
+
+`check_health` raises while the engine loop is dead or a step has run past `step_timeout`, so
+Serve replaces the replica. `__del__` runs after Serve has drained the replica's in-flight calls
+(`graceful_shutdown_timeout_s`) and stops the driver.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine import EngineConfig
+from engine.errors import EngineError
+from server.ray.wire import AbortCall, Accepted, EngineCall, Probe, Refused, StepItem
+
+log = logging.getLogger("server.ray.replica")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """How each engine replica builds its engine (the same choices as `python -m server`)."""
+
+    model: str
+    dtype: str = "float32"
+    engine: str = "continuous"
+    config: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    max_waiting: int | None = None
+    step_timeout: float = 60.0
+    num_threads: int = 1
+    shutdown_timeout: float = 30.0
+
+
+class EngineReplica:
+    async def __init__(self, spec: EngineSpec) -> None:
+        import torch
+        from ray import serve
+
+        from engine import make_engine
+        from models import load_model
+        from server.driver import AsyncEngineDriver
+
+        torch.set_num_threads(spec.num_threads)
+        self.spec = spec
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        lm = load_model(spec.model, dtype=spec.dtype)
+        self.engine = make_engine(spec.engine, lm.model, spec.config)
+        self.driver = AsyncEngineDriver(
+            self.engine,
+            max_waiting=spec.max_waiting,
+            step_timeout=spec.step_timeout,
+            num_threads=spec.num_threads,
+        )
+        await self.driver.start()
+        self.served = 0
+        self.aborted_on_cancel = 0
+        log.info("engine replica %s ready: %s, %s engine", self.replica, lm.name, self.engine.name)
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[Accepted | Refused | StepItem]:
+        now = time.monotonic()  # the ingress's clock is another process's (or machine's)
+        requests = [dataclasses.replace(r, arrival_time=now) for r in call.requests]
+        try:
+            stream = await self.driver.submit(requests)
+        except EngineError as e:
+            yield Refused.of(e)
+            return
+        self.served += len(requests)
+        yield Accepted(self.replica, self.driver.stats())
+        try:
+            async for out in stream:
+                yield StepItem(out, self.driver.stats())
+        except EngineError as e:  # the engine died mid-stream: say so, as data
+            yield Refused.of(e)
+        finally:
+            # Cancelled (the client went away) or ended early: free what is still running.
+            open_ids = stream.open_request_ids
+            if open_ids:
+                self.aborted_on_cancel += len(open_ids)
+            for request_id in open_ids:
+                self.driver.abort(request_id)
+
+    async def abort(self, call: AbortCall) -> None:
+        self.driver.abort(call.request_id)
+
+    async def probe(self, call: Probe) -> dict:
+        """This replica's state (for tests and operators): stats and counters."""
+        stats = self.driver.stats()
+        return {
+            "replica": self.replica,
+            "stats": stats,
+            "served": self.served,
+            "aborted_on_cancel": self.aborted_on_cancel,
+            "healthy": self.driver.health().ok,
+        }
+
+    async def check_health(self) -> None:
+        health = self.driver.health()
+        if not health.ok:
+            raise RuntimeError(f"engine replica {self.replica} unhealthy: {health.reason}")
+
+    async def __del__(self) -> None:
+        await self.driver.stop(timeout=self.spec.shutdown_timeout)
