@@ -91,7 +91,10 @@ class RayEngineClient(EngineClient):
     async def submit(self, requests: Sequence[Request]) -> OutputStream:
         if self._stopping:
             raise EngineDeadError("the server is shutting down")
-        key = route_key(requests[0].prompt_token_ids, self.block_size, self.route_blocks)
+        first_req = requests[0]
+        key = route_key(
+            first_req.prompt_token_ids, self.block_size, self.route_blocks, first_req.cache_salt
+        )
         call = self._handle.options(stream=True).generate.remote(EngineCall(tuple(requests), key))
         try:
             first = await call.__anext__()

@@ -7,42 +7,40 @@ replica that served one holds cached blocks for the other. As in `BlockManager.l
 the prompt's last token never counts (the engine always computes it), so a prompt of exactly one
 block has no full cached block and no key.
 
-MERGE NOTE: the engine's prefix cache is moving to a cryptographic chained block hash with a
-public function; once it lands, `route_key` should call that function (with the same block
-size) so "same key" means literally "same cache entry". Until then this is a local blake2b chain
-over the token ids, equal in meaning.
+The chain is the prefix cache's own (`engine.block_manager.block_keys`, BLAKE2b over the parent
+key and the block's token ids, rooted at the request's `cache_salt`), so prompts that would share
+cache entries share a route key, and tenants with different salts (who never share blocks) do not.
 """
 
 from __future__ import annotations
 
 import hashlib
-import struct
 from collections.abc import Sequence
+
+from engine.block_manager import block_keys
 
 DEFAULT_ROUTE_BLOCKS = 4  # the first 64 tokens at block size 16: a shared system prompt's head
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[bytes]:
-    """Chained 16-byte hashes of the prompt's first full blocks (the last token excluded)."""
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, max_blocks: int, salt: str | None = None
+) -> list[bytes]:
+    """The prefix cache's chained keys of the prompt's first full blocks (the last token
+    excluded, as `BlockManager.lookup_prefix` never serves it from cache)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    num_full = min((len(token_ids) - 1) // block_size, max_blocks) if token_ids else 0
-    out: list[bytes] = []
-    parent = b""
-    for i in range(num_full):
-        block = token_ids[i * block_size : (i + 1) * block_size]
-        h = hashlib.blake2b(parent, digest_size=16)
-        h.update(struct.pack(f"<{len(block)}q", *block))
-        parent = h.digest()
-        out.append(parent)
-    return out
+    usable = min(max(len(token_ids) - 1, 0), max_blocks * block_size)
+    return block_keys(list(token_ids[:usable]), block_size, salt)
 
 
 def route_key(
-    token_ids: Sequence[int], block_size: int, max_blocks: int = DEFAULT_ROUTE_BLOCKS
+    token_ids: Sequence[int],
+    block_size: int,
+    max_blocks: int = DEFAULT_ROUTE_BLOCKS,
+    salt: str | None = None,
 ) -> bytes | None:
     """The key of the deepest of the first `max_blocks` full blocks, or None (shorter prompt)."""
-    hashes = block_hashes(token_ids, block_size, max_blocks)
+    hashes = block_hashes(token_ids, block_size, max_blocks, salt)
     return hashes[-1] if hashes else None
 
 
