@@ -105,8 +105,8 @@ class JsonSchemaFormat(_Body):
     """`response_format.json_schema`: OpenAI's {"name", "schema", "strict"}."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
-    name: str | None = None
-    description: str | None = None
+    name: Text | None = None
+    description: Text | None = None
     # `schema` would shadow a BaseModel attribute: stored as schema_, spelled "schema" on the wire.
     schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
     strict: bool | None = None
@@ -129,10 +129,10 @@ class StructuredOutputsParam(_Body):
     """vLLM's `structured_outputs` (its newer spelling of the guided_* fields): one of these."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = Field(None, min_length=1)
-    grammar: str | None = None
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = Field(None, min_length=1)
+    grammar: Text | None = None
     json_object: bool | None = None
 
 
@@ -178,10 +178,10 @@ class SamplingFields(_Body):
     # Structured output (server.structured): OpenAI's response_format, or vLLM's spellings.
     response_format: ResponseFormatParam | None = None
     structured_outputs: StructuredOutputsParam | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = Field(None, min_length=1)
-    guided_grammar: str | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = Field(None, min_length=1)
+    guided_grammar: Text | None = None
 
     @field_validator("stop")
     @classmethod
