@@ -18,6 +18,7 @@ same cores. Each target gets one warm-up run that is discarded.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import threading
 import time
@@ -67,12 +68,19 @@ class RSSWatcher(threading.Thread):
             time.sleep(0.2)
 
 
+_RUN = [0]
+
+
 def _spec(long: bool, rate: float, n: int) -> TraceSpec:
+    # Every run its own seed (7, 8, ... in the same order for every server): a run that replayed
+    # an earlier run's prompts would be served from the prefix cache and flatter the server.
+    _RUN[0] += 1
+    seed = 6 + _RUN[0]
     if long:
         return TraceSpec(
-            num_requests=n, rate=rate, prompt_len=(1024, 1536), output_len=(64, 128), seed=7
+            num_requests=n, rate=rate, prompt_len=(1024, 1536), output_len=(64, 128), seed=seed
         )
-    return TraceSpec(num_requests=n, rate=rate, prompt_len=(32, 96), output_len=(16, 48), seed=7)
+    return TraceSpec(num_requests=n, rate=rate, prompt_len=(32, 96), output_len=(16, 48), seed=seed)
 
 
 def _run(url: str, spec: TraceSpec, model: str | None) -> Summary:
@@ -95,6 +103,7 @@ def bench(name: str, url: str, args: argparse.Namespace, pids: list[int]) -> Res
     watcher.start()
     long = args.long
     print(f"{name} ({url})", flush=True)
+    _RUN[0] = 0  # the same seeds for every server
     _run(url, _spec(long, 1.0, 8), args.model)  # warm-up, discarded
     res.low = _run(url, _spec(long, 0.5 if long else 1.0, 30 if long else 60), args.model)
     for rate in (float(r) for r in args.rates.split(",")):
@@ -151,15 +160,20 @@ def main(argv: list[str] | None = None) -> int:
         name, _, url = item.partition("=")
         results.append(bench(name, url, args, pids.get(name, [])))
     print()
-    print(f"SLO: {SLO_ISSUE.describe()}; trace: {_spec(args.long, 1.0, 1).describe()}")
+    trace = _spec(args.long, 1.0, 1).describe().replace(f"seed {6 + _RUN[0]}", "seeds 7, 8, ...")
+    print(f"SLO: {SLO_ISSUE.describe()}; trace: {trace}")
     print(table(results, args.long))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
+
+        def js(summary: Summary | None) -> object:
+            return None if summary is None else to_json(dataclasses.asdict(summary))
+
         payload = {
             r.name: {
-                "low": to_json(r.low),
-                "sweep": {str(k): to_json(v) for k, v in r.sweep.items()},
-                "peak": to_json(r.peak),
+                "low": js(r.low),
+                "sweep": {str(k): js(v) for k, v in r.sweep.items()},
+                "peak": js(r.peak),
                 "peak_rss_mb": r.peak_rss_mb,
                 "holds": r.holds(),
             }
