@@ -208,7 +208,10 @@ void linear_kernel(const float* x, int64_t M, int64_t K, const uint8_t* qs, cons
   // Rows handled with weights dequantized on the fly; more rows reuse a dequantized chunk.
   constexpr int64_t DIRECT_MAX = 4;
   constexpr int64_t KCB = 4;  // blocks per chunk: 128 inputs x 16 outputs x 4 B = 8 KiB (L1)
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+  // Grains sized so a parallel region only opens for work worth waking a thread for (tens of
+  // microseconds): on 2 cores an OpenMP fork/join costs more than a small op itself.
+  const int64_t panel_grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * K * NR));
+  at::parallel_for(0, P, panel_grain, [&](int64_t p0, int64_t p1) {
     std::vector<float> cbuf(static_cast<size_t>(std::max<int64_t>(M, 6)) * NR + 16);
     float* c = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(cbuf.data()) + 31) & ~uintptr_t(31));
     alignas(64) float wbuf[KCB * QB * NR];
@@ -294,7 +297,7 @@ at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, T, std::max<int64_t>(1, (1 << 16) / D), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const float* xr = xp + t * D;
       float* orow = op + t * D;
@@ -364,7 +367,7 @@ template <typename C>
 void rope_and_write(float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, const float* cos,
                     const float* sin, const int64_t* slots, C* kcache, C* vcache) {
   const int64_t half = D / 2, width = (H + 2 * KVH) * D;
-  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, T, std::max<int64_t>(1, (1 << 15) / width), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       float* row = qkv + t * width;
       const float* c = cos + t * half;
@@ -425,7 +428,10 @@ at::Tensor attention(const at::Tensor& qkv_, const at::Tensor& cos_, const at::T
     const int64_t* tp = tables.data_ptr<int64_t>();
     const int64_t* lp = lens.data_ptr<int64_t>();
     const int64_t maxb = tables.size(1);
-    at::parallel_for(0, num_decode * KVH, 1, [&](int64_t i0, int64_t i1) {
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < num_decode; ++b) max_len = std::max(max_len, lp[b]);
+    const int64_t task_grain = std::max<int64_t>(1, (1 << 17) / (max_len * D * G));
+    at::parallel_for(0, num_decode * KVH, task_grain, [&](int64_t i0, int64_t i1) {
       std::vector<float> s;
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = i / KVH, kvh = i % KVH, L = lp[b];
