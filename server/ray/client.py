@@ -33,7 +33,7 @@ from server.ray.wire import AbortCall, Accepted, EngineCall, Refused, StepItem
 
 log = logging.getLogger("server.ray.client")
 
-_ZERO = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+_ZERO = EngineStats(*(0,) * len(dataclasses.fields(EngineStats)))
 
 
 @dataclass(slots=True)
