@@ -90,12 +90,13 @@ def test_dockerfile_takes_the_torch_index_and_pip_options_as_build_arguments():
     assert all("download.pytorch.org" not in line for line in build if line.startswith("RUN "))
 
 
-def test_final_image_stage_takes_only_the_venv_and_the_model_from_the_build():
+def test_final_image_stage_takes_only_the_venv_the_model_and_the_kernels_from_the_build():
     *_, final = stages()
     assert len(stages()) == 2
     copies = [line for line in final if line.startswith("COPY ")]
     assert copies and all("--from=build" in line for line in copies)
-    assert sorted(line.split()[-1] for line in copies) == ["/opt/models", "/opt/venv"]
+    targets = sorted(line.split()[-1] for line in copies)
+    assert targets == ["/opt/kernels", "/opt/models", "/opt/venv"]
     # Nothing installed or downloaded in the final stage: no apt, no pip, no build tools.
     assert not any(
         word in line for line in final if line.startswith("RUN ") for word in ("apt", "pip")

@@ -70,7 +70,16 @@ def start_server() -> Iterator:
         p = ServerProcess(*flags)
         procs.append(p)
         p.read_until("Application startup complete")
-        return p
+        # uvicorn logs that line after the lifespan starts but before it binds the socket.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", p.port), timeout=5).close()
+                return p
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     yield start
     for p in procs:
