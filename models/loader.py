@@ -39,6 +39,7 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     quantization: str = "auto",
     kv_cache_dtype: str = "auto",
+    use_kernels: bool = True,
 ) -> LoadedModel:
     """Load a model, ready to serve.
 
@@ -48,6 +49,9 @@ def load_model(
     "auto" keeps a GGUF file's own 4/8-bit blocks, "none" float weights, "q8_0"/"q4_1"
     quantize), attention over the paged pool in place. Elsewhere the pure-torch path computes
     the same model (dequantized weights), slower.
+
+    `use_kernels=False` is the pure-torch path even where the kernels run (the reference that
+    `tools.quant_quality` and tests compare against).
 
     `kv_cache_dtype`: "auto" is float16 when the weights are quantized (as llama.cpp's default
     cache) and float32 otherwise; "float16" needs the kernels.
@@ -70,12 +74,12 @@ def load_model(
             raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
         dtype = DTYPES[dtype]
     wants_bf16 = dtype is not None and dtype != torch.float32
-    use_kernels = not wants_bf16 and kernels.available()
+    use_kernels = use_kernels and not wants_bf16 and kernels.available()
     if quantization in ("q8_0", "q4_1") and not use_kernels:
-        why = "it runs float32" if wants_bf16 else kernels.unavailable_reason()
+        why = "it runs float32" if wants_bf16 else kernels.unavailable_reason() or "turned off"
         raise ModelLoadError(f"--quantization {quantization} needs the CPU kernels: {why}")
     if kv_cache_dtype == "float16" and not use_kernels:
-        why = "bfloat16 mode" if wants_bf16 else kernels.unavailable_reason()
+        why = "bfloat16 mode" if wants_bf16 else kernels.unavailable_reason() or "turned off"
         raise ModelLoadError(f"a float16 KV cache needs the CPU kernels: {why}")
 
     lm = _load(name_or_path, quantization if use_kernels else None)

@@ -18,8 +18,9 @@ import time
 import torch
 
 from engine import ContinuousBatchEngine, Request, SamplingParams
-from models import CausalLM, load_model
+from models import CausalLM
 from tools.conditions import conditions
+from tools.model_args import add_model_args, load_from_args
 
 
 def bench_decode(model: CausalLM, batch: int, steps: int, prompt_len: int = 64) -> dict[str, float]:
@@ -58,18 +59,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    ap.add_argument("--quantization", default="auto", help="auto|none|q8_0|q4_1 (load_model)")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="auto|float32|float16")
+    add_model_args(ap)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = load_model(
-        args.model,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    lm = load_from_args(args)
     print(f"Conditions: {conditions(lm)}")
     print(
         f"{'batch':>5} {'prefill tok/s':>14} {'step p50 ms':>12} {'step p90 ms':>12} {'decode tok/s':>13}"

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from models import AttentionMetadata, LlamaForCausalLM, PrefillChunk, load_model
+from models import AttentionMetadata, LlamaForCausalLM, PrefillChunk
 from tools.conditions import conditions
+from tools.model_args import add_model_args, load_from_args
 
 BLOCK = 16
 
@@ -186,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--quantization", default="auto", help="auto|none|q8_0|q4_1 (load_model)")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="auto|float32|float16")
+    add_model_args(ap, dtype=False)
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rss0 = rss_mib()
     t0 = time.perf_counter()
-    lm = load_model(args.model, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    lm = load_from_args(args)
     load_s = time.perf_counter() - t0
     model, params = lm.model, lm.num_parameters()
     flops_per_token = 2 * params

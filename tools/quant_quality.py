@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -79,16 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'configuration':58} {'ppl':>7} {'max |dlogit|':>12} {'mean':>8} {'argmax differs':>14}"
     )
     for label, mode, kw in configs:
-        if mode == "ref":
-            os.environ["CBSERVE_KERNELS"] = "0"
-            from models import kernels
-
-            kernels._state.clear()
-            lm = load_model(args.model)
-            os.environ.pop("CBSERVE_KERNELS")
-            kernels._state.clear()
-        else:
-            lm = load_model(args.model, **kw)
+        lm = load_model(args.model, use_kernels=mode != "ref", **kw)
         if not ids:
             ids = lm.tokenizer.encode(text)[: args.tokens]
         logits = logits_of(lm, ids)

@@ -31,7 +31,7 @@ from engine.disaggregated import DisaggregatedStats
 from loadtest.metrics import SLO, RequestRecord, Summary, summarize
 from loadtest.report import format_rate, local_conditions
 from loadtest.trace import Trace, TraceSpec, build_trace
-from models import load_model
+from tools.model_args import add_model_args, load_from_args
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,19 +154,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="token budget of a step"
     )
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    ap.add_argument("--quantization", default="auto", help="auto|none|q8_0|q4_1 (load_model)")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="auto|float32|float16")
+    add_model_args(ap)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    lm = load_model(
-        args.model,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    lm = load_from_args(args)
     cls = engine_class(args.engine)
     config = EngineConfig(
         max_batch_size=args.max_batch_size,

@@ -83,7 +83,13 @@ def make_app(args: argparse.Namespace) -> Any:
     from server.ray.replica import EngineSpec
 
     dtype = resolve_dtype(args.dtype)
-    lm = load_model(args.model, dtype=dtype)  # ModelLoadError: the caller reports it
+    # ModelLoadError: the caller reports it
+    lm = load_model(
+        args.model,
+        dtype=dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     config = engine_config(args)  # ValueError likewise
     limit = lm.config.max_position_embeddings
     card = ModelCard(
@@ -96,6 +102,8 @@ def make_app(args: argparse.Namespace) -> Any:
         engine=EngineSpec(
             model=args.model,
             dtype=dtype,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             engine=args.engine,
             config=config,
             max_waiting=args.max_waiting or None,

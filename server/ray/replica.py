@@ -32,6 +32,8 @@ class EngineSpec:
 
     model: str
     dtype: str = "float32"
+    quantization: str = "auto"  # load_model's, as `python -m server --quantization`
+    kv_cache_dtype: str = "auto"
     engine: str = "continuous"
     config: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     max_waiting: int | None = None
@@ -52,7 +54,12 @@ class EngineReplica:
         torch.set_num_threads(spec.num_threads)
         self.spec = spec
         self.replica = serve.get_replica_context().replica_id.unique_id
-        lm = load_model(spec.model, dtype=spec.dtype)
+        lm = load_model(
+            spec.model,
+            dtype=spec.dtype,
+            quantization=spec.quantization,
+            kv_cache_dtype=spec.kv_cache_dtype,
+        )
         self.engine = make_engine(spec.engine, lm.model, spec.config)
         self.driver = AsyncEngineDriver(
             self.engine,
