@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import kernels as cpu_kernels
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig, RopeScaling
 from models.cpu import has_native_bf16
@@ -373,7 +372,9 @@ class LlamaForCausalLM(nn.Module):
         if self.config.matmul_dtype not in (None, torch.float32):
             raise ValueError("the kernels run float32 activations; load the model in float32")
         target = {"auto": None, "none": F32, "q8_0": Q8_0_KIND, "q4_1": Q4_1_KIND}[scheme]
-        int8 = activations == "int8" or (activations == "auto" and cpu_kernels.has_int8_dot())
+        from models.kernels import has_int8_dot  # (models.kernels is importable on its own)
+
+        int8 = activations == "int8" or (activations == "auto" and has_int8_dot())
 
         def packed(linear: nn.Module, names: list[str], gate_up: bool = False) -> nn.Module:
             if isinstance(linear, PackedLinear) or linear.weight.shape[1] % QB:

@@ -166,20 +166,22 @@ def test_fused_qkv_rows_keep_their_blocks():
 H, KVH, D, BS, NB = 6, 2, 32, 4, 40
 
 
-def _rope_tables(positions: torch.Tensor):
+def _rope_tables(positions: torch.Tensor, D: int = D):  # noqa: N803
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
     freqs = torch.outer(positions.double(), inv)
     return freqs.cos().float(), freqs.sin().float()  # (T, D/2)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    D = x.shape[-1]  # noqa: N806
     x1, x2 = x[..., : D // 2], x[..., D // 2 :]
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
-def test_fused_attention_matches_paged_attention(pool_dtype):
+@pytest.mark.parametrize("D", [32, 64])  # 64: the AVX-512 grouped decode kernel where it runs
+def test_fused_attention_matches_paged_attention(pool_dtype, D):  # noqa: N803
     """Two decode rows, a chunk with a cached past and a fresh prompt, in one flat batch."""
     torch.manual_seed(5)
     seqs = {  # name: (block table, tokens already in the pool, new tokens this step)
@@ -207,7 +209,7 @@ def test_fused_attention_matches_paged_attention(pool_dtype):
         token += n
     t = token
     qkv = torch.randn(t, (H + 2 * KVH) * D)
-    cos, sin = _rope_tables(torch.tensor(positions))
+    cos, sin = _rope_tables(torch.tensor(positions), D)
 
     def meta():
         tables = [seqs["dec_a"][0], seqs["dec_b"][0] + [0, 0]]

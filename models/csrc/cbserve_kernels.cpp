@@ -505,22 +505,27 @@ at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {
 // ------------------------------------------------------------------------------------------------
 
 // q: D floats (roped), scores of keys [0, L) of one kv head, softmax, weighted sum of values.
+// The generic path (any head_dim, any group size).
 template <typename C>
 void decode_one(const float* q, const C* kc, const C* vc, const int64_t* table, int64_t L, int64_t bs,
                 int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float* out, float* s) {
   // scores
   float mx = -INFINITY;
-  for (int64_t j = 0; j < L; ++j) {
-    const C* kr = kc + table[j / bs] * blk_stride + (j % bs) * tok_stride;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= D; i += 16) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(kr + i), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(kr + i + 8), a1);
+  const int64_t nb = (L + bs - 1) / bs;
+  for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
+    const C* kb = kc + table[bi] * blk_stride;
+    for (int64_t t = 0, n = std::min(bs, L - bi * bs); t < n; ++t, ++j) {
+      const C* kr = kb + t * tok_stride;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 16 <= D; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(kr + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(kr + i + 8), a1);
+      }
+      for (; i < D; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(kr + i), a0);
+      s[j] = hsum(_mm256_add_ps(a0, a1)) * scale;
+      mx = std::max(mx, s[j]);
     }
-    for (; i < D; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(kr + i), a0);
-    s[j] = hsum(_mm256_add_ps(a0, a1)) * scale;
-    mx = std::max(mx, s[j]);
   }
   // softmax
   const __m256 vmx = _mm256_set1_ps(mx);
@@ -538,13 +543,117 @@ void decode_one(const float* q, const C* kc, const C* vc, const int64_t* table, 
   __m256 acc[32];
   const int64_t nv = D / 8;
   for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_setzero_ps();
-  for (j = 0; j < L; ++j) {
-    const C* vr = vc + table[j / bs] * blk_stride + (j % bs) * tok_stride;
-    const __m256 p = _mm256_set1_ps(s[j]);
-    for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vr + 8 * i), acc[i]);
+  for (int64_t bi = 0, jj = 0; bi < nb; ++bi) {
+    const C* vb = vc + table[bi] * blk_stride;
+    for (int64_t t = 0, n = std::min(bs, L - bi * bs); t < n; ++t, ++jj) {
+      const C* vr = vb + t * tok_stride;
+      const __m256 p = _mm256_set1_ps(s[jj]);
+      for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vr + 8 * i), acc[i]);
+    }
   }
   const __m256 vinv = _mm256_set1_ps(inv);
   for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], vinv));
+}
+
+// head_dim 64 with AVX-512 (where the CPU has it): the G query heads sharing a kv head together,
+// so each K and V row is loaded and widened once for all of them; 4 zmm a row.
+#define CB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+
+CB_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+CB_AVX512 inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename C, int G>
+CB_AVX512 void decode_group64(const float* q, const C* kc, const C* vc, const int64_t* table, int64_t L,
+                              int64_t bs, int64_t tok_stride, int64_t blk_stride, float scale, float* out,
+                              float* s) {
+  constexpr int D = 64;
+  const int64_t nb = (L + bs - 1) / bs;
+  __m512 qv[G][4];
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) qv[g][i] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * i), _mm512_set1_ps(scale));
+  float mx[G];
+  for (int g = 0; g < G; ++g) mx[g] = -INFINITY;
+  for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
+    const C* kb = kc + table[bi] * blk_stride;
+    for (int64_t t = 0, n = std::min(bs, L - bi * bs); t < n; ++t, ++j) {
+      const C* kr = kb + t * tok_stride;
+      const __m512 k0 = load16(kr), k1 = load16(kr + 16), k2 = load16(kr + 32), k3 = load16(kr + 48);
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        __m512 a = _mm512_mul_ps(qv[g][0], k0);
+        a = _mm512_fmadd_ps(qv[g][1], k1, a);
+        a = _mm512_fmadd_ps(qv[g][2], k2, a);
+        a = _mm512_fmadd_ps(qv[g][3], k3, a);
+        const float v = _mm512_reduce_add_ps(a);
+        s[g * L + j] = v;
+        mx[g] = std::max(mx[g], v);
+      }
+    }
+  }
+  float inv[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = s + g * L;
+    const __m512 vmx = _mm512_set1_ps(mx[g]);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= L; j += 8) {
+      __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + j), _mm512_castps512_ps256(vmx)));
+      _mm256_storeu_ps(sg + j, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum(vsum);
+    for (; j < L; ++j) { sg[j] = std::exp(sg[j] - mx[g]); sum += sg[j]; }
+    inv[g] = 1.f / sum;
+  }
+  __m512 acc[G][4];
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
+    const C* vb = vc + table[bi] * blk_stride;
+    for (int64_t t = 0, n = std::min(bs, L - bi * bs); t < n; ++t, ++j) {
+      const C* vr = vb + t * tok_stride;
+      const __m512 v0 = load16(vr), v1 = load16(vr + 16), v2 = load16(vr + 32), v3 = load16(vr + 48);
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(s[g * L + j]);
+        acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
+        acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
+        acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);
+        acc[g][3] = _mm512_fmadd_ps(p, v3, acc[g][3]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i)
+      _mm512_storeu_ps(out + g * D + 16 * i, _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv[g])));
+}
+
+bool cpu_has_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return ok;
+}
+
+// One sequence's G query heads of kv head `kvh` (adjacent in q and out): the AVX-512 group kernel
+// for head_dim 64 and groups of up to 8, else each head through the generic path.
+template <typename C>
+void decode_heads(const float* q, int64_t G, const C* kc, const C* vc, const int64_t* table, int64_t L,
+                  int64_t bs, int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float* out,
+                  float* s) {
+  if (D == 64 && G <= 8 && cpu_has_avx512()) {
+    switch (G) {
+#define CB_G(n) case n: decode_group64<C, n>(q, kc, vc, table, L, bs, tok_stride, blk_stride, scale, out, s); return;
+      CB_G(1) CB_G(2) CB_G(3) CB_G(4) CB_G(5) CB_G(6) CB_G(7) CB_G(8)
+#undef CB_G
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    decode_one<C>(q + g * D, kc, vc, table, L, bs, tok_stride, blk_stride, D, scale, out + g * D, s);
 }
 
 template <typename C>
@@ -595,6 +704,7 @@ at::Tensor attention(const at::Tensor& qkv_, const at::Tensor& cos_, const at::T
   const float scale = static_cast<float>(scale_);
   const bool half_cache = kcache.scalar_type() == at::kHalf;
   TORCH_CHECK(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
+  TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of kv heads");
   if (half_cache)
     rope_and_write<at::Half>(qkv.data_ptr<float>(), T, H, KVH, D, cos.data_ptr<float>(), sin.data_ptr<float>(),
                              slots.data_ptr<int64_t>(), kcache.data_ptr<at::Half>(), vcache.data_ptr<at::Half>());
@@ -619,18 +729,16 @@ at::Tensor attention(const at::Tensor& qkv_, const at::Tensor& cos_, const at::T
       std::vector<float> s;
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = i / KVH, kvh = i % KVH, L = lp[b];
-        s.resize(L + 8);
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t h = kvh * G + g;
-          if (half_cache)
-            decode_one<at::Half>(qp + b * width + h * D, kcache.data_ptr<at::Half>() + kvh * D,
-                                 vcache.data_ptr<at::Half>() + kvh * D, tp + b * maxb, L, bs, tok_stride,
-                                 blk_stride, D, scale, op + b * H * D + h * D, s.data());
-          else
-            decode_one<float>(qp + b * width + h * D, kcache.data_ptr<float>() + kvh * D,
-                              vcache.data_ptr<float>() + kvh * D, tp + b * maxb, L, bs, tok_stride,
-                              blk_stride, D, scale, op + b * H * D + h * D, s.data());
-        }
+        s.resize(G * L + 16);
+        // The group's G query heads are adjacent in q and in out (heads kvh*G .. kvh*G+G-1).
+        const float* q = qp + b * width + kvh * G * D;
+        float* o = op + b * H * D + kvh * G * D;
+        if (half_cache)
+          decode_heads<at::Half>(q, G, kcache.data_ptr<at::Half>() + kvh * D, vcache.data_ptr<at::Half>() + kvh * D,
+                                 tp + b * maxb, L, bs, tok_stride, blk_stride, D, scale, o, s.data());
+        else
+          decode_heads<float>(q, G, kcache.data_ptr<float>() + kvh * D, vcache.data_ptr<float>() + kvh * D,
+                              tp + b * maxb, L, bs, tok_stride, blk_stride, D, scale, o, s.data());
       }
     });
   }
