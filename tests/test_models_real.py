@@ -187,7 +187,10 @@ def random_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
 
 @pytest.fixture(scope="module")
 def smol() -> LoadedModel:
-    return load_model("smollm2-135m-instruct")  # ModelLoadError says how to fetch it if missing
+    # Float activations: the path that computes what transformers computes from the same file
+    # (the int8-activation default is compared with it in tests/test_kernels.py).
+    # ModelLoadError says how to fetch the model if it is missing.
+    return load_model("smollm2-135m-instruct", activations="float32")
 
 
 @pytest.fixture(scope="module")
@@ -485,7 +488,7 @@ ALL_TYPES += [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 def test_gguf_of_every_supported_type_matches_transformers(model_dir):
     path = write_gguf(model_dir / "mixed.gguf", ALL_TYPES)
-    lm = load_model(str(path))
+    lm = load_model(str(path), activations="float32")
     assert not lm.config.tie_word_embeddings
     ids = random_ids(40, lm.config.vocab_size, seed=3)
     assert_logits_match(our_logits(lm, ids), hf_logits(hf_from_gguf(path), ids))
@@ -507,7 +510,7 @@ def test_gguf_rope_freq_factors_match_llama3_scaling_in_transformers(model_dir, 
         np.where(wavelen > orig / low, factor, 1 / ((1 - smooth) / factor + smooth)),
     )
     path = write_gguf(model_dir / "rope.gguf", [Q.F32], rope_freqs=freqs)
-    lm = load_model(str(path))
+    lm = load_model(str(path), activations="float32")
     assert lm.config.rope_freq_factors is not None
 
     # The same weights in transformers, with its llama3 rope scaling instead of the factors.

@@ -10,8 +10,8 @@
 //   instruction; the per-block scales are applied in fp32.
 // rms_norm: y = x / rms(x) * w.
 // attention: RoPE on q and k, K/V written into the paged pool, then causal attention of every
-//   token over its sequence's pool blocks (decode rows through a paged kernel that reads blocks
-//   in place; prefill chunks through ATen SDPA).
+//   token over its sequence's pool blocks, read in place by one paged kernel for decode rows and
+//   prefill chunks alike.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -742,37 +742,48 @@ at::Tensor attention(const at::Tensor& qkv_, const at::Tensor& cos_, const at::T
       }
     });
   }
+  // Prefill chunks: every token as a decode row over its own causal prefix, read from the pool
+  // (this step's K/V were written above). The same kernel as decode, so a token's attention is
+  // bit-identical whether it is computed in a prefill chunk of any size, as a decode step, or
+  // recomputed after preemption; and no gather of the past. Tokens are dealt in zigzag order
+  // (first, last, second, ...) so the threads' contiguous shares cost about the same.
   const int64_t C = chunk_meta_.defined() ? chunk_meta_.size(0) : 0;
   if (C > 0) {
-    at::Tensor meta = chunk_meta_.contiguous();
+    at::Tensor meta = chunk_meta_.contiguous(), ctables = chunk_tables_.contiguous();
     const int64_t* mp = meta.data_ptr<int64_t>();
-    at::Tensor kflat = kcache.view({-1, KVH, D}), vflat = vcache.view({-1, KVH, D});
+    const int64_t* ctp = ctables.data_ptr<int64_t>();
+    const int64_t cmaxb = ctables.size(1);
+    std::vector<int64_t> row, len, chunk;
+    int64_t max_len = 1;
     for (int64_t c = 0; c < C; ++c) {
       const int64_t start = mp[c * 3], n = mp[c * 3 + 1], L = mp[c * 3 + 2];
-      at::Tensor q = qkv.narrow(0, start, n).narrow(1, 0, H * D).view({n, H, D}).transpose(0, 1).unsqueeze(0);
-      at::Tensor k, v;
-      if (L == n) {  // no past: the chunk's own (roped) K and V
-        k = qkv.narrow(0, start, n).narrow(1, H * D, KVH * D).view({n, KVH, D});
-        v = qkv.narrow(0, start, n).narrow(1, (H + KVH) * D, KVH * D).view({n, KVH, D});
-      } else {  // past in the pool: gather the sequence's first L slots
-        const int64_t nb = (L + bs - 1) / bs;
-        at::Tensor blocks = chunk_tables_[c].narrow(0, 0, nb);
-        at::Tensor idx = (blocks.unsqueeze(1) * bs + at::arange(bs, blocks.options()).unsqueeze(0)).view({-1}).narrow(0, 0, L);
-        k = kflat.index_select(0, idx).to(at::kFloat);
-        v = vflat.index_select(0, idx).to(at::kFloat);
+      for (int64_t t = 0; t < n; ++t) {
+        row.push_back(start + t);
+        len.push_back(L - n + t + 1);
+        chunk.push_back(c);
       }
-      k = k.transpose(0, 1).unsqueeze(0);
-      v = v.transpose(0, 1).unsqueeze(0);
-      at::Tensor o;
-      if (L == n) {
-        o = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true, scale, true);
-      } else {
-        at::Tensor qpos = at::arange(L - n, L, at::TensorOptions().dtype(at::kLong)).unsqueeze(1);
-        at::Tensor mask = at::arange(L, at::TensorOptions().dtype(at::kLong)).unsqueeze(0) <= qpos;
-        o = at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, scale, true);
-      }
-      out.narrow(0, start, n).view({n, H, D}).copy_(o[0].transpose(0, 1));
+      max_len = std::max(max_len, L);
     }
+    const int64_t NT = static_cast<int64_t>(row.size());
+    const int64_t task_grain = std::max<int64_t>(1, (1 << 17) / (max_len * D * G));
+    at::parallel_for(0, NT * KVH, task_grain, [&](int64_t i0, int64_t i1) {
+      std::vector<float> s;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t k = i / KVH, kvh = i % KVH;
+        const int64_t x = (k % 2 == 0) ? k / 2 : NT - 1 - k / 2;  // zigzag
+        const int64_t r = row[x], L = len[x];
+        const int64_t* table = ctp + chunk[x] * cmaxb;
+        s.resize(G * L + 16);
+        const float* q = qp + r * width + kvh * G * D;
+        float* o = op + r * H * D + kvh * G * D;
+        if (half_cache)
+          decode_heads<at::Half>(q, G, kcache.data_ptr<at::Half>() + kvh * D, vcache.data_ptr<at::Half>() + kvh * D,
+                                 table, L, bs, tok_stride, blk_stride, D, scale, o, s.data());
+        else
+          decode_heads<float>(q, G, kcache.data_ptr<float>() + kvh * D, vcache.data_ptr<float>() + kvh * D,
+                              table, L, bs, tok_stride, blk_stride, D, scale, o, s.data());
+      }
+    });
   }
   return out;
 }
