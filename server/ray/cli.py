@@ -68,6 +68,19 @@ def build_ray_parser() -> argparse.ArgumentParser:
         default=4,
         help="leading full KV blocks of the prompt that form the route key (default: %(default)s)",
     )
+    d = p.add_argument_group("disaggregated prefill and decode")
+    d.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="prefill and decode on different replicas: the prompt's K/V moves from a prefill "
+        "replica to a decode replica through Ray's object store (--replicas is then unused)",
+    )
+    d.add_argument(
+        "--prefill-replicas", type=int, default=1, help="prefill replicas (default: %(default)s)"
+    )
+    d.add_argument(
+        "--decode-replicas", type=int, default=1, help="decode replicas (default: %(default)s)"
+    )
     p.set_defaults(model=DEFAULT_MODEL, max_waiting=None)
     return p
 
@@ -96,8 +109,10 @@ def make_app(args: argparse.Namespace) -> Any:
         names=tuple(args.served_model_name or (lm.name,)),
         max_model_len=min(config.max_model_len or limit, limit),
         parameter_count=lm.num_parameters(),
-        engine=engine_class(args.engine).name,
+        engine="disaggregated" if args.disaggregated else engine_class(args.engine).name,
     )
+    if args.disaggregated and (args.prefill_replicas < 1 or args.decode_replicas < 1):
+        raise ValueError("--prefill-replicas and --decode-replicas must be >= 1")
     spec = DeploySpec(
         engine=EngineSpec(
             model=args.model,
@@ -120,6 +135,9 @@ def make_app(args: argparse.Namespace) -> Any:
         imbalance_bound=args.imbalance_bound,
         route_blocks=args.route_blocks,
         replica_num_cpus=float(args.threads_per_replica),
+        disaggregated=args.disaggregated,
+        prefill_replicas=args.prefill_replicas,
+        decode_replicas=args.decode_replicas,
     )
     settings = ServerSettings(
         api_key=args.api_key or None,
