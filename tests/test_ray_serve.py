@@ -284,14 +284,20 @@ else:
         else:
             pytest.fail(f"the replica did not abort the request: {state}")
 
-    def _tenant_trace(cluster: Cluster, app: str) -> tuple[list[set[str]], float]:
-        """4 tenants, each with its own 300-byte system prompt, 4 requests each, one at a time.
+    def _tenant_trace(
+        cluster: Cluster, app: str, until_both: bool = False
+    ) -> tuple[list[set[str]], float]:
+        """4 tenants, each with its own 300-byte system prompt, 4 requests each, one at a time
+        (`until_both`: more tenants, up to 12, until both replicas have served one: rendezvous
+        hashing over random replica ids puts 4 tenants on one replica with probability 1/8).
         Returns each tenant's set of replicas and the trace's prefix-cache hit rate."""
-        tenants = []
+        tenants: list[set[str]] = []
         before = probe(app)
         hits0 = sum(p["stats"].prefix_cache_hits for p in before.values())
         queries0 = sum(p["stats"].prefix_cache_queries for p in before.values())
-        for t in range(4):
+        for t in range(12):
+            if len(tenants) >= 4 and (not until_both or len(set().union(*tenants)) == 2):
+                break
             system = f"[{app} tenant {t}] " + f"You are assistant number {t}. " * 12
             served = {r: p["served"] for r, p in probe(app).items()}
             for q in range(4):
@@ -312,11 +318,11 @@ else:
         return tenants, hits / queries
 
     def test_tenants_stay_on_one_replica_with_prefix_hits_unlike_pow2(cluster):
-        sticky, sticky_rate = _tenant_trace(cluster, "prefix")
+        sticky, sticky_rate = _tenant_trace(cluster, "prefix", until_both=True)
         spread, spread_rate = _tenant_trace(cluster, "pow2")
         print(f"prefix-aware hit rate {sticky_rate:.2f}, power of two {spread_rate:.2f}")
         assert all(len(s) == 1 for s in sticky), sticky
-        assert len(set().union(*sticky)) == 2  # and the tenants use both replicas
+        assert len(set().union(*sticky)) == 2  # and the tenants use both (fails with p = 2^-11)
         assert any(len(s) == 2 for s in spread), spread  # (fails with probability ~1/4096)
         assert sticky_rate > spread_rate
         metrics = httpx.get(cluster.url("prefix", "/metrics")).text
@@ -332,10 +338,12 @@ else:
         line = next(x for x in text.splitlines() if x.startswith(name + " "))
         return float(line.rsplit(" ", 1)[1])
 
-    DISAGG_BODIES = [  # every choice goes on past its first token: each is handed off once
-        {"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True},
+    # Every choice goes on past its first token, so each is handed off once; prompts new to both
+    # servers, so prefix-cache hits (usage.prompt_tokens_details) match too.
+    DISAGG_BODIES = [
+        {"prompt": "A split brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True},
         {
-            "prompt": "Seeded sampling, two choices, " * 3,
+            "prompt": "Two seeded choices on split tiers; " * 3,
             "max_tokens": 20,
             "temperature": 0.9,
             "seed": 1234,
@@ -486,3 +494,44 @@ else:
             time.sleep(1)
         else:
             pytest.fail(f"no replacement replica: {engine_replicas('prefix')}")
+
+    def test_no_running_decode_replica_turns_ingress_health_503_until_serve_replaces_it(cluster):
+        """The disagg app's only decode replica dies mid-stream: that stream ends with an error
+        event, the ingress's /health says 503 while Serve has no RUNNING decode replica (it
+        polls Serve's status), and 200 again once Serve has started a replacement."""
+        assert httpx.get(cluster.url("disagg", "/health")).status_code == 200
+        body = {
+            "model": "tinygpt",
+            "prompt": "doomed split stream",
+            "max_tokens": 1500,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        (victim,) = engine_replicas("disagg", "Decode")
+        with httpx.stream(
+            "POST", cluster.url("disagg", "/v1/completions"), json=body, timeout=60
+        ) as r:
+            lines = r.iter_lines()
+            for _ in range(3):  # past the first token: the request is on the decode replica
+                assert next(lines).startswith("data: ")
+                next(lines)
+            ray.kill(ray.get_actor(f"SERVE_REPLICA::disagg#Decode#{victim}", namespace="serve"))
+            rest = list(lines)
+        payloads = [line.removeprefix("data: ") for line in rest if line.startswith("data: ")]
+        assert payloads[-1] == "[DONE]"
+        assert json.loads(payloads[-2])["error"]["code"] == "engine_unavailable"
+        statuses = []
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            health = httpx.get(cluster.url("disagg", "/health"), timeout=10)
+            statuses.append(health.status_code)
+            if 503 in statuses and health.status_code == 200:
+                break
+            if health.status_code == 503:
+                assert "Decode" in health.json()["error"]["message"]
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"/health went {statuses[:3]}...{statuses[-3:]}")
+        assert victim not in engine_replicas("disagg", "Decode")
+        # And the replacement serves.
+        post(cluster.url("disagg", "/v1/completions"), {"model": "tinygpt", "prompt": "again"})

@@ -179,6 +179,7 @@ def build_app(spec: DeploySpec, tokenizer: Any, card: ModelCard, settings: Serve
 
     block_size = spec.engine.config.block_size
     route_blocks = spec.route_blocks
+    health_period = spec.health_check_period_s
 
     @serve.ingress()
     class Ingress:
@@ -192,13 +193,21 @@ def build_app(spec: DeploySpec, tokenizer: Any, card: ModelCard, settings: Serve
                 "engine_name": card.engine,
                 "block_size": block_size,
                 "route_blocks": route_blocks,
+                "health_period": health_period,
             }
             if self.decode_handle is None:
-                client = RayEngineClient(self.engine_handle, **options)
+                client = RayEngineClient(
+                    self.engine_handle, deployments=(ENGINE_DEPLOYMENT,), **options
+                )
             else:
                 from server.ray.disagg import DisaggregatedClient
 
-                client = DisaggregatedClient(self.engine_handle, self.decode_handle, **options)
+                client = DisaggregatedClient(
+                    self.engine_handle,
+                    self.decode_handle,
+                    deployments=(PREFILL_DEPLOYMENT, DECODE_DEPLOYMENT),
+                    **options,
+                )
             app = create_app(tokenizer, card, client, settings)
             app.state.metrics.registry.register(_RayCollector(client))
             return app
