@@ -16,7 +16,13 @@ import sys
 import threading
 from typing import Any
 
-from server.cli import DEFAULT_MODEL, build_parser, engine_config, resolve_dtype
+from server.cli import (
+    DEFAULT_MODEL,
+    build_parser,
+    engine_config,
+    generation_defaults,
+    resolve_dtype,
+)
 
 
 def build_ray_parser() -> argparse.ArgumentParser:
@@ -86,13 +92,21 @@ def build_ray_parser() -> argparse.ArgumentParser:
 
 
 def make_app(args: argparse.Namespace) -> Any:
-    """The Serve application for parsed flags. Loads the model here once for its tokenizer and
-    model card (the ingress needs no weights); the replicas load their own copies."""
+    """The Serve application for parsed flags."""
+    from server.ray.deploy import build_app
+
+    return build_app(*deploy_parts(args))
+
+
+def deploy_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """`build_app`'s arguments for parsed flags: (DeploySpec, tokenizer, ModelCard,
+    ServerSettings). Loads the model here once for its tokenizer, card and sampling defaults (the
+    ingress needs no weights); the replicas load their own copies."""
     from engine.registry import engine_class
     from models import load_model
     from server.app import ServerSettings
     from server.protocol import ModelCard
-    from server.ray.deploy import DeploySpec, build_app
+    from server.ray.deploy import DeploySpec
     from server.ray.replica import EngineSpec
 
     dtype = resolve_dtype(args.dtype)
@@ -104,12 +118,16 @@ def make_app(args: argparse.Namespace) -> Any:
         kv_cache_dtype=args.kv_cache_dtype,
     )
     config = engine_config(args)  # ValueError likewise
+    # The model's sampling defaults, as `python -m server` applies them (ModelLoadError likewise):
+    # without them a request that leaves out top_p or temperature samples differently here.
+    defaults = generation_defaults(lm, args.generation_config, args.override_generation_config)
     limit = lm.config.max_position_embeddings
     card = ModelCard(
         names=tuple(args.served_model_name or (lm.name,)),
         max_model_len=min(config.max_model_len or limit, limit),
         parameter_count=lm.num_parameters(),
         engine="disaggregated" if args.disaggregated else engine_class(args.engine).name,
+        default_sampling_params=defaults,
     )
     if args.disaggregated and (args.prefill_replicas < 1 or args.decode_replicas < 1):
         raise ValueError("--prefill-replicas and --decode-replicas must be >= 1")
@@ -144,8 +162,11 @@ def make_app(args: argparse.Namespace) -> Any:
         max_body_bytes=args.max_body_size,
         log_prompts=args.log_prompts,
         shutdown_timeout=args.shutdown_timeout,
+        max_concurrent_per_client=args.max_concurrent_per_client or None,
+        stall_timeout=args.stall_timeout or None,
+        web_ui=args.web_ui,
     )
-    return build_app(spec, lm.tokenizer, card, settings)
+    return spec, lm.tokenizer, card, settings
 
 
 def app_builder(config: dict[str, str]) -> Any:
