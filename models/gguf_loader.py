@@ -28,7 +28,7 @@ from models.base import LoadedModel, ModelLoadError
 from models.config import ModelConfig
 from models.hf_loader import check_weight_names
 from models.hf_tokenizer import HFTokenizer, end_token_ids, load_gguf_tokenizer
-from models.quant import QTensor, from_gguf_blocks
+from models.quant import KernelOptions, QTensor, from_gguf_blocks
 from models.registry import model_class
 
 Q = GGMLQuantizationType
@@ -269,12 +269,12 @@ def load_gguf(
     path: str | Path,
     name: str | None = None,
     dtype: torch.dtype = torch.float32,
-    kernels: str | None = None,
+    kernels: KernelOptions | None = None,
 ) -> LoadedModel:
     """Load a Llama-architecture GGUF file: weights, tokenizer, chat template, EOS ids.
 
-    `kernels`: a quantization scheme for `LlamaForCausalLM.enable_kernels`, which then takes
-    the file's own Q4_0/Q4_1/Q8_0 blocks as they are (None: the pure-torch float model)."""
+    `kernels`: how `LlamaForCausalLM.enable_kernels` packs the model, which then takes the
+    file's own Q4_0/Q4_1/Q8_0 blocks as they are (None: the pure-torch float model)."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"no such GGUF file: {path}")
@@ -308,6 +308,6 @@ def load_gguf(
         raise ModelLoadError(f"{path.name}: {e}") from e
     model.eval().requires_grad_(False)
     if kernels is not None:
-        model.enable_kernels(kernels, weights.blocks)
+        model.enable_kernels(kernels.quantization, weights.blocks, kernels.activations)
     config.extra["load_seconds"] = round(time.perf_counter() - t0, 3)
     return LoadedModel(config.name, model, HFTokenizer(tok, eos), config)

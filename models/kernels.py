@@ -146,6 +146,12 @@ def _load() -> tuple[bool, str | None]:
     return True, None
 
 
+def has_int8_dot() -> bool:
+    """True where the kernels run and the CPU multiplies int8 with AVX512-VNNI (the
+    int8-activation layouts of `models.quant.pack`)."""
+    return available() and bool(torch.ops.cbserve.has_int8_dot())
+
+
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -154,7 +160,7 @@ def main() -> int:
         print(f"models.kernels: {e}", file=sys.stderr)
         return 1
     torch.ops.load_library(str(path))
-    print(f"cbserve kernels: {path}")
+    print(f"cbserve kernels: {path} (int8 dot products: {has_int8_dot()})")
     return 0
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import kernels as cpu_kernels
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig, RopeScaling
 from models.cpu import has_native_bf16
@@ -349,7 +350,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def enable_kernels(
-        self, scheme: str = "auto", blocks: Callable[[str], QTensor | None] | None = None
+        self,
+        scheme: str = "auto",
+        blocks: Callable[[str], QTensor | None] | None = None,
+        activations: str = "auto",
     ) -> None:
         """Run through `torch.ops.cbserve` (the caller checked `models.kernels.available()`):
         attention fused with RoPE and the K/V write over the paged pool, and every projection and
@@ -361,10 +365,15 @@ class LlamaForCausalLM(nn.Module):
         - q8_0 / q4_1: that format, quantized from the float weights unless the checkpoint
           already holds it.
         The float copies are dropped: the packed weights replace them.
+
+        `activations` ("auto", "int8", "float32"): quantized projections multiply int8
+        activations (per row and 32 inputs) with integer dot products where the CPU has
+        AVX512-VNNI ("auto" picks that there; `models.quant.KernelOptions`).
         """
         if self.config.matmul_dtype not in (None, torch.float32):
             raise ValueError("the kernels run float32 activations; load the model in float32")
         target = {"auto": None, "none": F32, "q8_0": Q8_0_KIND, "q4_1": Q4_1_KIND}[scheme]
+        int8 = activations == "int8" or (activations == "auto" and cpu_kernels.has_int8_dot())
 
         def packed(linear: nn.Module, names: list[str], gate_up: bool = False) -> nn.Module:
             if isinstance(linear, PackedLinear) or linear.weight.shape[1] % QB:
@@ -380,7 +389,9 @@ class LlamaForCausalLM(nn.Module):
                 qt = QTensor.cat(parts)  # type: ignore[arg-type]
             else:
                 qt = quantize(linear.weight.float(), F32 if target is None else target)
-            return PackedLinear(pack(qt, gate_up=gate_up), linear.bias)
+            return PackedLinear(
+                pack(qt, gate_up=gate_up, int8=int8 and qt.kind != F32), linear.bias
+            )
 
         for i, layer in enumerate(self.layers):
             src = f"model.layers.{i}."

@@ -21,6 +21,7 @@ from models.fetch import smollm2_path
 from models.gguf_loader import load_gguf
 from models.hf_loader import load_hf_directory
 from models.llama import Linear
+from models.quant import KernelOptions
 from models.tinygpt import build_tinygpt
 
 SUPPORTED = (
@@ -40,6 +41,7 @@ def load_model(
     quantization: str = "auto",
     kv_cache_dtype: str = "auto",
     use_kernels: bool = True,
+    activations: str = "auto",
 ) -> LoadedModel:
     """Load a model, ready to serve.
 
@@ -53,6 +55,9 @@ def load_model(
     `use_kernels=False` is the pure-torch path even where the kernels run (the reference that
     `tools.quant_quality` and tests compare against).
 
+    `activations`: "auto" (int8 where the weights are quantized and the CPU has AVX512-VNNI),
+    "int8" or "float32": what the projections multiply (see `models.quant.KernelOptions`).
+
     `kv_cache_dtype`: "auto" is float16 when the weights are quantized (as llama.cpp's default
     cache) and float32 otherwise; "float16" needs the kernels.
 
@@ -61,10 +66,12 @@ def load_model(
     on CPUs with AVX512-BF16; its tokens are not float32's.
     """
     from models import kernels
-    from models.quant import SCHEMES
+    from models.quant import ACTIVATIONS, SCHEMES
 
     if quantization not in SCHEMES:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {SCHEMES}")
+    if activations not in ACTIVATIONS:
+        raise ModelLoadError(f"unknown activations {activations!r}; choose one of {ACTIVATIONS}")
     if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_DTYPES:
         raise ModelLoadError(
             f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose auto, {', '.join(KV_DTYPES)}"
@@ -78,18 +85,23 @@ def load_model(
     if quantization in ("q8_0", "q4_1") and not use_kernels:
         why = "it runs float32" if wants_bf16 else kernels.unavailable_reason() or "turned off"
         raise ModelLoadError(f"--quantization {quantization} needs the CPU kernels: {why}")
+    if activations == "int8" and not (use_kernels and kernels.has_int8_dot()):
+        why = "this CPU has no AVX512-VNNI" if use_kernels else "the CPU kernels are off"
+        raise ModelLoadError(f"int8 activations need the CPU kernels with int8 dot products: {why}")
     if kv_cache_dtype == "float16" and not use_kernels:
         why = "bfloat16 mode" if wants_bf16 else kernels.unavailable_reason() or "turned off"
         raise ModelLoadError(f"a float16 KV cache needs the CPU kernels: {why}")
 
-    lm = _load(name_or_path, quantization if use_kernels else None)
+    options = KernelOptions(quantization, activations) if use_kernels else None
+    lm = _load(name_or_path, options)
     model: Any = lm.model
-    if use_kernels and not getattr(model, "kernels", True):
-        model.enable_kernels(quantization)  # a GGUF file's loader already did, with its blocks
+    if options is not None and not getattr(model, "kernels", True):
+        # (a GGUF file's loader already did, with its blocks)
+        model.enable_kernels(quantization, activations=activations)
     if wants_bf16:
         lm = _to_bfloat16(lm, dtype)  # type: ignore[arg-type]
     formats = model.weight_formats() if use_kernels else {}
-    quantized = bool({"q4_1", "q8_0"} & formats.keys())
+    quantized = any(name.startswith(("q4_1", "q8_0")) for name in formats)
     if kv_cache_dtype == "auto":
         kv = torch.float16 if quantized else torch.float32
     else:
@@ -127,9 +139,9 @@ def _return_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _load(name_or_path: str, kernels: str | None) -> LoadedModel:
+def _load(name_or_path: str, kernels: KernelOptions | None) -> LoadedModel:
     """The model as its checkpoint holds it; a GGUF file's loader also packs its own blocks
-    for the kernels when `kernels` names a quantization scheme."""
+    for the kernels when `kernels` is given."""
     key = str(name_or_path).strip()
     if key.lower() == "tinygpt":
         model, tok = build_tinygpt()

@@ -29,8 +29,24 @@ NR = 16  # outputs per panel
 QB = 32  # inputs per block
 
 F32, Q8_0, Q4_1 = 0, 1, 2
-KIND_NAMES = {F32: "f32", Q8_0: "q8_0", Q4_1: "q4_1"}
+# The same blocks laid out for int8 activations (AVX512-VNNI dot products; see `pack`).
+Q8_0X, Q4_1X = 3, 4
+KIND_NAMES = {F32: "f32", Q8_0: "q8_0", Q4_1: "q4_1", Q8_0X: "q8_0+a8", Q4_1X: "q4_1+a8"}
+INT8_KINDS = {Q8_0: Q8_0X, Q4_1: Q4_1X}
 SCHEMES = ("auto", "none", "q8_0", "q4_1")  # --quantization choices
+ACTIVATIONS = ("auto", "int8", "float32")  # --activation-dtype choices
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """How a model runs through the kernels: its weights' format (`SCHEMES`, see
+    `LlamaForCausalLM.enable_kernels`) and its projections' activations (`ACTIVATIONS`): int8
+    (quantized per row and 32 inputs, multiplied with AVX512-VNNI integer dot products, as
+    llama.cpp does for its quantized formats) or float32. "auto" is int8 where the weights are
+    quantized and the CPU has VNNI, else float32."""
+
+    quantization: str = "auto"
+    activations: str = "auto"
 
 
 @dataclass
@@ -169,8 +185,14 @@ def _take_rows(t: torch.Tensor, order: torch.Tensor | None, rows: int) -> torch.
     return t
 
 
-def pack(w: QTensor, gate_up: bool = False) -> PackedWeight:
-    """Lay a QTensor out in panels. `gate_up`: rows are [gate; up], to be fused with silu_mul."""
+def pack(w: QTensor, gate_up: bool = False, int8: bool = False) -> PackedWeight:
+    """Lay a QTensor out in panels. `gate_up`: rows are [gate; up], to be fused with silu_mul.
+
+    `int8` (Q8_0 / Q4_1 only): the layout of the int8-activation kernel (kinds Q8_0X / Q4_1X),
+    whose inner step is vpdpbusd over 16 outputs x 4 inputs: per panel and block, groups of 64
+    bytes where byte 4 o + j is output o's weight at input 4 g + j (Q8_0X), or, for Q4_1X, input
+    8 g + j in the low nibble and 8 g + 4 + j in the high one. Q8_0X's `m` is int32 128 * sum(q)
+    per output and block, the correction for activations entering as unsigned x + 128."""
     n, k = w.shape
     if k % QB:
         raise ValueError(f"in_features {k} is not a multiple of {QB}")
@@ -184,6 +206,18 @@ def pack(w: QTensor, gate_up: bool = False) -> PackedWeight:
             return None
         return _take_rows(t, order, p * NR).view(p, NR, k // QB).transpose(1, 2).contiguous()
 
+    if int8:
+        b = k // QB
+        if w.kind == Q4_1:
+            q6 = q.view(p, NR, b, 4, 2, 4)  # (panel, output, block, group, nibble, j)
+            qs = (q6[:, :, :, :, 0] | (q6[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
+            return PackedWeight(Q4_1X, qs.contiguous(), scales(w.d), scales(w.m), n, k)
+        if w.kind == Q8_0:
+            qs = q.view(p, NR, b, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+            comp = q.view(p, NR, b, QB).sum(-1, dtype=torch.int32) * 128  # (P, 16, B)
+            comp = comp.transpose(1, 2).contiguous()
+            return PackedWeight(Q8_0X, qs, scales(w.d), comp, n, k)
+        raise ValueError(f"int8 activations need q8_0 or q4_1 weights, not {KIND_NAMES[w.kind]}")
     if w.kind == Q4_1:
         halves = q.view(p, 2, 8, k)
         qs = (halves[:, 0] | (halves[:, 1] << 4)).transpose(1, 2).contiguous()  # (P, K, 8)

@@ -152,6 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV pool storage. auto: float16 with quantized weights (as llama.cpp), else "
         "float32; attention computes in float32 either way (default: %(default)s)",
     )
+    m.add_argument(
+        "--activation-dtype",
+        choices=("auto", "int8", "float32"),
+        default="auto",
+        help="what quantized projections multiply. int8: each row's activations quantized per "
+        "32 inputs and multiplied with AVX512-VNNI integer dot products (as llama.cpp does; "
+        "~3x the float32 kernel's speed, logits within ~1e-2); auto: int8 where the CPU has "
+        "VNNI and the weights are quantized, else float32 (default: %(default)s)",
+    )
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
@@ -320,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=resolve_dtype(args.dtype),
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
+            activations=args.activation_dtype,
         )
     except ModelLoadError as e:
         print(f"error: {e}", file=sys.stderr)

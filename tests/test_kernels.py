@@ -1,6 +1,7 @@
 """The cbserve CPU kernels against the pure-torch path they replace.
 
-packed_linear for every weight format (and its epilogues), batch invariance of a row's result,
+packed_linear for every weight format (and its epilogues), with float32 and (where the CPU has
+AVX512-VNNI) int8 activations, batch invariance of a row's result,
 GGUF block decoding against the gguf package's own dequantizer, the fused attention op against
 `paged_attention` (decode rows, chunks with and without a past, float32 and float16 pools), and the
 whole SmolLM2 model through the kernels against the float model with the same weights.
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from models import kernels
 from models.attention import AttentionMetadata, PrefillChunk, paged_attention
-from models.quant import F32, Q4_1, Q8_0, QTensor, from_gguf_blocks, pack, quantize
+from models.quant import F32, Q4_1, Q8_0, QB, QTensor, from_gguf_blocks, pack, quantize
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"
@@ -67,6 +68,73 @@ def test_a_rows_result_does_not_depend_on_the_batch_around_it(kind):
     for m in (2, 4, 5, 6, 12, 37):
         batched = torch.cat([_linear(x[i : i + m], packed) for i in range(0, 37, m)])
         assert torch.equal(batched, alone), f"batch of {m} changed a row"
+
+
+# -- int8 activations (AVX512-VNNI) -------------------------------------------------------------
+
+needs_int8 = pytest.mark.skipif(
+    not kernels.has_int8_dot(), reason="this CPU has no AVX512-VNNI int8 dot products"
+)
+INT8_KINDS = [Q8_0, Q4_1]
+
+
+def _int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the int8 kernel multiplies: x rounded per row and 32 inputs to da * round(x / da),
+    da = max|x| / 127 (the activations llama.cpp feeds its quantized dot products)."""
+    m, k = x.shape
+    xb = x.view(m, k // QB, QB)
+    da = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(da > 0, 1 / da, torch.zeros(()))
+    return (torch.round(xb * inv) * da).view(m, k)
+
+
+@needs_int8
+@pytest.mark.parametrize("kind", INT8_KINDS)
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 13, 64])
+def test_int8_activation_kernel_is_the_matmul_of_the_rounded_activations(kind, m):
+    """The integer dot products are exact: the result is the float matmul of the rounded
+    activations with the same weights, up to float rounding of the per-block scales."""
+    torch.manual_seed(kind * 10 + m)
+    n, k = 72, 96
+    qt = quantize(torch.randn(n, k) * 0.1, kind)
+    x, bias, res = torch.randn(m, k) * 3, torch.randn(n), torch.randn(m, n)
+    ref = F.linear(_int8_activations(x), qt.dequantize(), bias) + res
+    got = _linear(x, pack(qt, int8=True), bias, res)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+    # and close to the float32-activation result (what int8 rounding costs)
+    flt = _linear(x, pack(qt), bias, res)
+    assert float((got - flt).abs().max()) < 0.05 * float(flt.abs().max())
+
+
+@needs_int8
+@pytest.mark.parametrize("kind", INT8_KINDS)
+def test_int8_silu_mul_epilogue(kind):
+    torch.manual_seed(11)
+    f, k = 40, 64
+    qt = quantize(torch.randn(2 * f, k) * 0.1, kind)
+    x = torch.randn(6, k)
+    gate, up = F.linear(_int8_activations(x), qt.dequantize()).chunk(2, dim=-1)
+    got = _linear(x, pack(qt, gate_up=True, int8=True), act=1)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+@needs_int8
+@pytest.mark.parametrize("kind", INT8_KINDS)
+def test_int8_rows_do_not_depend_on_the_batch_around_them(kind):
+    """Row tiles of 8 and their remainders run different unrollings: every row must still come
+    out bit-identical alone and in any batch."""
+    torch.manual_seed(12)
+    packed = pack(quantize(torch.randn(48, 576) * 0.05, kind), int8=True)
+    x = torch.randn(37, 576)
+    alone = torch.cat([_linear(x[i : i + 1], packed) for i in range(37)])
+    for m in (2, 5, 8, 9, 16, 37):
+        batched = torch.cat([_linear(x[i : i + m], packed) for i in range(0, 37, m)])
+        assert torch.equal(batched, alone), f"batch of {m} changed a row"
+
+
+def test_int8_layout_refuses_float_weights():
+    with pytest.raises(ValueError, match="int8 activations need"):
+        pack(quantize(torch.randn(16, 32), F32), int8=True)
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1"])
@@ -185,7 +253,7 @@ def test_smollm2_through_the_kernels_matches_the_float_model_of_the_same_weights
     from models.fetch import smollm2_path
     from models.gguf_loader import load_gguf
 
-    fast = load_model("smollm2-135m-instruct", kv_cache_dtype="float32")
+    fast = load_model("smollm2-135m-instruct", kv_cache_dtype="float32", activations="float32")
     assert set(fast.model.weight_formats()) == {"q4_1", "q8_0"}
     ref = load_gguf(smollm2_path())  # float32, pure torch
     ids = fast.tokenizer.encode("The capital of France is")
@@ -202,6 +270,41 @@ def test_smollm2_through_the_kernels_matches_the_float_model_of_the_same_weights
             outs.append(model.compute_logits(hidden[-1:]))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-3, atol=1e-3)
     assert int(outs[0].argmax()) == int(outs[1].argmax())
+
+
+@needs_int8
+@pytest.mark.slow
+def test_smollm2_with_int8_activations_stays_close_to_float_activations():
+    """The default where the CPU has VNNI: the same weights with int8 activations. Not the same
+    numbers (the point is to round), so: every position's greedy token equal on these texts
+    and logits highly correlated (measured: max |diff| ~1.3, cosine >= 0.996). Perplexity over a
+    longer text is in `python -m tools.quant_quality`."""
+    from models import load_model
+
+    outs = []
+    texts = ["The capital of France is", "Once upon a time, there was a little"]
+    for activations in ("float32", "int8"):
+        lm = load_model("smollm2-135m-instruct", kv_cache_dtype="float32", activations=activations)
+        outs.append([_prefill_logits(lm, t) for t in texts])
+    assert all(k.endswith("+a8") for k in lm.model.weight_formats())
+    for flt, i8 in zip(*outs, strict=True):
+        assert torch.equal(flt.argmax(-1), i8.argmax(-1))
+        assert float(F.cosine_similarity(flt, i8, dim=-1).min()) > 0.99
+
+
+def _prefill_logits(lm, text: str) -> torch.Tensor:
+    """Logits at every position of `text`, prefilled as one chunk into a small pool."""
+    model = lm.model
+    ids = lm.tokenizer.encode(text)
+    n = len(ids)
+    layout = model.config.kv_layout
+    pool = torch.zeros(layout.pool_shape(8, 16), dtype=layout.dtype)
+    caches = [(pool[i, 0], pool[i, 1]) for i in range(layout.num_layers)]
+    meta = AttentionMetadata(
+        torch.arange(16, 16 + n), 0, None, None, [PrefillChunk(0, n, n, torch.tensor([1, 2, 3]))]
+    )
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(n), caches, meta))
 
 
 def test_rms_norm_kernel_matches_torch():

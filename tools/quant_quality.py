@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from models import AttentionMetadata, PrefillChunk, load_model
+from models import AttentionMetadata, PrefillChunk, kernels, load_model
 
 CHUNK = 64
 BLOCK = 16
@@ -62,12 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text", type=Path, default=Path(__file__).parents[1] / "README.md")
     ap.add_argument("--tokens", type=int, default=512)
     args = ap.parse_args(argv)
+    f32a = {"activations": "float32"}
+    i8a = {"activations": "int8"} if kernels.has_int8_dot() else f32a
     configs = [
         ("float32 weights, float32 KV (pure torch: the reference)", "ref", {}),
-        ("file's own blocks, float32 KV (kernels)", "k", {"kv_cache_dtype": "float32"}),
-        ("file's own blocks, float16 KV (kernels: the default)", "k", {}),
-        ("q8_0 weights, float16 KV", "k", {"quantization": "q8_0"}),
-        ("q4_1 weights, float16 KV", "k", {"quantization": "q4_1"}),
+        ("file's own blocks, float32 KV (kernels)", "k", {"kv_cache_dtype": "float32", **f32a}),
+        ("file's own blocks, float16 KV (kernels)", "k", f32a),
+        ("file's own blocks, float16 KV, int8 activations", "k", i8a),
+        ("q8_0 weights, float16 KV", "k", {"quantization": "q8_0", **f32a}),
+        ("q8_0 weights, float16 KV, int8 activations", "k", {"quantization": "q8_0", **i8a}),
+        ("q4_1 weights, float16 KV", "k", {"quantization": "q4_1", **f32a}),
         ("float32 weights (dequantized), float32 KV (kernels)", "k", {"quantization": "none"}),
     ]
     text = args.text.read_text()

@@ -4,6 +4,10 @@
 // packed_linear: y = x @ W^T (+ bias) (+ residual) or silu(gate) * up, for weights stored in
 //   16-output panels: f32, q8_0 (int8 x fp16 scale per 32 inputs) or q4_1 (4-bit x fp16 scale and
 //   fp16 min per 32 inputs). Activations and accumulation are fp32.
+//   On CPUs with AVX512-VNNI the quantized formats also come in an int8-activation layout
+//   (Q4_1X / Q8_0X): each row of x is quantized per 32 inputs to int8 (llama.cpp's Q8_1 / Q8_0
+//   activations) and multiplied with vpdpbusd, four times the multiply-adds of fp32 FMA per
+//   instruction; the per-block scales are applied in fp32.
 // rms_norm: y = x / rms(x) * w.
 // attention: RoPE on q and k, K/V written into the paged pool, then causal attention of every
 //   token over its sequence's pool blocks (decode rows through a paged kernel that reads blocks
@@ -16,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace cbserve {
@@ -24,7 +29,7 @@ namespace {
 constexpr int NR = 16;  // outputs per panel
 constexpr int QB = 32;  // inputs per quantization block
 
-enum Kind : int64_t { F32 = 0, Q8_0 = 1, Q4_1 = 2 };
+enum Kind : int64_t { F32 = 0, Q8_0 = 1, Q4_1 = 2, Q8_0X = 3, Q4_1X = 4 };
 enum Act : int64_t { NONE = 0, SILU_MUL = 1 };
 
 inline __m256 load_h8(const at::Half* p) {
@@ -249,6 +254,180 @@ void linear_kernel(const float* x, int64_t M, int64_t K, const uint8_t* qs, cons
   });
 }
 
+// ------------------------------------------------------------------------------------------------
+// packed_linear with int8 activations (AVX512-VNNI)
+// ------------------------------------------------------------------------------------------------
+//
+// Layouts (made by models/quant.py `pack(..., int8=True)`), per 16-output panel and 32-input block:
+// - Q4_1X: 256 bytes = 4 groups of 64; in group g, byte 4 o + j holds output o's weight at input
+//   8 g + j (low nibble) and 8 g + 4 + j (high nibble): one 64-byte load and two masks give the
+//   u8 operands of two vpdpbusd (16 outputs x 4 inputs each).
+// - Q8_0X: 512 bytes = 8 groups of 64; in group g, byte 4 o + j is output o's int8 weight at input
+//   4 g + j. The `m` tensor then holds int32 128 * sum(q) per output and block: activations enter
+//   vpdpbusd as unsigned (x + 128), and that term takes the offset back out, exactly.
+// Per row and block the activation scale is da = max|x| / 127 (xq = round(x / da)), and for Q4_1
+// sa = da * sum(xq) carries the block minimum: sum_k w x = d da sum(q xq) + m sa.
+// A row's result is the same whatever the batch: integer block sums are exact and the fp32
+// accumulation over blocks runs in one order for every row (one code path for every M).
+
+#define CB_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+
+inline int32_t load_i32(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+struct Int8Rows {
+  const uint8_t* q;  // (M, K) int8 (or x + 128 as uint8 for Q8_0X)
+  const float* da;   // (M, B) scales
+  const float* sa;   // (M, B) da * sum(q) (Q4_1X only)
+  int64_t K, B;
+};
+
+CB_VNNI void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t K, bool offset, uint8_t* q,
+                           float* da, float* sa) {
+  const int64_t B = K / QB;
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t b = 0; b < B; ++b) {
+      const float* xb = x + r * K + b * QB;
+      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float d = amax / 127.f;
+      const __m512 id = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
+      __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+      da[r * B + b] = d;
+      if (offset) {
+        q0 = _mm512_add_epi32(q0, _mm512_set1_epi32(128));
+        q1 = _mm512_add_epi32(q1, _mm512_set1_epi32(128));
+      } else {
+        sa[r * B + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+      }
+      uint8_t* qb = q + r * K + b * QB;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(q1));
+    }
+  }
+}
+
+// MR rows (from row r0) x one panel's 16 outputs; c: MR x 16 results.
+template <int MR, int KIND>
+CB_VNNI inline void int8_tile(const Int8Rows& x, int64_t r0, const uint8_t* w, const at::Half* d,
+                              const void* aux, float* c) {
+  __m512 f[MR];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) f[r] = _mm512_setzero_ps();
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < x.B; ++b) {
+    __m512i acc[MR];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_si512();
+    const uint8_t* xb = x.q + r0 * x.K + b * QB;
+    if constexpr (KIND == Q4_1X) {
+      const uint8_t* wb = w + b * 256;
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        const __m512i v = _mm512_loadu_si512(wb + 64 * g);
+        const __m512i lo = _mm512_and_si512(v, nib);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r) {
+          const uint8_t* xr = xb + r * x.K + 8 * g;
+          acc[r] = _mm512_dpbusd_epi32(acc[r], lo, _mm512_set1_epi32(load_i32(xr)));
+          acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_set1_epi32(load_i32(xr + 4)));
+        }
+      }
+      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * NR)));
+      const __m512 mw = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const at::Half*>(aux) + b * NR)));
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const int64_t rb = (r0 + r) * x.B + b;
+        const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(x.da[rb]));
+        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), s, f[r]);
+        f[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.sa[rb]), f[r]);
+      }
+    } else {  // Q8_0X
+      const uint8_t* wb = w + b * 512;
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+        const __m512i v = _mm512_loadu_si512(wb + 64 * g);
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r)
+          acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(load_i32(xb + r * x.K + 4 * g)), v);
+      }
+      const __m512i comp = _mm512_loadu_si512(static_cast<const int32_t*>(aux) + b * NR);
+      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * NR)));
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(x.da[(r0 + r) * x.B + b]));
+        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], comp)), s, f[r]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(c + r * NR, f[r]);
+}
+
+constexpr int64_t INT8_MR = 8;
+
+template <int KIND>
+CB_VNNI void int8_panels(const Int8Rows& x, int64_t M, const uint8_t* qs, const at::Half* d,
+                         const void* aux, int64_t p0, int64_t p1, const Epilogue& ep) {
+  const int64_t wstride = x.B * (KIND == Q4_1X ? 256 : 512);
+  const int64_t sstride = x.B * NR;
+  alignas(64) float c[INT8_MR * NR];
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* w = qs + p * wstride;
+    const at::Half* dp = d + p * sstride;
+    const void* ap = KIND == Q4_1X ? static_cast<const void*>(static_cast<const at::Half*>(aux) + p * sstride)
+                                   : static_cast<const void*>(static_cast<const int32_t*>(aux) + p * sstride);
+    for (int64_t r0 = 0; r0 < M; r0 += INT8_MR) {
+      const int64_t mr = std::min(INT8_MR, M - r0);
+      switch (mr) {
+        case 1: int8_tile<1, KIND>(x, r0, w, dp, ap, c); break;
+        case 2: int8_tile<2, KIND>(x, r0, w, dp, ap, c); break;
+        case 3: int8_tile<3, KIND>(x, r0, w, dp, ap, c); break;
+        case 4: int8_tile<4, KIND>(x, r0, w, dp, ap, c); break;
+        case 5: int8_tile<5, KIND>(x, r0, w, dp, ap, c); break;
+        case 6: int8_tile<6, KIND>(x, r0, w, dp, ap, c); break;
+        case 7: int8_tile<7, KIND>(x, r0, w, dp, ap, c); break;
+        default: int8_tile<8, KIND>(x, r0, w, dp, ap, c); break;
+      }
+      for (int64_t r = 0; r < mr; ++r) ep.apply(r0 + r, p, c + r * NR);
+    }
+  }
+}
+
+bool cpu_has_vnni() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                         __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+void linear_int8(const float* x, int64_t M, int64_t K, int64_t kind, const uint8_t* qs, const at::Half* d,
+                 const void* aux, int64_t P, const Epilogue& ep) {
+  TORCH_CHECK(cpu_has_vnni(), "int8-activation weights need AVX512-VNNI, which this CPU lacks");
+  const int64_t B = K / QB;
+  std::vector<uint8_t> q(static_cast<size_t>(M * K));
+  std::vector<float> da(static_cast<size_t>(M * B)), sa(static_cast<size_t>(M * B));
+  const bool offset = kind == Q8_0X;
+  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 14) / K), [&](int64_t r0, int64_t r1) {
+    quantize_rows(x, r0, r1, K, offset, q.data(), da.data(), sa.data());
+  });
+  const Int8Rows rows{q.data(), da.data(), sa.data(), K, B};
+  // Work per panel ~ M x K multiply-adds at 4x fp32's rate: the same grain rule as the fp32 path.
+  const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, M * K * NR));
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    if (kind == Q4_1X)
+      int8_panels<Q4_1X>(rows, M, qs, d, aux, p0, p1, ep);
+    else
+      int8_panels<Q8_0X>(rows, M, qs, d, aux, p0, p1, ep);
+  });
+}
+
 at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::optional<at::Tensor>& d_,
                          const c10::optional<at::Tensor>& m_, int64_t kind, int64_t N,
                          const c10::optional<at::Tensor>& bias_, const c10::optional<at::Tensor>& residual_,
@@ -275,12 +454,17 @@ at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::
               residual.defined() ? residual.size(1) : 0, act, out.data_ptr<float>(), out_n, N};
   const uint8_t* q = reinterpret_cast<const uint8_t*>(qs.data_ptr());
   const at::Half* dp = d.defined() ? d.data_ptr<at::Half>() : nullptr;
-  const at::Half* mp = m.defined() ? m.data_ptr<at::Half>() : nullptr;
+  const at::Half* mp = m.defined() && m.scalar_type() == at::kHalf ? m.data_ptr<at::Half>() : nullptr;
   const float* xp = x.data_ptr<float>();
   switch (kind) {
     case F32: linear_kernel<F32>(xp, M, K, q, nullptr, nullptr, P, ep); break;
     case Q8_0: linear_kernel<Q8_0>(xp, M, K, q, dp, nullptr, P, ep); break;
     case Q4_1: linear_kernel<Q4_1>(xp, M, K, q, dp, mp, P, ep); break;
+    case Q8_0X:  // m holds the int32 offset corrections
+      TORCH_CHECK(m.defined() && m.scalar_type() == at::kInt, "q8_0x needs its int32 corrections");
+      linear_int8(xp, M, K, kind, q, dp, m.data_ptr<int32_t>(), P, ep);
+      break;
+    case Q4_1X: linear_int8(xp, M, K, kind, q, dp, mp, P, ep); break;
     default: TORCH_CHECK(false, "unknown weight kind ", kind);
   }
   return out;
@@ -492,6 +676,7 @@ at::Tensor attention(const at::Tensor& qkv_, const at::Tensor& cos_, const at::T
 TORCH_LIBRARY(cbserve, m) {
   m.def("packed_linear(Tensor x, Tensor qs, Tensor? d, Tensor? m, int kind, int N, Tensor? bias, Tensor? residual, int act) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("has_int8_dot() -> bool", [] { return cbserve::cpu_has_vnni(); });
   m.def("attention(Tensor qkv, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache, Tensor slots, int num_decode, Tensor dec_tables, Tensor dec_lens, Tensor chunk_meta, Tensor chunk_tables, int H, int KVH, int D, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(cbserve, CPU, m) {
