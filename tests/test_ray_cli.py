@@ -9,6 +9,7 @@ from server.ray.cli import build_ray_parser, deploy_parts
 
 def test_flags_carry_the_models_sampling_defaults_and_settings(smollm2_lm):
     flags = ["--model", "smollm2-135m-instruct", "--stall-timeout", "7", "--no-web-ui"]
+    flags += ["--activation-dtype", "float32", "--kv-cache-dtype", "float32"]
     args = build_ray_parser().parse_args([*flags, "--disaggregated", "--prefill-replicas", "2"])
     spec, _, card, settings = deploy_parts(args)
     one = build_parser().parse_args(flags)
@@ -18,3 +19,5 @@ def test_flags_carry_the_models_sampling_defaults_and_settings(smollm2_lm):
     assert (settings.stall_timeout, settings.web_ui) == (7, False)
     assert (spec.disaggregated, spec.prefill_replicas, spec.decode_replicas) == (True, 2, 1)
     assert card.engine == "disaggregated"
+    # The replicas load the model as asked (each flag of load_model reaches EngineSpec).
+    assert (spec.engine.activation_dtype, spec.engine.kv_cache_dtype) == ("float32", "float32")

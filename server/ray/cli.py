@@ -116,6 +116,7 @@ def deploy_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         dtype=dtype,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        activations=args.activation_dtype,
     )
     config = engine_config(args)  # ValueError likewise
     # The model's sampling defaults, as `python -m server` applies them (ModelLoadError likewise):
@@ -137,6 +138,7 @@ def deploy_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
             dtype=dtype,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
+            activation_dtype=args.activation_dtype,
             engine=args.engine,
             config=config,
             max_waiting=args.max_waiting or None,

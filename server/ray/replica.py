@@ -35,6 +35,7 @@ class EngineSpec:
     dtype: str = "float32"
     quantization: str = "auto"  # load_model's, as `python -m server --quantization`
     kv_cache_dtype: str = "auto"
+    activation_dtype: str = "auto"  # load_model's `activations`, as `--activation-dtype`
     engine: str = "continuous"
     config: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     max_waiting: int | None = None
@@ -60,6 +61,7 @@ class EngineReplica:
             dtype=spec.dtype,
             quantization=spec.quantization,
             kv_cache_dtype=spec.kv_cache_dtype,
+            activations=spec.activation_dtype,
         )
         self.engine = self._build_engine(lm, make_engine)
         self.driver = AsyncEngineDriver(
