@@ -412,7 +412,23 @@ else:
         )
         assert all(p["stats"].num_running == 0 for p in (*decode.values(), *prefill.values()))
 
-    def test_disaggregated_streaming_and_disconnect_free_both_tiers(cluster):
+    def test_disaggregated_streaming_and_disconnect_free_both_tiers(cluster, reference):
+        # A stop string ends each choice at a different token, wherever it runs then (prefill
+        # or decode tier): the ingress aborts it there while the other choice goes on.
+        body = {
+            "model": "tinygpt",
+            "prompt": "Stop strings across the tiers",
+            "max_tokens": 30,
+            "temperature": 1.0,
+            "seed": 5,
+            "n": 3,
+            "stop": ["e", "a"],
+            "ignore_eos": True,
+        }
+        split = post(cluster.url("disagg", "/v1/completions"), body)
+        assert split["choices"] == post(reference.url("/v1/completions"), body)["choices"]
+        reasons = sorted(c["finish_reason"] for c in split["choices"])
+        assert reasons == ["length", "length", "stop"]  # one choice stopped, two went on
         client = openai.OpenAI(base_url=cluster.url("disagg", "/v1"), api_key="none")
         messages = [{"role": "user", "content": "Say something"}]
         full = client.chat.completions.create(
