@@ -4,9 +4,10 @@ Ray does not stay on loopback by itself (it binds the host's routable address), 
 runs inside a network namespace that has only `lo`: outside one, the single test here re-runs
 this module under `unshare -n` (root) with a short temp folder that holds Ray's session files
 and a private HOME (Ray writes an auth token there), and removes it afterwards. Inside, one
-module-scoped cluster serves two applications of TinyGPT: "prefix" (the prefix-aware router) at
-/ and "pow2" (Serve's default power-of-two router) at /pow2, and a one-process server is the
-reference for outputs.
+module-scoped cluster serves three applications of TinyGPT, deployed together: "prefix" (the
+prefix-aware router, 2 engine replicas) at /, "pow2" (Serve's default power-of-two router, 2
+replicas) at /pow2 and "disagg" (1 prefill + 1 decode replica) at /disagg; a one-process server is
+the reference for outputs.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ else:
     import openai
     import ray
     from ray import serve
+    from ray.serve.api import RunTarget
 
     from engine import EngineConfig
     from server.app import ServerSettings
@@ -106,7 +108,7 @@ else:
         port: int
 
         def url(self, app: str, path: str) -> str:
-            prefix = "" if app == "prefix" else f"/{app}"
+            prefix = "" if app == "prefix" else f"/{app}"  # pow2, disagg
             return f"http://127.0.0.1:{self.port}{prefix}{path}"
 
     def _free_port() -> int:
@@ -119,8 +121,9 @@ else:
     @pytest.fixture(scope="module")
     def cluster(tiny_lm, tmp_path_factory) -> Iterator[Cluster]:
         temp = tmp_path_factory.getbasetemp() / "ray"
+        t0 = time.monotonic()
         ray.init(
-            num_cpus=8,  # logical: 4 replicas of 1 CPU, and room for a restarted one
+            num_cpus=8,  # logical: 6 replicas of 1 CPU, and room for a restarted one
             include_dashboard=False,
             _temp_dir=str(temp),
             logging_level="warning",
@@ -140,11 +143,20 @@ else:
         )
         card = replace(card, max_model_len=tiny_lm.config.max_position_embeddings)
         settings = ServerSettings(shutdown_timeout=2)
-        serve.run(build_app(spec, tiny_lm.tokenizer, card, settings), name="prefix")
         pow2 = replace(spec, prefix_routing=False)
-        serve.run(
-            build_app(pow2, tiny_lm.tokenizer, card, settings), name="pow2", route_prefix="/pow2"
+        disagg = replace(spec, disaggregated=True, prefill_replicas=1, decode_replicas=1)
+        # All at once: the replicas start in parallel (start-up is most of this module's time).
+        serve.run_many(
+            [
+                RunTarget(build_app(s, tiny_lm.tokenizer, card, settings), name, prefix)
+                for s, name, prefix in (
+                    (spec, "prefix", "/"),
+                    (pow2, "pow2", "/pow2"),
+                    (disagg, "disagg", "/disagg"),
+                )
+            ]
         )
+        print(f"cluster up in {time.monotonic() - t0:.1f}s")
         try:
             yield Cluster(port)
         finally:
@@ -156,17 +168,17 @@ else:
         with run_server(tiny_lm, engine_options=ENGINE) as live:
             yield live
 
-    def engine_replicas(app: str) -> list[str]:
+    def engine_replicas(app: str, deployment: str = "Engine") -> list[str]:
         names = ray.util.list_named_actors(all_namespaces=True)
-        prefix = f"SERVE_REPLICA::{app}#Engine#"
+        prefix = f"SERVE_REPLICA::{app}#{deployment}#"
         return sorted(n["name"][len(prefix) :] for n in names if n["name"].startswith(prefix))
 
-    def probe(app: str) -> dict[str, dict]:
+    def probe(app: str, deployment: str = "Engine") -> dict[str, dict]:
         """Each engine replica's state, keyed by the id the replica reports. Under the prefix
         router a `Probe` is pinned to the replica it names; under Serve's default router it
         lands anywhere, so ask until every replica has answered."""
-        handle = serve.get_deployment_handle("Engine", app_name=app)
-        want = engine_replicas(app)
+        handle = serve.get_deployment_handle(deployment, app_name=app)
+        want = engine_replicas(app, deployment)
         out: dict[str, dict] = {}
         for attempt in range(40):
             missing = [r for r in want if r not in out]
@@ -272,14 +284,20 @@ else:
         else:
             pytest.fail(f"the replica did not abort the request: {state}")
 
-    def _tenant_trace(cluster: Cluster, app: str) -> tuple[list[set[str]], float]:
-        """4 tenants, each with its own 300-byte system prompt, 4 requests each, one at a time.
+    def _tenant_trace(
+        cluster: Cluster, app: str, until_both: bool = False
+    ) -> tuple[list[set[str]], float]:
+        """4 tenants, each with its own 300-byte system prompt, 4 requests each, one at a time
+        (`until_both`: more tenants, up to 12, until both replicas have served one: rendezvous
+        hashing over random replica ids puts 4 tenants on one replica with probability 1/8).
         Returns each tenant's set of replicas and the trace's prefix-cache hit rate."""
-        tenants = []
+        tenants: list[set[str]] = []
         before = probe(app)
         hits0 = sum(p["stats"].prefix_cache_hits for p in before.values())
         queries0 = sum(p["stats"].prefix_cache_queries for p in before.values())
-        for t in range(4):
+        for t in range(12):
+            if len(tenants) >= 4 and (not until_both or len(set().union(*tenants)) == 2):
+                break
             system = f"[{app} tenant {t}] " + f"You are assistant number {t}. " * 12
             served = {r: p["served"] for r, p in probe(app).items()}
             for q in range(4):
@@ -300,11 +318,11 @@ else:
         return tenants, hits / queries
 
     def test_tenants_stay_on_one_replica_with_prefix_hits_unlike_pow2(cluster):
-        sticky, sticky_rate = _tenant_trace(cluster, "prefix")
+        sticky, sticky_rate = _tenant_trace(cluster, "prefix", until_both=True)
         spread, spread_rate = _tenant_trace(cluster, "pow2")
         print(f"prefix-aware hit rate {sticky_rate:.2f}, power of two {spread_rate:.2f}")
         assert all(len(s) == 1 for s in sticky), sticky
-        assert len(set().union(*sticky)) == 2  # and the tenants use both replicas
+        assert len(set().union(*sticky)) == 2  # and the tenants use both (fails with p = 2^-11)
         assert any(len(s) == 2 for s in spread), spread  # (fails with probability ~1/4096)
         assert sticky_rate > spread_rate
         metrics = httpx.get(cluster.url("prefix", "/metrics")).text
@@ -314,6 +332,147 @@ else:
             if line.startswith('cbserve_router_decisions_total{outcome="preferred"}')
         )
         assert float(preferred.rsplit(" ", 1)[1]) >= 16  # the trace's calls, at least
+
+    def metric(cluster: Cluster, app: str, name: str) -> float:
+        text = httpx.get(cluster.url(app, "/metrics")).text
+        line = next(x for x in text.splitlines() if x.startswith(name + " "))
+        return float(line.rsplit(" ", 1)[1])
+
+    # Every choice goes on past its first token, so each is handed off once; prompts new to both
+    # servers, so prefix-cache hits (usage.prompt_tokens_details) match too.
+    DISAGG_BODIES = [
+        {"prompt": "A split brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True},
+        {
+            "prompt": "Two seeded choices on split tiers; " * 3,
+            "max_tokens": 20,
+            "temperature": 0.9,
+            "seed": 1234,
+            "n": 2,
+            "ignore_eos": True,
+        },
+        {
+            "prompt": "y" * 70,
+            "max_tokens": 16,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "seed": 7,
+            "ignore_eos": True,
+            "frequency_penalty": 0.5,
+        },
+    ]
+
+    def test_disaggregated_outputs_equal_one_process_and_the_kv_is_counted(cluster, reference):
+        # TinyGPT's K/V of one 16-token block: 2 (K, V) x 6 layers x 16 x 2 heads x 32 x 4 bytes.
+        per_block = 49_152
+        transfers = metric(cluster, "disagg", "cbserve_kv_transfers_total")
+        kv_bytes = sum(p["kv_bytes"] for p in probe("disagg", "Decode").values())
+        blocks = handed = 0
+        for body in DISAGG_BODIES:
+            body = {"model": "tinygpt", **body, "logprobs": 1}
+            split = post(cluster.url("disagg", "/v1/completions"), body)
+            direct = post(reference.url("/v1/completions"), body)
+            assert split["choices"] == direct["choices"], body
+            assert split["usage"] == direct["usage"]
+            n = body.get("n", 1)
+            handed += n
+            blocks += n * -(-direct["usage"]["prompt_tokens"] // 16)
+        # Concurrent requests share both tiers' batches: still the same tokens.
+        results: dict[int, dict] = {}
+
+        def one(i: int) -> None:
+            body = {"model": "tinygpt", **DISAGG_BODIES[i % 3], "prompt": f"{i} at once " * 3}
+            results[i] = post(cluster.url("disagg", "/v1/completions"), body)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, got in results.items():
+            body = {"model": "tinygpt", **DISAGG_BODIES[i % 3], "prompt": f"{i} at once " * 3}
+            direct = post(reference.url("/v1/completions"), body)
+            assert got["choices"] == direct["choices"]
+            n = body.get("n", 1)
+            handed += n
+            blocks += n * -(-direct["usage"]["prompt_tokens"] // 16)
+        # Every choice crossed once, with exactly its prompt's blocks; the ingress counts what
+        # the prefill tier sent (K/V plus a small header per payload) and the decode tier took.
+        assert metric(cluster, "disagg", "cbserve_kv_transfers_total") - transfers == handed
+        decode = probe("disagg", "Decode")
+        assert sum(p["kv_bytes"] for p in decode.values()) - kv_bytes == blocks * per_block
+        prefill = probe("disagg", "Prefill")
+        sent = sum(p["handed_off_bytes"] for p in prefill.values())
+        assert metric(cluster, "disagg", "cbserve_kv_transfer_bytes_total") == sent
+        seconds = metric(cluster, "disagg", "cbserve_kv_transfer_seconds_total")
+        assert seconds > 0
+        print(  # for docs/scale-out.md (TinyGPT, a shared 2-core machine)
+            f"disagg: {handed} transfers, {sent} payload bytes, "
+            f"{seconds / metric(cluster, 'disagg', 'cbserve_kv_transfers_total') * 1000:.1f} ms "
+            "per hand-off (ingress-side, incl. object-store fetch)"
+        )
+        assert all(p["stats"].num_running == 0 for p in (*decode.values(), *prefill.values()))
+
+    def test_disaggregated_streaming_and_disconnect_free_both_tiers(cluster, reference):
+        # A stop string ends each choice at a different token, wherever it runs then (prefill
+        # or decode tier): the ingress aborts it there while the other choice goes on.
+        body = {
+            "model": "tinygpt",
+            "prompt": "Stop strings across the tiers",
+            "max_tokens": 30,
+            "temperature": 1.0,
+            "seed": 5,
+            "n": 3,
+            "stop": ["e", "a"],
+            "ignore_eos": True,
+        }
+        split = post(cluster.url("disagg", "/v1/completions"), body)
+        assert split["choices"] == post(reference.url("/v1/completions"), body)["choices"]
+        reasons = sorted(c["finish_reason"] for c in split["choices"])
+        assert reasons == ["length", "length", "stop"]  # one choice stopped, two went on
+        client = openai.OpenAI(base_url=cluster.url("disagg", "/v1"), api_key="none")
+        messages = [{"role": "user", "content": "Say something"}]
+        full = client.chat.completions.create(
+            model="tinygpt", messages=messages, max_tokens=12, temperature=0
+        )
+        chunks = list(
+            client.chat.completions.create(
+                model="tinygpt", messages=messages, max_tokens=12, temperature=0, stream=True
+            )
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == full.choices[0].message.content
+        before = sum(p["aborted_on_cancel"] for p in probe("disagg", "Decode").values())
+        body = {
+            "model": "tinygpt",
+            "prompt": "never ending, split",
+            "max_tokens": 1500,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST", cluster.url("disagg", "/v1/completions"), json=body, timeout=60
+        ) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for _ in range(3):
+                assert next(lines).startswith("data: ")
+                next(lines)
+            assert sum(p["stats"].num_running for p in probe("disagg", "Decode").values()) == 1
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            tiers = (probe("disagg", "Decode"), probe("disagg", "Prefill"))
+            aborted = sum(p["aborted_on_cancel"] for p in tiers[0].values())
+            idle = all(
+                p["stats"].num_running == 0
+                and p["stats"].num_free_blocks == p["stats"].num_total_blocks
+                for t in tiers
+                for p in t.values()
+            )
+            if aborted > before and idle:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the decode replica did not abort the request: {tiers}")
 
     def test_a_killed_replica_fails_its_streams_and_serve_replaces_it(cluster):
         body = {
@@ -357,3 +516,44 @@ else:
             time.sleep(1)
         else:
             pytest.fail(f"no replacement replica: {engine_replicas('prefix')}")
+
+    def test_no_running_decode_replica_turns_ingress_health_503_until_serve_replaces_it(cluster):
+        """The disagg app's only decode replica dies mid-stream: that stream ends with an error
+        event, the ingress's /health says 503 while Serve has no RUNNING decode replica (it
+        polls Serve's status), and 200 again once Serve has started a replacement."""
+        assert httpx.get(cluster.url("disagg", "/health")).status_code == 200
+        body = {
+            "model": "tinygpt",
+            "prompt": "doomed split stream",
+            "max_tokens": 1500,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        (victim,) = engine_replicas("disagg", "Decode")
+        with httpx.stream(
+            "POST", cluster.url("disagg", "/v1/completions"), json=body, timeout=60
+        ) as r:
+            lines = r.iter_lines()
+            for _ in range(3):  # past the first token: the request is on the decode replica
+                assert next(lines).startswith("data: ")
+                next(lines)
+            ray.kill(ray.get_actor(f"SERVE_REPLICA::disagg#Decode#{victim}", namespace="serve"))
+            rest = list(lines)
+        payloads = [line.removeprefix("data: ") for line in rest if line.startswith("data: ")]
+        assert payloads[-1] == "[DONE]"
+        assert json.loads(payloads[-2])["error"]["code"] == "engine_unavailable"
+        statuses = []
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            health = httpx.get(cluster.url("disagg", "/health"), timeout=10)
+            statuses.append(health.status_code)
+            if 503 in statuses and health.status_code == 200:
+                break
+            if health.status_code == 503:
+                assert "Decode" in health.json()["error"]["message"]
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"/health went {statuses[:3]}...{statuses[-3:]}")
+        assert victim not in engine_replicas("disagg", "Decode")
+        # And the replacement serves.
+        post(cluster.url("disagg", "/v1/completions"), {"model": "tinygpt", "prompt": "again"})

@@ -16,7 +16,13 @@ import sys
 import threading
 from typing import Any
 
-from server.cli import DEFAULT_MODEL, build_parser, engine_config, resolve_dtype
+from server.cli import (
+    DEFAULT_MODEL,
+    build_parser,
+    engine_config,
+    generation_defaults,
+    resolve_dtype,
+)
 
 
 def build_ray_parser() -> argparse.ArgumentParser:
@@ -68,18 +74,39 @@ def build_ray_parser() -> argparse.ArgumentParser:
         default=4,
         help="leading full KV blocks of the prompt that form the route key (default: %(default)s)",
     )
+    d = p.add_argument_group("disaggregated prefill and decode")
+    d.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="prefill and decode on different replicas: the prompt's K/V moves from a prefill "
+        "replica to a decode replica through Ray's object store (--replicas is then unused)",
+    )
+    d.add_argument(
+        "--prefill-replicas", type=int, default=1, help="prefill replicas (default: %(default)s)"
+    )
+    d.add_argument(
+        "--decode-replicas", type=int, default=1, help="decode replicas (default: %(default)s)"
+    )
     p.set_defaults(model=DEFAULT_MODEL, max_waiting=None)
     return p
 
 
 def make_app(args: argparse.Namespace) -> Any:
-    """The Serve application for parsed flags. Loads the model here once for its tokenizer and
-    model card (the ingress needs no weights); the replicas load their own copies."""
+    """The Serve application for parsed flags."""
+    from server.ray.deploy import build_app
+
+    return build_app(*deploy_parts(args))
+
+
+def deploy_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """`build_app`'s arguments for parsed flags: (DeploySpec, tokenizer, ModelCard,
+    ServerSettings). Loads the model here once for its tokenizer, card and sampling defaults (the
+    ingress needs no weights); the replicas load their own copies."""
     from engine.registry import engine_class
     from models import load_model
     from server.app import ServerSettings
     from server.protocol import ModelCard
-    from server.ray.deploy import DeploySpec, build_app
+    from server.ray.deploy import DeploySpec
     from server.ray.replica import EngineSpec
 
     dtype = resolve_dtype(args.dtype)
@@ -89,21 +116,29 @@ def make_app(args: argparse.Namespace) -> Any:
         dtype=dtype,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        activations=args.activation_dtype,
     )
     config = engine_config(args)  # ValueError likewise
+    # The model's sampling defaults, as `python -m server` applies them (ModelLoadError likewise):
+    # without them a request that leaves out top_p or temperature samples differently here.
+    defaults = generation_defaults(lm, args.generation_config, args.override_generation_config)
     limit = lm.config.max_position_embeddings
     card = ModelCard(
         names=tuple(args.served_model_name or (lm.name,)),
         max_model_len=min(config.max_model_len or limit, limit),
         parameter_count=lm.num_parameters(),
-        engine=engine_class(args.engine).name,
+        engine="disaggregated" if args.disaggregated else engine_class(args.engine).name,
+        default_sampling_params=defaults,
     )
+    if args.disaggregated and (args.prefill_replicas < 1 or args.decode_replicas < 1):
+        raise ValueError("--prefill-replicas and --decode-replicas must be >= 1")
     spec = DeploySpec(
         engine=EngineSpec(
             model=args.model,
             dtype=dtype,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
+            activation_dtype=args.activation_dtype,
             engine=args.engine,
             config=config,
             max_waiting=args.max_waiting or None,
@@ -120,14 +155,20 @@ def make_app(args: argparse.Namespace) -> Any:
         imbalance_bound=args.imbalance_bound,
         route_blocks=args.route_blocks,
         replica_num_cpus=float(args.threads_per_replica),
+        disaggregated=args.disaggregated,
+        prefill_replicas=args.prefill_replicas,
+        decode_replicas=args.decode_replicas,
     )
     settings = ServerSettings(
         api_key=args.api_key or None,
         max_body_bytes=args.max_body_size,
         log_prompts=args.log_prompts,
         shutdown_timeout=args.shutdown_timeout,
+        max_concurrent_per_client=args.max_concurrent_per_client or None,
+        stall_timeout=args.stall_timeout or None,
+        web_ui=args.web_ui,
     )
-    return build_app(spec, lm.tokenizer, card, settings)
+    return spec, lm.tokenizer, card, settings
 
 
 def app_builder(config: dict[str, str]) -> Any:

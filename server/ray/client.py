@@ -13,6 +13,11 @@ replica that runs it.
 
 `stats()` sums the latest snapshot each replica piggybacked on its items; `replica_stats()`
 keeps them apart for the per-replica metrics.
+
+`health()` is Serve's view of the engine tier(s), polled every `health_period` seconds by a task
+started with the app: unhealthy while any engine deployment of this application has no RUNNING
+replica (Serve takes a replica out of RUNNING when it dies or its `check_health` raises, e.g. for
+a stuck step), so `/health` answers 503 exactly when no replica could serve a request.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ class RayEngineClient(EngineClient):
         engine_name: str,
         block_size: int,
         route_blocks: int = DEFAULT_ROUTE_BLOCKS,
+        deployments: tuple[str, ...] = (),
+        health_period: float = 2.0,
     ) -> None:
         self._handle = handle
         self._max_model_len = max_model_len
@@ -64,6 +71,11 @@ class RayEngineClient(EngineClient):
         self._stats: dict[str, tuple[float, EngineStats]] = {}  # replica -> (when, stats)
         self._stopping = False
         self.replica_failures = 0
+        # The engine deployments whose replicas /health watches (empty: not watched).
+        self.deployments = deployments
+        self.health_period = health_period
+        self._tiers_health = Health(True)
+        self._watch: asyncio.Task | None = None
 
     # -- EngineClient ------------------------------------------------------------------------------
 
@@ -77,10 +89,38 @@ class RayEngineClient(EngineClient):
 
     async def start(self) -> None:
         self._stopping = False
+        if self.deployments and self._watch is None:
+            self._watch = asyncio.create_task(self._watch_tiers(), name="ray-engine-health")
+
+    async def _watch_tiers(self) -> None:
+        from ray import serve
+
+        app = serve.get_replica_context().app_name
+        while not self._stopping:
+            try:
+                # A blocking call to Serve's controller: off the event loop.
+                status = await asyncio.to_thread(serve.status)
+                deployments = status.applications[app].deployments
+                down = [
+                    name
+                    for name in self.deployments
+                    if deployments[name].replica_states.get("RUNNING", 0) == 0
+                ]
+                self._tiers_health = (
+                    Health(False, f"no healthy replica of the {' and '.join(down)} deployment")
+                    if down
+                    else Health(True)
+                )
+            except Exception as e:  # the controller busy or restarting: keep the last verdict
+                log.warning("could not read Serve's status: %r", e)
+            await asyncio.sleep(self.health_period)
 
     async def stop(self, timeout: float = 30.0) -> None:
         """Serve has drained the ingress's HTTP requests before this runs; end what is left."""
         self._stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         if self._pumps:
             await asyncio.wait(set(self._pumps), timeout=timeout)
         for group in {id(g): g for g in self._groups.values()}.values():
@@ -160,7 +200,7 @@ class RayEngineClient(EngineClient):
     def health(self) -> Health:
         if self._stopping:
             return Health(False, "the server is shutting down")
-        return Health(True)
+        return self._tiers_health
 
     def stats(self) -> EngineStats:
         total = _ZERO

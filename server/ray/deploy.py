@@ -23,6 +23,8 @@ from server.ray.keys import DEFAULT_ROUTE_BLOCKS
 from server.ray.replica import EngineReplica, EngineSpec
 
 ENGINE_DEPLOYMENT = "Engine"
+PREFILL_DEPLOYMENT = "Prefill"
+DECODE_DEPLOYMENT = "Decode"
 INGRESS_DEPLOYMENT = "Ingress"
 
 
@@ -44,6 +46,10 @@ class DeploySpec:
     ingress_num_cpus: float = 0.0
     health_check_period_s: float = 5.0
     health_check_timeout_s: float = 30.0
+    # Prefill and decode on different replicas (`server.ray.disagg`); `replicas` is then unused.
+    disaggregated: bool = False
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
 
     def engine_max_ongoing(self) -> int:
         if self.max_ongoing_requests is not None:
@@ -102,6 +108,21 @@ class _RayCollector:
             "Streams ended because their engine replica failed.",
             value=self.client.replica_failures,
         )
+        counters = getattr(self.client, "transfer_counters", None)
+        if counters is None:  # not disaggregated
+            return
+        kv = counters()
+        docs = {
+            "cbserve_kv_transfers": "Requests handed from a prefill to a decode replica (counted when the "
+            "decode replica accepted the K/V).",
+            "cbserve_kv_transfer_bytes": "K/V payload bytes handed from prefill to decode replicas through Ray's "
+            "object store.",
+            "cbserve_kv_transfer_seconds": "Seconds from a hand-off reaching the ingress to the decode replica "
+            "accepting it (object-store fetch and queueing), summed.",
+            "cbserve_kv_transfer_failures": "Hand-offs the decode tier refused.",
+        }
+        for (name, doc), value in zip(docs.items(), kv.values(), strict=True):
+            yield CounterMetricFamily(name, doc, value=value)
 
 
 def build_app(spec: DeploySpec, tokenizer: Any, card: ModelCard, settings: ServerSettings) -> Any:
@@ -140,24 +161,53 @@ def build_app(spec: DeploySpec, tokenizer: Any, card: ModelCard, settings: Serve
             request_router_class="server.ray.router.PrefixAwareRouter",
             request_router_kwargs={"imbalance_bound": spec.imbalance_bound},
         )
-    engine = serve.deployment(EngineReplica).options(**engine_options)
+    if spec.disaggregated:
+        from server.ray.disagg import DecodeReplica, PrefillReplica
+
+        engine_options.pop("autoscaling_config", None)
+        prefill = serve.deployment(PrefillReplica).options(
+            **{**engine_options, "name": PREFILL_DEPLOYMENT, "num_replicas": spec.prefill_replicas}
+        )
+        # Decode calls carry no route key: the same router ranks them least loaded first (and
+        # pins `Probe`s), or Serve's default when prefix routing is off.
+        decode = serve.deployment(DecodeReplica).options(
+            **{**engine_options, "name": DECODE_DEPLOYMENT, "num_replicas": spec.decode_replicas}
+        )
+        tiers = (prefill.bind(spec.engine), decode.bind(spec.engine))
+    else:
+        tiers = (serve.deployment(EngineReplica).options(**engine_options).bind(spec.engine),)
 
     block_size = spec.engine.config.block_size
     route_blocks = spec.route_blocks
+    health_period = spec.health_check_period_s
 
     @serve.ingress()
     class Ingress:
-        def __init__(self, engine_handle: Any) -> None:
-            self.engine_handle = engine_handle
+        def __init__(self, engine_handle: Any, decode_handle: Any = None) -> None:
+            self.engine_handle = engine_handle  # the prefill tier's when disaggregated
+            self.decode_handle = decode_handle
 
         def __serve_build_asgi_app__(self) -> Any:
-            client = RayEngineClient(
-                self.engine_handle,
-                max_model_len=card.max_model_len,
-                engine_name=card.engine,
-                block_size=block_size,
-                route_blocks=route_blocks,
-            )
+            options = {
+                "max_model_len": card.max_model_len,
+                "engine_name": card.engine,
+                "block_size": block_size,
+                "route_blocks": route_blocks,
+                "health_period": health_period,
+            }
+            if self.decode_handle is None:
+                client = RayEngineClient(
+                    self.engine_handle, deployments=(ENGINE_DEPLOYMENT,), **options
+                )
+            else:
+                from server.ray.disagg import DisaggregatedClient
+
+                client = DisaggregatedClient(
+                    self.engine_handle,
+                    self.decode_handle,
+                    deployments=(PREFILL_DEPLOYMENT, DECODE_DEPLOYMENT),
+                    **options,
+                )
             app = create_app(tokenizer, card, client, settings)
             app.state.metrics.registry.register(_RayCollector(client))
             return app
@@ -170,4 +220,4 @@ def build_app(spec: DeploySpec, tokenizer: Any, card: ModelCard, settings: Serve
         graceful_shutdown_timeout_s=spec.engine.shutdown_timeout,
         graceful_shutdown_wait_loop_s=0.5,
     )
-    return ingress.bind(engine.bind(spec.engine))
+    return ingress.bind(*tiers)

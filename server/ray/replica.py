@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from engine import EngineConfig
 from engine.errors import EngineError
@@ -34,6 +35,7 @@ class EngineSpec:
     dtype: str = "float32"
     quantization: str = "auto"  # load_model's, as `python -m server --quantization`
     kv_cache_dtype: str = "auto"
+    activation_dtype: str = "auto"  # load_model's `activations`, as `--activation-dtype`
     engine: str = "continuous"
     config: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     max_waiting: int | None = None
@@ -59,8 +61,9 @@ class EngineReplica:
             dtype=spec.dtype,
             quantization=spec.quantization,
             kv_cache_dtype=spec.kv_cache_dtype,
+            activations=spec.activation_dtype,
         )
-        self.engine = make_engine(spec.engine, lm.model, spec.config)
+        self.engine = self._build_engine(lm, make_engine)
         self.driver = AsyncEngineDriver(
             self.engine,
             max_waiting=spec.max_waiting,
@@ -71,6 +74,10 @@ class EngineReplica:
         self.served = 0
         self.aborted_on_cancel = 0
         log.info("engine replica %s ready: %s, %s engine", self.replica, lm.name, self.engine.name)
+
+    def _build_engine(self, lm: Any, make_engine: Any) -> Any:
+        """The engine this replica drives (a disaggregated tier's replica builds its own)."""
+        return make_engine(self.spec.engine, lm.model, self.spec.config)
 
     async def generate(self, call: EngineCall) -> AsyncIterator[Accepted | Refused | StepItem]:
         now = time.monotonic()  # the ingress's clock is another process's (or machine's)

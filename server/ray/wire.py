@@ -9,10 +9,12 @@ that step, never one item per token: each item costs milliseconds of Ray overhea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from engine import errors as engine_errors
 from engine.interface import EngineStats
 from engine.request import Request, StepOutput
+from server.ray.tiers import RequestSnapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,3 +84,26 @@ class Probe:
     """Ask one replica (`replica`, pinned like `AbortCall`) for its state."""
 
     replica: str
+
+
+# -- the disaggregated tiers (`server.ray.disagg`) -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HandedOff:
+    """Prefill tier -> ingress: a request's first token, and where its K/V waits. The K/V bytes
+    stay in Ray's object store (`kv` is an `ObjectRef`): never inlined in a stream item."""
+
+    output: StepOutput  # the first token (not finished)
+    snapshot: RequestSnapshot
+    kv: Any  # ray.ObjectRef of engine.kv_connector.pack_blocks bytes
+    kv_bytes: int
+    stats: EngineStats | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCall:
+    """Ingress -> decode tier: continue one prefilled request; it fetches `kv` itself."""
+
+    snapshot: RequestSnapshot
+    kv: Any  # the ObjectRef of `HandedOff.kv` (nested, so Ray does not resolve it for us)

@@ -1,0 +1,263 @@
+"""Prefill and decode on different replicas: the two Ray tiers and the ingress's client for them.
+
+`python -m server.ray --disaggregated --prefill-replicas P --decode-replicas D` deploys three
+deployments: the ingress (the same FastAPI app), `Prefill` (P replicas of `PrefillReplica`) and
+`Decode` (D replicas of `DecodeReplica`). One request:
+
+1. The ingress sends the group (`EngineCall`, with its prefix route key) to a prefill replica, as
+   in the two-tier app (the prefix-aware router keeps shared prompts on one prefill replica, whose
+   prefix cache then serves them).
+2. The prefill replica's `PrefillEngine` computes the prompt and samples the first token; the
+   request leaves its pool in that step with its K/V packed as bytes. The replica `ray.put`s the
+   bytes (they go to the object store, not into the stream) and yields a `HandedOff`: the first
+   token, the `RequestSnapshot`, and the `ObjectRef`.
+3. The ingress delivers the first token to the HTTP stream at once, and starts one streaming
+   `DecodeCall` per request on the decode tier, passing the `ObjectRef` on.
+4. The decode replica fetches the bytes from the object store (from the prefill replica's node
+   directly when they are on different machines), hands them to its `DecodeEngine`, and streams
+   the remaining tokens back to the ingress like any engine replica.
+
+The ingress counts each transfer when the decode replica has accepted it (it holds the K/V then):
+`transfers`, `transferred_bytes` (payload bytes through the object store) and `transfer_seconds`
+(from the hand-off's arrival at the ingress to the decode tier's acceptance: the object-store
+fetch plus the decode replica's queueing), exported at the ingress's `/metrics`.
+
+Aborts: a request still in prefill is aborted there (cancel the call, or a pinned `AbortCall` if
+others of its group go on); one in decode has a call of its own, which is cancelled (the decode
+replica aborts it in `finally`). If a decode replica dies, that request's stream ends with an
+error; the prefill tier is not involved any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine import EngineDeadError
+from engine.errors import EngineError
+from server.client import OutputStream
+from server.ray.client import RayEngineClient, _Group
+from server.ray.replica import EngineReplica
+from server.ray.tiers import DecodeEngine, Handoff, PrefillEngine
+from server.ray.wire import (
+    Accepted,
+    DecodeCall,
+    EngineCall,
+    HandedOff,
+    Probe,
+    Refused,
+    StepItem,
+)
+
+log = logging.getLogger("server.ray.disagg")
+
+
+class PrefillReplica(EngineReplica):
+    """An engine replica whose engine stops each request after its first token."""
+
+    def _build_engine(self, lm: Any, make_engine: Any) -> Any:
+        return PrefillEngine(lm.model, self.spec.config)
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[Accepted | Refused | StepItem]:
+        import ray
+
+        now = time.monotonic()
+        requests = [dataclasses.replace(r, arrival_time=now) for r in call.requests]
+        try:
+            stream = await self.driver.submit(requests)
+        except EngineError as e:
+            yield Refused.of(e)
+            return
+        self.served += len(requests)
+        yield Accepted(self.replica, self.driver.stats())
+        try:
+            async for out in stream:
+                handoff = None if out.finished else self.engine.take_handoff(out.request_id)
+                if handoff is None:
+                    yield StepItem(out, self.driver.stats())
+                    continue
+                # It left the engine in the step that sampled its first token: close it in the
+                # driver's books too (the engine no longer knows it, so nothing is aborted).
+                self.driver.abort(out.request_id)
+                ref = ray.put(handoff.payload)  # to the object store, out of the stream
+                yield HandedOff(
+                    out, handoff.snapshot, ref, handoff.num_kv_bytes, self.driver.stats()
+                )
+        except EngineError as e:
+            yield Refused.of(e)
+        finally:
+            open_ids = stream.open_request_ids
+            if open_ids:
+                self.aborted_on_cancel += len(open_ids)
+            for request_id in open_ids:
+                self.driver.abort(request_id)
+            for r in requests:  # a hand-off whose output nobody read (cancelled meanwhile)
+                self.engine.take_handoff(r.request_id)
+
+    async def probe(self, call: Probe) -> dict:
+        state = await super().probe(call)
+        state["handed_off"] = self.engine.handed_off
+        state["handed_off_bytes"] = self.engine.handed_off_bytes
+        return state
+
+
+class DecodeReplica(EngineReplica):
+    """An engine replica that continues requests another replica prefilled."""
+
+    def _build_engine(self, lm: Any, make_engine: Any) -> Any:
+        return DecodeEngine(lm.model, self.spec.config)
+
+    async def generate(self, call: DecodeCall) -> AsyncIterator[Accepted | Refused | StepItem]:  # type: ignore[override]
+        request = call.snapshot.request
+        try:
+            payload = await call.kv  # from the object store (the prefill replica owns it)
+        except Exception as e:  # its owner died, or the object was lost
+            log.warning("K/V of %s could not be fetched: %r", request.request_id, e)
+            yield Refused("EngineDeadError", "the prefilled K/V of the request was lost")
+            return
+        self.engine.expect(Handoff(call.snapshot, payload))
+        try:
+            async for item in super().generate(EngineCall((request,))):
+                yield item
+        finally:
+            self.engine.forget(request.request_id)  # if it was never added
+
+    async def probe(self, call: Probe) -> dict:
+        state = await super().probe(call)
+        state["kv_transfers"] = self.engine.connector.transfers
+        state["kv_bytes"] = self.engine.connector.transferred_bytes
+        return state
+
+
+@dataclass(slots=True)
+class _Decoding:
+    call: Any  # the decode tier's DeploymentResponseGenerator
+    stream: OutputStream
+
+
+class DisaggregatedClient(RayEngineClient):
+    """The ingress's `EngineClient` over a prefill and a decode deployment (see the module doc)."""
+
+    def __init__(self, prefill_handle: Any, decode_handle: Any, **options: Any) -> None:
+        super().__init__(prefill_handle, **options)
+        self._decode = decode_handle
+        self._decoding: dict[str, _Decoding] = {}  # request id -> its decode call
+        self.transfers = 0
+        self.transferred_bytes = 0
+        self.transfer_seconds = 0.0
+        self.transfer_failures = 0
+
+    async def _pump(self, group: _Group) -> None:
+        """The prefill call's items: tokens of requests that end there, and hand-offs."""
+        stream = group.stream
+        try:
+            async for item in group.call:
+                if isinstance(item, Refused):
+                    stream.fail(item.error())
+                    break
+                if item.stats is not None:
+                    self._note_stats(group.replica, item.stats)
+                out = item.output
+                self._groups.pop(out.request_id, None)  # it leaves the prefill replica here
+                if isinstance(item, HandedOff):
+                    if out.request_id not in stream.open_request_ids:
+                        continue  # aborted meanwhile: nobody reads it; the ref is dropped
+                    stream.deliver(out)
+                    self._start_decode(stream, item)
+                    continue
+                assert isinstance(item, StepItem), item
+                stream.deliver(out)
+        except asyncio.CancelledError:
+            stream.fail(EngineDeadError("the server is shutting down"))
+            raise
+        except Exception as e:  # the prefill replica died
+            in_prefill = stream.open_request_ids - self._decoding.keys()
+            if in_prefill:
+                self.replica_failures += 1
+                log.warning("prefill replica %s failed: %r", group.replica, e)
+                self._stats.pop(group.replica, None)
+                stream.fail(EngineDeadError("the engine replica failed while generating"))
+        finally:
+            for request_id in stream.request_ids:
+                if self._groups.get(request_id) is group:
+                    del self._groups[request_id]
+
+    def _start_decode(self, stream: OutputStream, item: HandedOff) -> None:
+        request_id = item.output.request_id
+        call = self._decode.options(stream=True).generate.remote(DecodeCall(item.snapshot, item.kv))
+        self._decoding[request_id] = _Decoding(call, stream)
+        task = asyncio.create_task(
+            self._decode_pump(request_id, call, stream, item.kv_bytes, time.monotonic()),
+            name="ray-decode-pump",
+        )
+        self._pumps.add(task)
+        task.add_done_callback(self._pumps.discard)
+
+    async def _decode_pump(
+        self, request_id: str, call: Any, stream: OutputStream, kv_bytes: int, handed: float
+    ) -> None:
+        replica = None
+        try:
+            first = await call.__anext__()
+            if isinstance(first, Refused):
+                self.transfer_failures += 1
+                stream.fail(first.error())
+                return
+            assert isinstance(first, Accepted), first
+            replica = first.replica
+            self.transfers += 1
+            self.transferred_bytes += kv_bytes
+            self.transfer_seconds += time.monotonic() - handed
+            self._note_stats(replica, first.stats)
+            async for item in call:
+                if isinstance(item, Refused):
+                    stream.fail(item.error())
+                    break
+                assert isinstance(item, StepItem), item
+                if item.stats is not None:
+                    self._note_stats(replica, item.stats)
+                stream.deliver(item.output)
+        except asyncio.CancelledError:
+            stream.fail(EngineDeadError("the server is shutting down"))
+            raise
+        except Exception as e:  # the decode replica died, or the call was cancelled by abort
+            if request_id in stream.open_request_ids:
+                self.replica_failures += 1
+                log.warning("decode replica %s failed: %r", replica, e)
+                if replica is not None:
+                    self._stats.pop(replica, None)
+                stream.fail(EngineDeadError("the engine replica failed while generating"))
+        finally:
+            decoding = self._decoding.get(request_id)
+            if decoding is not None and decoding.call is call:
+                del self._decoding[request_id]
+
+    def abort(self, request_id: str) -> None:
+        decoding = self._decoding.pop(request_id, None)
+        if decoding is None:
+            super().abort(request_id)  # still in prefill (or already finished)
+            return
+        decoding.stream.close(request_id)
+        decoding.call.cancel()  # the decode replica aborts it in `finally`
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        await super().stop(timeout)
+        for decoding in list(self._decoding.values()):
+            decoding.stream.fail(EngineDeadError("the server is shutting down"))
+            with contextlib.suppress(Exception):
+                decoding.call.cancel()
+        self._decoding.clear()
+
+    def transfer_counters(self) -> dict[str, float]:
+        return {
+            "transfers": self.transfers,
+            "bytes": self.transferred_bytes,
+            "seconds": self.transfer_seconds,
+            "failures": self.transfer_failures,
+        }
