@@ -317,11 +317,11 @@ def test_rms_norm_kernel_matches_torch():
 
 
 _LOGITS_SCRIPT = """
-import json, torch
-from models import load_model
+import json, sys, torch
+from models import kernels, load_model
 from engine.model_runner import ModelRunner
 from models.attention import AttentionMetadata, PrefillChunk
-lm = load_model("tinygpt")
+lm = load_model(*sys.argv[1:2] or ["tinygpt"], **dict(a.split("=") for a in sys.argv[2:]))
 ids = lm.tokenizer.encode("Batching must never change a token.")
 n = len(ids)
 runner = ModelRunner(lm.model, num_blocks=8, block_size=16)
@@ -330,8 +330,25 @@ meta = AttentionMetadata(torch.arange(16, 16 + n), 0, None, None,
 with torch.inference_mode():
     h = lm.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta)
     logits = lm.model.compute_logits(h[-1:])[0]
-print(json.dumps({"kernels": lm.model.kernels, "logits": logits.tolist()}))
+print(json.dumps({"kernels": lm.model.kernels, "int8": kernels.has_int8_dot(),
+                  "formats": sorted(lm.model.weight_formats()), "logits": logits.tolist()}))
 """
+
+
+def _logits_in_subprocess(env: dict, *args: str) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _LOGITS_SCRIPT, *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("env", [{"CBSERVE_KERNELS": "0"}, {"ATEN_CPU_CAPABILITY": "avx2"}])
@@ -339,24 +356,26 @@ def test_the_pure_torch_fallback_and_the_avx2_capped_path_compute_the_same_model
     """Where the kernels cannot run (CBSERVE_KERNELS=0 stands in for a CPU without AVX2 or a
     machine without a compiler) the pure-torch path serves the same model; with torch's ISA
     capped at AVX2 (many users' CPUs) the kernel path is unchanged."""
-    import json
-    import os
-    import subprocess
-    import sys
 
     def run(extra):
-        out = subprocess.run(
-            [sys.executable, "-c", _LOGITS_SCRIPT],
-            env={**os.environ, **extra},
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        return _logits_in_subprocess(extra)
 
     base, other = run({}), run(env)
     assert base["kernels"] is True
     assert other["kernels"] is (env.get("CBSERVE_KERNELS") != "0")
     torch.testing.assert_close(
         torch.tensor(other["logits"]), torch.tensor(base["logits"]), rtol=1e-4, atol=1e-4
+    )
+
+
+@needs_int8
+@pytest.mark.slow
+def test_smollm2_with_the_isa_capped_at_avx2_runs_what_an_avx2_cpu_runs():
+    """ATEN_CPU_CAPABILITY=avx2 caps our kernels too: no int8 dot products (float32
+    activations), the generic attention kernel; the same model as float activations here."""
+    capped = _logits_in_subprocess({"ATEN_CPU_CAPABILITY": "avx2"}, "smollm2-135m-instruct")
+    here = _logits_in_subprocess({}, "smollm2-135m-instruct", "activations=float32")
+    assert capped["int8"] is False and capped["formats"] == ["q4_1", "q8_0"]
+    torch.testing.assert_close(
+        torch.tensor(capped["logits"]), torch.tensor(here["logits"]), rtol=1e-3, atol=1e-3
     )

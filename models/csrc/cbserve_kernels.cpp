@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -400,8 +401,15 @@ CB_VNNI void int8_panels(const Int8Rows& x, int64_t M, const uint8_t* qs, const 
   }
 }
 
+// torch's own ISA cap (ATEN_CPU_CAPABILITY=avx2 or default) caps these kernels too, so an AVX-512
+// machine can run, and test, exactly what an AVX2-only CPU runs.
+bool isa_capped() {
+  const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+  return cap && (std::strcmp(cap, "avx2") == 0 || std::strcmp(cap, "default") == 0);
+}
+
 bool cpu_has_vnni() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  static const bool ok = !isa_capped() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                          __builtin_cpu_supports("avx512vnni");
   return ok;
@@ -634,7 +642,7 @@ CB_AVX512 void decode_group64(const float* q, const C* kc, const C* vc, const in
 }
 
 bool cpu_has_avx512() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  static const bool ok = !isa_capped() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   return ok;
 }
