@@ -69,6 +69,15 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+// silu(g) = g * sigmoid(g), with exp only of non-positive arguments (exp256's domain):
+// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) for g < 0, where e = exp(-|g|).
+inline __m256 silu8(__m256 g) {
+  const __m256 e = exp256(_mm256_or_ps(g, _mm256_set1_ps(-0.f)));  // exp(-|g|)
+  const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_add_ps(_mm256_set1_ps(1.f), e));
+  const __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+  return _mm256_mul_ps(g, _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), neg));
+}
+
 // ------------------------------------------------------------------------------------------------
 // packed_linear
 // ------------------------------------------------------------------------------------------------
@@ -112,21 +121,47 @@ struct Epilogue {
   // acc: 16 sums of panel p for row r.
   inline void apply(int64_t r, int64_t p, const float* acc) const {
     const int64_t n0 = p * NR;
-    alignas(32) float t[NR];
-    for (int j = 0; j < NR; ++j) t[j] = acc[j] + (bias && n0 + j < N ? bias[n0 + j] : 0.f);
+    __m256 t0 = _mm256_loadu_ps(acc), t1 = _mm256_loadu_ps(acc + 8);
+    const bool full = n0 + NR <= N;
+    if (bias) {
+      if (full) {
+        t0 = _mm256_add_ps(t0, _mm256_loadu_ps(bias + n0));
+        t1 = _mm256_add_ps(t1, _mm256_loadu_ps(bias + n0 + 8));
+      } else {
+        alignas(32) float b[NR] = {};
+        for (int64_t j = 0; j < NR && n0 + j < N; ++j) b[j] = bias[n0 + j];
+        t0 = _mm256_add_ps(t0, _mm256_load_ps(b));
+        t1 = _mm256_add_ps(t1, _mm256_load_ps(b + 8));
+      }
+    }
     if (act == SILU_MUL) {  // panel p = gate[8p:8p+8] then up[8p:8p+8]
       float* o = out + r * ldo + p * 8;
+      const __m256 y = _mm256_mul_ps(silu8(t0), t1);
       const int64_t nv = std::min<int64_t>(8, N / 2 - p * 8);
-      for (int64_t j = 0; j < nv; ++j) {
-        const float g = t[j];
-        o[j] = g / (1.f + std::exp(-g)) * t[8 + j];
+      if (nv == 8) {
+        _mm256_storeu_ps(o, y);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, y);
+        for (int64_t j = 0; j < nv; ++j) o[j] = tmp[j];
       }
       return;
     }
     float* o = out + r * ldo + n0;
-    const int64_t nv = std::min<int64_t>(NR, N - n0);
     const float* res = residual ? residual + r * ldr + n0 : nullptr;
-    for (int64_t j = 0; j < nv; ++j) o[j] = t[j] + (res ? res[j] : 0.f);
+    if (full) {
+      if (res) {
+        t0 = _mm256_add_ps(t0, _mm256_loadu_ps(res));
+        t1 = _mm256_add_ps(t1, _mm256_loadu_ps(res + 8));
+      }
+      _mm256_storeu_ps(o, t0);
+      _mm256_storeu_ps(o + 8, t1);
+      return;
+    }
+    alignas(32) float t[NR];
+    _mm256_store_ps(t, t0);
+    _mm256_store_ps(t + 8, t1);
+    for (int64_t j = 0; j < N - n0; ++j) o[j] = t[j] + (res ? res[j] : 0.f);
   }
 };
 
