@@ -247,6 +247,51 @@ def test_fused_attention_matches_paged_attention(pool_dtype, D):  # noqa: N803
 # -- the whole model ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("D", [32, 64])
+def test_a_tokens_attention_is_the_same_in_a_prefill_chunk_and_as_a_decode_row(D):  # noqa: N803
+    """One kernel computes both: a prompt prefilled as one chunk, as chunks of 3, and token by
+    token as decode rows gives bit-identical attention outputs (so chunking, preemption and
+    recompute never change a token)."""
+    torch.manual_seed(8)
+    n, table = 11, torch.tensor([5, 2, 9])
+    qkv = torch.randn(n, (H + 2 * KVH) * D)
+    cos, sin = _rope_tables(torch.arange(n), D)
+    slots = table[torch.arange(n) // BS] * BS + torch.arange(n) % BS
+    none2, none1 = torch.empty(0, 1, dtype=torch.long), torch.empty(0, dtype=torch.long)
+
+    def run(pieces):
+        k, v = torch.zeros(NB, BS, KVH, D).half(), torch.zeros(NB, BS, KVH, D).half()
+        outs = []
+        for start, size, as_decode in pieces:
+            sl = slice(start, start + size)
+            if as_decode:
+                args = (1, table.view(1, -1), torch.tensor([start + 1]), torch.empty(0, 3,
+                        dtype=torch.long), none2)  # fmt: skip
+            else:
+                meta = torch.tensor([[0, size, start + size]])
+                args = (0, none2, none1, meta, table.view(1, -1))
+            outs.append(
+                torch.ops.cbserve.attention(
+                    qkv[sl].clone(),
+                    cos[sl],
+                    sin[sl],
+                    k,
+                    v,
+                    slots[sl],
+                    *args,
+                    H,
+                    KVH,
+                    D,
+                    D**-0.5,
+                )  # fmt: skip
+            )
+        return torch.cat(outs)
+
+    whole = run([(0, n, False)])
+    assert torch.equal(run([(i, min(3, n - i), False) for i in range(0, n, 3)]), whole)
+    assert torch.equal(run([(0, 4, False)] + [(i, 1, True) for i in range(4, n)]), whole)
+
+
 @pytest.mark.slow
 def test_smollm2_through_the_kernels_matches_the_float_model_of_the_same_weights():
     """The GGUF's own Q4_1/Q8_0 blocks in the kernels vs the dequantized float32 model in
