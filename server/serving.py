@@ -330,7 +330,7 @@ class OpenAIServing:
         if stream:
             await self._submit(gen, requests)
             return SSEResponse(
-                stream_body(fmt, self._updates(gen)),
+                per_step(gen, stream_body(fmt, self._updates(gen))),
                 lambda: self._finish(gen),
                 stall_timeout=self.stall_timeout,
             )
@@ -469,6 +469,26 @@ class OpenAIServing:
             reasons,
             gen.status,
         )
+
+
+async def per_step(gen: Generation, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`events` joined into one write per batch of engine outputs that are ready together.
+
+    The driver hands over a step's outputs at once, so the n choices (x prompts) of one request
+    arrive together; sent one by one, each is its own trip through the ASGI send, h11 and a
+    socket write on the event loop, which the step thread's Python then waits on for the GIL
+    (a 64-choice hog made a short request's parsing and first write, and its own step, slower).
+    Joined, it is one write per step. Same bytes in the same order; an event is held only
+    while the next output is already buffered (`num_buffered`), so nothing waits for the
+    engine (after the end the stream keeps its end marker buffered: the tail is one write)."""
+    batch: list[str] = []
+    async for event in events:
+        batch.append(event)
+        if gen.stream is None or gen.stream.num_buffered == 0:
+            yield "".join(batch)
+            batch.clear()
+    if batch:
+        yield "".join(batch)
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
