@@ -16,8 +16,9 @@ The event loop and the step thread share the GIL. At CPython's default switch in
 a thread that wants it back waits up to that long whenever the other one runs Python, so while a
 busy engine steps, a new request's parsing and its first token's write can each wait a whole
 interval. (`tools.hog_ttft`, TinyGPT, a short request behind a 64-choice hog, interleaved runs on
-a loaded 2-core machine: median TTFT 69 and 74 ms at 5 ms, 34 and 41 ms at 0.5 ms.) While it runs, the driver sets the interval to
-`gil_switch_interval` (0.5 ms by default; None leaves it alone) and restores it when it stops.
+a loaded 2-core machine: median TTFT 69 and 74 ms at 5 ms, 34 and 41 ms at 0.5 ms.) While it
+runs, the driver sets the interval to `gil_switch_interval` (0.5 ms by default; None leaves it
+alone) and restores it when it stops.
 
 If a step raises, every open stream ends with an `EngineDeadError`, later submits fail at once,
 and `health()` reports the failure (the exception itself goes to the log, not to clients). A step that runs longer than `step_timeout` makes `health()`

@@ -4,7 +4,9 @@ FastAPI's generated document says 422 with its own error shape for an invalid bo
 answers 400 with OpenAI's error object (`server.errors`). It also cannot know that a completion
 streams as `text/event-stream`, that /metrics is Prometheus text, or the limits that depend on
 the served model. `install_openapi` post-processes the generated document once, so generated
-clients and fuzzers (schemathesis) see the statuses, media types and limits the server uses.
+clients and fuzzers (schemathesis) see the statuses, media types and limits the server uses,
+and the cross-field rules it can state cheaply: a body the document accepts is one the server
+accepts, except for the rules in `UNSTATED_RULE_CODES`, whose 400s say so in their `code`.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ _ERROR_SCHEMA = {
 # Rules the document does not state: no JSON Schema keyword can (a bound that depends on another
 # field's value, or on the prompt's length in tokens), or it could only as alternatives that
 # multiply with those in `_cross_field_rules` past what schemathesis' generator handles (prompts
-# x n, one per value of n; at most one of seven structured-output fields). Their 400s carry these `code`s (the document lists them on the
-# generation routes' 400 as `x-unstated-rule-codes`), so a client or a fuzzer can tell such a
-# rejection from a schema the server does not keep (tools/fuzz_openapi_hooks.py does).
+# x n, one per value of n; at most one of seven structured-output fields). Their 400s carry
+# these `code`s (the document lists them on the generation routes' 400 as
+# `x-unstated-rule-codes`), so a client or a fuzzer can tell such a rejection from a schema the
+# server does not keep (tools/fuzz_openapi_hooks.py does).
 UNSTATED_RULE_CODES = {
     "context_length_exceeded": "the prompt's tokens plus max_tokens exceed the context length",
     "min_tokens_exceeds_max_tokens": "min_tokens is more than max_tokens (or, in chat without "
@@ -52,8 +55,8 @@ UNSTATED_RULE_CODES = {
     "structured_outputs, guided_*) that does not parse or compile, or more than one of them",
 }
 _REASONS = {
-    400: "Invalid request: a bad field value, malformed JSON or bad Unicode. Rules that depend "
-    "on another value name themselves in `code`: "
+    400: "Invalid request: a bad field value, malformed JSON or bad Unicode. Rules this document "
+    "does not state name themselves in `code`: "
     + "; ".join(f"`{code}`: {why}" for code, why in UNSTATED_RULE_CODES.items())
     + ".",
     401: "Missing or wrong API key (when the server has one).",
