@@ -40,7 +40,10 @@ from server.errors import APIError
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_CHOICES = 64  # prompts x n
-MAX_SEED = 2**63 - 2048  # < 2**63 - MAX_N, and exact as a float64
+# Seeds are within I-JSON's interoperable integers (RFC 7493: |n| <= 2**53 - 1): beyond that,
+# tools that compare JSON numbers as float64 (jsonschema-rs, JavaScript) round a seed next to
+# the bound onto it, so the document would accept what the server refuses.
+MAX_SEED = 2**53 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -160,10 +163,8 @@ class SamplingFields(_Body):
     min_p: float | None = Field(None, ge=0, le=1)
     stop: StopField = None
     stop_token_ids: list[int_in(ge=0)] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
-    # Choice j samples with seed + j, and torch seeds are 64-bit. The upper bound is a float64
-    # value (a multiple of 2048) so that a seed written as a float compares with it the same in
-    # JSON Schema (the OpenAPI document) as here: 2**63 - 1 - MAX_N rounds up to 2**63 as a float.
-    seed: int_in(ge=-(2**63), le=MAX_SEED) | None = None
+    # Choice j samples with seed + j (torch seeds are 64-bit, far above MAX_SEED + MAX_N).
+    seed: int_in(ge=-MAX_SEED, le=MAX_SEED) | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(

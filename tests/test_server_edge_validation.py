@@ -342,19 +342,20 @@ def test_rules_no_schema_can_state_are_400s_with_a_documented_code(server: LiveS
     assert r.status_code == 200, r.text
 
 
-def test_the_largest_seed_is_the_same_number_as_a_float(server: LiveServer):
-    # JSON Schema compares numbers as the document and the body spell them; a bound that is not
-    # a float64 value (2**63 - 17 rounds up to 2**63) would let a float seed pass the document
-    # and fail here.
+def test_seeds_are_bounded_where_float64_comparisons_are_exact(server: LiveServer):
+    # A validator comparing JSON numbers as float64 (jsonschema-rs, JavaScript) rounds integers
+    # above 2**53: a bound up there would let a seed just over it pass the document and fail
+    # here. I-JSON's range (|n| <= 2**53 - 1) compares exactly everywhere.
     doc = httpx.get(server.url("/openapi.json"), timeout=10).json()
     seed = doc["components"]["schemas"]["CompletionRequest"]["properties"]["seed"]
-    top = next(m for m in seed["anyOf"] if m.get("type") == "integer")["maximum"]
-    assert float(top) == int(top) == MAX_SEED
-    for value in (float(MAX_SEED), MAX_SEED):
+    member = next(m for m in seed["anyOf"] if m.get("type") == "integer")
+    assert member["maximum"] == MAX_SEED == 2**53 - 1 and member["minimum"] == -MAX_SEED
+    for value in (float(MAX_SEED - 1), MAX_SEED, -MAX_SEED):
         r = httpx.post(server.url("/v1/completions"), json={**OK, "seed": value}, timeout=30)
         assert r.status_code == 200, r.text
-    r = httpx.post(server.url("/v1/completions"), json={**OK, "seed": MAX_SEED + 1}, timeout=30)
-    assert r.status_code == 400 and error_of(r)["param"] == "seed"
+    for value in (MAX_SEED + 1, -MAX_SEED - 1):
+        r = httpx.post(server.url("/v1/completions"), json={**OK, "seed": value}, timeout=30)
+        assert r.status_code == 400 and error_of(r)["param"] == "seed"
 
 
 def test_each_chat_length_field_is_bounded_by_the_context(server: LiveServer):
