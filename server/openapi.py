@@ -4,7 +4,9 @@ FastAPI's generated document says 422 with its own error shape for an invalid bo
 answers 400 with OpenAI's error object (`server.errors`). It also cannot know that a completion
 streams as `text/event-stream`, that /metrics is Prometheus text, or the limits that depend on
 the served model. `install_openapi` post-processes the generated document once, so generated
-clients and fuzzers (schemathesis) see the statuses, media types and limits the server uses.
+clients and fuzzers (schemathesis) see the statuses, media types and limits the server uses,
+and the cross-field rules it can state cheaply: a body the document accepts is one the server
+accepts, except for the rules in `UNSTATED_RULE_CODES`, whose 400s say so in their `code`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from server.protocol import MAX_PROMPTS, ModelCard
+from server.protocol import MAX_CHOICES, MAX_PROMPTS, ModelCard
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 _ERROR_SCHEMA = {
@@ -34,8 +36,29 @@ _ERROR_SCHEMA = {
         }
     },
 }
+# Rules the document does not state: no JSON Schema keyword can (a bound that depends on another
+# field's value, or on the prompt's length in tokens), or it could only as alternatives that
+# multiply with those in `_cross_field_rules` past what schemathesis' generator handles (prompts
+# x n, one per value of n; at most one of seven structured-output fields). Their 400s carry
+# these `code`s (the document lists them on the generation routes' 400 as
+# `x-unstated-rule-codes`), so a client or a fuzzer can tell such a rejection from a schema the
+# server does not keep (tools/fuzz_openapi_hooks.py does).
+UNSTATED_RULE_CODES = {
+    "context_length_exceeded": "the prompt's tokens plus max_tokens exceed the context length",
+    "min_tokens_exceeds_max_tokens": "min_tokens is more than max_tokens (or, in chat without "
+    "max_tokens, than what the context leaves after the prompt)",
+    "too_many_choices": f"the number of prompts times n is more than {MAX_CHOICES}",
+    # A string's content, and "at most one of" the seven structured-output fields (JSON Schema
+    # could say that, but as alternatives that multiply with the rules in `_cross_field_rules`
+    # past what schemathesis' generator can handle).
+    "invalid_structured_output": "a grammar, regex or JSON schema (response_format, "
+    "structured_outputs, guided_*) that does not parse or compile, or more than one of them",
+}
 _REASONS = {
-    400: "Invalid request: a bad field value, malformed JSON or bad Unicode.",
+    400: "Invalid request: a bad field value, malformed JSON or bad Unicode. Rules this document "
+    "does not state name themselves in `code`: "
+    + "; ".join(f"`{code}`: {why}" for code, why in UNSTATED_RULE_CODES.items())
+    + ".",
     401: "Missing or wrong API key (when the server has one).",
     404: "Unknown model.",
     413: "Request body over the size limit.",
@@ -87,9 +110,11 @@ def _fix(doc: dict[str, Any], card: ModelCard, vocab_size: int) -> dict[str, Any
                 }
             if path in _STREAMING:
                 responses["200"]["content"]["text/event-stream"] = _SSE
+                responses["400"]["x-unstated-rule-codes"] = sorted(UNSTATED_RULE_CODES)
             if path == "/metrics":
                 responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     _limits(schemas, card, vocab_size)
+    _cross_field_rules(schemas)
     return doc
 
 
@@ -138,12 +163,88 @@ def _limits(schemas: dict[str, Any], card: ModelCard, vocab_size: int) -> None:
     suffix = schemas.get("CompletionRequest", {}).get("properties", {}).get("suffix")
     if suffix is not None:
         suffix["anyOf"] = [m for m in suffix.get("anyOf", []) if m.get("type") == "null"]
+    # logit_bias keys are token ids written in decimal (server.protocol.TOKEN_ID_KEY), its
+    # values biases in [-100, 100] (OpenAI's range; engine.SamplingParams checks it).
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        bias = schemas.get(name, {}).get("properties", {}).get("logit_bias", {})
+        for member in bias.get("anyOf", []):
+            if member.get("type") == "object":
+                member["propertyNames"] = {"pattern": token_id_pattern(vocab_size - 1)}
+                member["additionalProperties"] = {"type": "number", "minimum": -100, "maximum": 100}
+    # response_format: type "json_schema" needs its json_schema object.
+    response_format = schemas.get("ResponseFormatParam")
+    if response_format is not None:
+        json_schema = response_format.get("properties", {}).get("json_schema", {})
+        given = [m for m in json_schema.get("anyOf", []) if m.get("type") != "null"]
+        response_format["anyOf"] = [
+            {"properties": {"type": {"enum": ["text", "json_object"]}}},
+            {"required": ["json_schema"], "properties": {"json_schema": given[0]}},
+        ]
     tokenize = schemas.get("TokenizeRequest")
     if tokenize is not None:  # exactly one of the two is given and not null
         tokenize["oneOf"] = [
             {"required": [field], "properties": {field: {"type": kind}}}
             for field, kind in (("prompt", "string"), ("messages", "array"))
         ]
+
+
+def _either(*branches: tuple[str, Any, bool]) -> dict[str, Any]:
+    """A body that satisfies one of `branches`, each "field has this schema" (`required`: and
+    is present)."""
+    return {
+        "anyOf": [
+            {"properties": {field: schema}, **({"required": [field]} if required else {})}
+            for field, schema, required in branches
+        ]
+    }
+
+
+def _cross_field_rules(schemas: dict[str, Any]) -> None:
+    """The request models' cross-field rules, so that a schema-valid body is one the server
+    accepts (schemathesis' positive_data_acceptance):
+
+    - `stream_options` needs `stream: true` (OpenAI and vLLM reject it otherwise);
+    - chat `top_logprobs` needs `logprobs: true` (as vLLM);
+    - completions `echo: true` takes no `logprobs` (prompt logprobs are not computed here).
+
+    Each is an `anyOf` of two plain branches ("null or absent" / "the other field set") rather
+    than `if`/`then`: the same set of bodies, but with no `not` (the implied `else` of an `if`),
+    which schemathesis' generator can rarely satisfy; each rule doubles the branches it
+    canonicalises, and past about 32 it gives up on the operation ("Schemathesis does not
+    support this part of it"), so a rule is only written here when it is cheap.
+    """
+    null = {"type": "null"}
+    stream_rule = _either(("stream_options", null, False), ("stream", {"const": True}, True))
+    rules = {
+        "CompletionRequest": [
+            stream_rule,
+            _either(("echo", {"const": False}, False), ("logprobs", null, False)),
+        ],
+        "ChatCompletionRequest": [
+            stream_rule,
+            _either(("top_logprobs", null, False), ("logprobs", {"const": True}, True)),
+        ],
+    }
+    for name, conditions in rules.items():
+        if name in schemas:
+            schemas[name].setdefault("allOf", []).extend(conditions)
+
+
+def token_id_pattern(largest: int) -> str:
+    """A regular expression for the decimal numbers 0..`largest`, without leading zeros."""
+    top = str(largest)
+    alternatives = []
+    if len(top) > 1:
+        alternatives.append("[0-9]")
+    alternatives += [f"[1-9][0-9]{{{k - 1}}}" for k in range(2, len(top))]
+    for i, digit in enumerate(top):  # numbers of top's length, below it from digit i on
+        low = 1 if i == 0 and len(top) > 1 else 0
+        high = int(digit) - 1
+        if high >= low:
+            rest = len(top) - i - 1
+            alternatives.append(top[:i] + f"[{low}-{high}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    alternatives.append(top)
+    return "^(?:" + "|".join(alternatives) + ")$"
 
 
 def _token_id(schema: dict[str, Any], vocab_size: int) -> None:

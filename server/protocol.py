@@ -16,6 +16,7 @@ Unknown fields are ignored, as vLLM and OpenAI's own server do, so newer SDKs ke
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +28,6 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -40,9 +40,14 @@ from server.errors import APIError
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_CHOICES = 64  # prompts x n
+# Seeds are within I-JSON's interoperable integers (RFC 7493: |n| <= 2**53 - 1): beyond that,
+# tools that compare JSON numbers as float64 (jsonschema-rs, JavaScript) round a seed next to
+# the bound onto it, so the document would accept what the server refuses.
+MAX_SEED = 2**53 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key
 MAX_LOGPROBS = 20  # completions `logprobs` and chat `top_logprobs`
 MAX_LOGIT_BIAS = 300
 MAX_MESSAGES = 1024
@@ -158,8 +163,8 @@ class SamplingFields(_Body):
     min_p: float | None = Field(None, ge=0, le=1)
     stop: StopField = None
     stop_token_ids: list[int_in(ge=0)] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
-    # Choice j samples with seed + j, and torch seeds are 64-bit.
-    seed: int_in(ge=-(2**63), le=2**63 - 1 - MAX_N) | None = None
+    # Choice j samples with seed + j (torch seeds are 64-bit, far above MAX_SEED + MAX_N).
+    seed: int_in(ge=-MAX_SEED, le=MAX_SEED) | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(
@@ -223,7 +228,9 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: int_in(ge=0, le=MAX_LOGPROBS) | None = None
     suffix: Text | None = None
-    best_of: int_in(ge=1) | None = Field(None, description="must be >= n")
+    # vLLM V1's rule: null or 1 (the n choices themselves; clients such as LangChain send 1
+    # with any n). Choosing the best n of more candidates is not supported.
+    best_of: int_in(ge=1, le=1) | None = Field(None, description="null or 1")
 
     @field_validator("prompt")
     @classmethod
@@ -235,12 +242,15 @@ class CompletionRequest(SamplingFields):
                 raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed, got {len(v)}")
         return v
 
-    @field_validator("best_of")
+    @field_validator("best_of", mode="before")
     @classmethod
-    def _best_of_covers_n(cls, v: int | None, info: ValidationInfo) -> int | None:
-        n = info.data.get("n", 1)  # n is validated first (a field of the base class)
-        if v is not None and v < n:
-            raise ValueError(f"best_of must be >= n, got best_of={v}, n={n}")
+    def _best_of_is_one(cls, v: Any) -> Any:
+        # Before the type's own check, for a message saying what to do instead.
+        if isinstance(v, int | float) and not isinstance(v, bool) and v > 1:
+            raise ValueError(
+                "best_of > 1 (the best of more candidates than returned) is not supported; "
+                "use n for several choices"
+            )
         return v
 
     def max_output_tokens(self) -> int:
@@ -405,12 +415,13 @@ def _sampling_params(
 ) -> list[SamplingParams]:
     bias: list[tuple[int, float]] = []
     for key, value in (req.logit_bias or {}).items():
-        try:
-            tok = int(key)
-        except ValueError:
+        # Exactly what the OpenAPI document's pattern allows: a decimal number without sign,
+        # spaces, underscores, leading zeros or non-ASCII digits (all of which int() takes).
+        if TOKEN_ID_KEY.fullmatch(key) is None:
             raise APIError(
                 400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
-            ) from None
+            )
+        tok = int(key)
         if not 0 <= tok < vocab_size:
             raise APIError(
                 400, f"logit_bias token id {tok} is outside the vocabulary", param="logit_bias"
@@ -420,6 +431,16 @@ def _sampling_params(
         bias.append((tok, float(value)))
     stop_ids = tuple(req.stop_token_ids or ())
     check_token_ids(stop_ids, vocab_size, "stop_token_ids")
+    if req.min_tokens > max_tokens:
+        # As vLLM: a 400, not a silent cap. With its own code, because no JSON Schema keyword can
+        # bound one field by another (server.openapi.UNSTATED_RULE_CODES).
+        raise APIError(
+            400,
+            f"min_tokens ({req.min_tokens}) must be less than or equal to max_tokens "
+            f"({max_tokens})",
+            param="min_tokens",
+            code="min_tokens_exceeds_max_tokens",
+        )
 
     def given(name: str) -> Any:
         # The request's value, else the model's default, else OpenAI's.

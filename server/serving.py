@@ -25,7 +25,14 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
-from engine import EngineDeadError, QueueFullError, Request, SamplingParams, StepOutput
+from engine import (
+    EngineDeadError,
+    InvalidRequestError,
+    QueueFullError,
+    Request,
+    SamplingParams,
+    StepOutput,
+)
 from models import Tokenizer
 from server.client import EngineClient
 from server.errors import APIError, ClientDisconnected
@@ -116,10 +123,6 @@ class OpenAIServing:
         model = self._check_model(req.model)
         if req.suffix is not None:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if req.best_of is not None and req.best_of > req.n:  # best_of == n: all n choices
-            raise APIError(
-                400, "best_of > n is not supported; use n for several choices", param="best_of"
-            )
         if req.echo and req.logprobs is not None:
             raise APIError(
                 400,
@@ -160,6 +163,18 @@ class OpenAIServing:
         gen = self._generation(
             "chatcmpl", http, arrival, model, [ids], [text], req, req.num_logprobs
         )
+        for name in ("max_tokens", "max_completion_tokens"):
+            # Each is bounded by the context on its own (the schema says so), also when the
+            # other one is what counts.
+            value = getattr(req, name)
+            if value is not None and value > self.card.max_model_len:
+                raise APIError(
+                    400,
+                    f"{name} ({value}) is more than the model's context length "
+                    f"({self.card.max_model_len} tokens)",
+                    param=name,
+                    code="context_length_exceeded",
+                )
         max_tokens = req.max_output_tokens(context_left=self.card.max_model_len - len(ids))
         if max_tokens < 1:  # no max_tokens given, and the prompt fills the context
             raise self._too_long(len(ids), 1)
@@ -257,6 +272,7 @@ class OpenAIServing:
                 400,
                 f"prompts x n may be at most {MAX_CHOICES}, got {len(gen.prompts) * n}",
                 param="n",
+                code="too_many_choices",
             )
         for ids in gen.prompts:
             if len(ids) + max_tokens > self.card.max_model_len:
@@ -267,12 +283,18 @@ class OpenAIServing:
     ) -> list[Request]:
         """One engine request (and choice) per prompt and choice index, the choice's params, and
         its own grammar state when the request asks for structured output."""
-        spec = structured_spec(req)
-        constraints = (
-            await self.structured.constraints(spec, len(gen.prompts) * len(params))
-            if spec is not None
-            else None
-        )
+        try:
+            spec = structured_spec(req)
+            constraints = (
+                await self.structured.constraints(spec, len(gen.prompts) * len(params))
+                if spec is not None
+                else None
+            )
+        except InvalidRequestError as e:
+            # A grammar, regex or JSON schema that does not parse or compile, or more than one
+            # way of asking for structured output: rules the OpenAPI document does not state
+            # (server.openapi.UNSTATED_RULE_CODES says why), so the 400 names itself.
+            raise APIError(400, str(e), param=e.param, code="invalid_structured_output") from e
         eos = () if req.ignore_eos else tuple(self.tokenizer.eos_token_ids)
         stop_ids = frozenset(eos) | frozenset(req.stop_token_ids or ())
         requests = []
@@ -308,7 +330,7 @@ class OpenAIServing:
         if stream:
             await self._submit(gen, requests)
             return SSEResponse(
-                stream_body(fmt, self._updates(gen)),
+                per_step(gen, stream_body(fmt, self._updates(gen))),
                 lambda: self._finish(gen),
                 stall_timeout=self.stall_timeout,
             )
@@ -447,6 +469,26 @@ class OpenAIServing:
             reasons,
             gen.status,
         )
+
+
+async def per_step(gen: Generation, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`events` joined into one write per batch of engine outputs that are ready together.
+
+    The driver hands over a step's outputs at once, so the n choices (x prompts) of one request
+    arrive together; sent one by one, each is its own trip through the ASGI send, h11 and a
+    socket write on the event loop, which the step thread's Python then waits on for the GIL
+    (a 64-choice hog made a short request's parsing and first write, and its own step, slower).
+    Joined, it is one write per step. Same bytes in the same order; an event is held only
+    while the next output is already buffered (`num_buffered`), so nothing waits for the
+    engine (after the end the stream keeps its end marker buffered: the tail is one write)."""
+    batch: list[str] = []
+    async for event in events:
+        batch.append(event)
+        if gen.stream is None or gen.stream.num_buffered == 0:
+            yield "".join(batch)
+            batch.clear()
+    if batch:
+        yield "".join(batch)
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

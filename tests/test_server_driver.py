@@ -4,6 +4,7 @@ submission, admission limits and aborts of requests the engine has not seen yet.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 
 import pytest
@@ -126,3 +127,20 @@ async def test_stop_ends_open_streams(engine):
         async for _ in stream:
             pass
     assert engine.requests == {}
+
+
+async def test_the_gil_switch_interval_is_short_while_the_driver_runs_and_restored_after(engine):
+    # The event loop and the step thread share the GIL: a short interval bounds how long the
+    # loop waits for it while a step runs Python (server.driver's docstring).
+    original = sys.getswitchinterval()
+    sys.setswitchinterval(0.004)
+    try:
+        driver = AsyncEngineDriver(engine, num_threads=1, gil_switch_interval=0.0005)
+        await driver.start()
+        try:
+            assert sys.getswitchinterval() == pytest.approx(0.0005)
+        finally:
+            await driver.stop()
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+    finally:
+        sys.setswitchinterval(original)

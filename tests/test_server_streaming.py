@@ -169,3 +169,26 @@ def test_real_tokenizer_streams_the_same_text_and_stops_like_the_full_response(s
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == text
     assert text.strip() and "\ufffd" not in text and "<|im_end|>" not in text
     assert full["choices"][0]["finish_reason"] == chunks[-1]["choices"][0]["finish_reason"]
+
+
+async def test_events_ready_together_are_one_write_and_nothing_waits_for_the_engine():
+    """server.serving.per_step: events whose outputs were buffered together (a step's n
+    choices) go out joined, in order; an event whose stream has nothing more buffered goes at
+    once, and the tail after the end marker is flushed."""
+    from types import SimpleNamespace
+
+    from server.serving import per_step
+
+    stream = SimpleNamespace(num_buffered=0)
+    gen = SimpleNamespace(stream=stream)
+    # (event, outputs still buffered once it is produced)
+    script = [("prologue ", 0), ("a0 ", 2), ("a1 ", 1), ("a2 ", 0), ("b0 ", 0), ("end ", 1)]
+
+    async def events():
+        for event, left in script:
+            stream.num_buffered = left
+            yield event
+        yield "[DONE]"  # after the end the stream keeps its end marker buffered
+
+    writes = [w async for w in per_step(gen, events())]
+    assert writes == ["prologue ", "a0 a1 a2 ", "b0 ", "end [DONE]"]
