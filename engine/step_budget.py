@@ -30,7 +30,7 @@ class StepBudget:
 
     def budget(self, num_decoding: int) -> int:
         """Tokens (decode rows included) for the next step, given how many rows decode."""
-        if num_decoding == 0 or self.per_token_s is None:
+        if num_decoding == 0 or not self.per_token_s:
             return self.max_tokens
         spare = (
             self.target_s - self.overhead_s - self.per_token_s * num_decoding * self.decode_weight
@@ -49,7 +49,12 @@ class StepBudget:
                 seconds if self.overhead_s == 0 else (1 - a) * self.overhead_s + a * seconds
             )
             return
-        per_token = max(seconds - self.overhead_s, 0.0) / work
+        per_token = (seconds - self.overhead_s) / work
+        if per_token <= 0:
+            # Faster than the overhead estimate: that came from an outlier (a cold first step
+            # is slow whatever its size), so this step's time is all the evidence there is.
+            per_token = seconds / work
+            self.overhead_s = min(self.overhead_s, seconds)
         if self.per_token_s is None:
             self.per_token_s = per_token
         else:

@@ -40,3 +40,15 @@ def test_prefill_never_starves_even_when_decodes_alone_exceed_the_target():
 def test_budget_never_exceeds_the_configured_maximum():
     sb = StepBudget(target_s=10.0, max_tokens=96)
     assert _simulate(sb, per_token=0.001, overhead=0.0, decoding=4, steps=5) == 96
+
+
+def test_a_slow_cold_small_step_does_not_zero_the_per_token_cost():
+    """A fresh server's first step (small, cold, slow) set the overhead above what the next,
+    larger step took: the learned per-token cost was 0 and `budget` divided by it, killing the
+    engine at its first requests (found by a Docker run)."""
+    sb = StepBudget(0.12, 512)
+    sb.observe(0, 2, 0.5)  # cold: taken as overhead
+    sb.observe(0, 35, 0.3)  # faster than that "overhead"
+    assert sb.per_token_s is not None and sb.per_token_s > 0
+    assert 1 <= sb.budget(1) <= 512
+    assert sb.overhead_s <= 0.3
