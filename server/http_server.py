@@ -47,7 +47,7 @@ STEP_WAIT = 0.5
 # After a shutdown that passed the drain deadline: how long threads still running (a step that
 # outlived STEP_WAIT) get before the process exits without them. Deadline + STEP_WAIT + this +
 # the interpreter's teardown must stay under Docker's grace.
-EXIT_WAIT = 0.3
+EXIT_WAIT = 0.1
 
 DEFAULT_REQUEST_READ_TIMEOUT = 30.0  # seconds for a client to send a whole request
 DEFAULT_KEEP_ALIVE_TIMEOUT = 5  # idle seconds between two requests (uvicorn's default)
@@ -90,7 +90,8 @@ class DrainingServer(uvicorn.Server):
             await asyncio.sleep(0.05)
         if busy:
             log.warning(
-                "exiting without waiting for %d thread(s) still running (%s)",
+                "exiting without joining %d thread(s) still alive (%s): an engine step that "
+                "cannot be interrupted, or idle pool workers",
                 len(busy),
                 ", ".join(t.name for t in busy),
             )

@@ -80,9 +80,9 @@ def test_sigterm_during_a_long_step_exits_without_waiting_for_it(tmp_path: Path)
     text = log_path.read_text()
     # The scenario happened: the step outlived the deadline and the driver's wait for it.
     assert "engine step still running" in text, text
-    assert "exiting without waiting for" in text, text
+    assert "exiting without joining" in text and "engine-step" in text, text
     assert code == 0
-    # Deadline + the driver's 0.5 s step wait + 0.3 s for threads + start-up of the exit.
+    # Deadline + the driver's 0.5 s step wait + 0.1 s for threads + the exit itself.
     assert elapsed < DRAIN + 2.5, f"exit took {elapsed:.1f} s\n{text}"
     assert len(answers) == 8
     for r in answers:

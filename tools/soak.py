@@ -494,14 +494,17 @@ async def soak(base_url: str, pid: int | None, args: argparse.Namespace) -> Repo
         # Open loop: no client-side pool limit that would queue requests here.
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
     ) as http:
-        # Warm-up, one request per endpoint and feature: first-call costs (grammar compiler, kernels)
-        # stay out of the probe.
+        # Warm-up, a few requests one at a time: first-call costs (grammar compiler, kernels)
+        # stay out of the probe. The first has a long prompt, so the engine's first step is a
+        # realistic one (a cold first step on a tiny prompt skews what the step budget learns).
         warm = replace(
             mix, bad_fraction=0, stream_disconnect_fraction=0, whole_disconnect_fraction=0
         )
         rng = random.Random(args.seed - 1)
-        for _ in range(6):
-            await send(http, plan_request(rng, model, warm), clock, args.request_timeout)
+        long_first = replace(warm, prompt_words=(60, 80))
+        for i in range(6):
+            plan = plan_request(rng, model, long_first if i == 0 else warm)
+            await send(http, plan, clock, args.request_timeout)
         await wait_drained(http, args.drain_timeout)
         rss_idle = rss_mib(pid)
         sustainable, steps, probe_outcomes = None, [], []
