@@ -138,6 +138,8 @@ async def _misbehave(request: Request) -> Response:
             # ... and the server goes away without an error event or [DONE]
 
         return StreamingResponse(events(), media_type="text/event-stream")
+    if what == "busy":  # a 429 that does not say when to come back
+        return JSONResponse({"error": {"message": "full", "type": "rate_limit_error"}}, 429)
     if what == "crash":
         return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, 500)
     if what == "error_event":
@@ -180,15 +182,17 @@ def test_cut_streams_5xx_and_accepted_bad_requests_fail_the_soak(standin: str) -
                 _plan("anything", stream=False, expect=400),
                 _plan("error_event", stream=True),
                 _plan("fine", stream=False),
+                _plan("busy", stream=False),
             ]
             return [await send(http, p, Clock(), timeout=10) for p in plans]
 
-    cut, crash, bad, error_event, fine = asyncio.run(run())
+    cut, crash, bad, error_event, fine, busy = asyncio.run(run())
     assert cut.outcome == "lost" and "before [DONE]" in cut.detail
     assert crash.outcome == "status" and crash.status == 500
     assert bad.outcome == "accepted_bad"
     assert error_event.outcome == "stream_error" and "engine_unavailable" in error_event.detail
     assert fine.outcome == "finished"
+    assert busy.outcome == "malformed" and "Retry-After" in busy.detail
 
     report = soak.Report(
         conditions="",

@@ -15,7 +15,8 @@ whole request abandoned after a random delay). `send` carries it out and returns
 - status        a good request refused with an HTTP status (429 under overload, or a bug)
 - stream_error  a 200 stream that ended with an OpenAI error event (the client saw it)
 - accepted_bad  a bad request answered 200 (a validation hole)
-- malformed     a 200 whose body is not what was asked for (wrong choice count, broken JSON)
+- malformed     a 200 whose body is not what was asked for (wrong choice count, broken JSON),
+                an error status without an OpenAI error body, or a 429 without Retry-After
 - lost          accepted (or at least connected) but neither finished nor ended with an error the
                 client could see: a stream cut before `[DONE]`, a reset connection, no answer
                 within the request timeout
@@ -329,6 +330,8 @@ def _classify_refusal(plan: Plan, out: Outcome, response: httpx.Response) -> Non
         out.outcome = "status"
     elif not shaped:
         out.outcome, out.detail = "malformed", f"HTTP {status} without an OpenAI error body"
+    elif status == 429 and "retry-after" not in response.headers:
+        out.outcome, out.detail = "malformed", "HTTP 429 without Retry-After"
     elif plan.expect_status != 200:
         out.outcome = "rejected" if 400 <= status < 500 else "status"
         if status != plan.expect_status:
