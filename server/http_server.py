@@ -83,7 +83,11 @@ class DrainingServer(uvicorn.Server):
     async def _exit_if_threads_linger(self) -> None:
         """Every request has been answered; a thread still running (a step the engine could not
         interrupt) would hold the process at the interpreter's exit, which joins non-daemon
-        threads. Give threads `EXIT_WAIT` to end, then exit without them."""
+        threads. Give threads `EXIT_WAIT` to end, then exit without them. Only a server that
+        owns the process (runs in its main thread, as `python -m server` does) exits this way; one
+        embedded in a thread of another program leaves that to its host."""
+        if threading.current_thread() is not threading.main_thread():
+            return
         loop = asyncio.get_running_loop()
         end = loop.time() + EXIT_WAIT
         while (busy := _lingering_threads()) and loop.time() < end:
