@@ -9,7 +9,10 @@ Owns how the process meets the network and how it ends, not what it serves (that
   the log. Instead, at the deadline this server stops the engine client first, which fails every
   open stream with `EngineDeadError("the server is shutting down")`: a stream then ends with an
   OpenAI-shaped error event and `data: [DONE]`, a non-streamed request gets a JSON 503, and the
-  connections close on their own before uvicorn's own (later) deadline.
+  connections close on their own before uvicorn's own (later) deadline. If a thread is still busy
+  after that (an engine step cannot be interrupted: a long prefill, a big model), the process
+  exits without waiting for it: Python would otherwise join the thread at exit, outliving
+  Docker's grace and dying of SIGKILL (exit 137) although every client has its answer.
 - `timed_h11`: uvicorn's h11 protocol with a deadline for reading each request (request line,
   headers and body). uvicorn has a keep-alive timeout but none for a request that is being
   sent, so a silent or slow socket (slowloris) would be held forever.
@@ -20,7 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
+import sys
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -38,6 +44,10 @@ DEFAULT_DRAIN_TIMEOUT = 8.0
 # engine waits for the step in progress.
 _BACKSTOP = 1.0
 STEP_WAIT = 0.5
+# After a shutdown that passed the drain deadline: how long threads still running (a step that
+# outlived STEP_WAIT) get before the process exits without them. Deadline + STEP_WAIT + this +
+# the interpreter's teardown must stay under Docker's grace.
+EXIT_WAIT = 0.1
 
 DEFAULT_REQUEST_READ_TIMEOUT = 30.0  # seconds for a client to send a whole request
 DEFAULT_KEEP_ALIVE_TIMEOUT = 5  # idle seconds between two requests (uvicorn's default)
@@ -57,6 +67,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.on_deadline = on_deadline
         self.drain_timeout = drain_timeout
+        self.deadline_passed = False
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         deadline = asyncio.create_task(self._deadline(), name="drain-deadline")
@@ -66,9 +77,36 @@ class DrainingServer(uvicorn.Server):
             deadline.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await deadline
+        if self.deadline_passed:
+            await self._exit_if_threads_linger()
+
+    async def _exit_if_threads_linger(self) -> None:
+        """Every request has been answered; a thread still running (a step the engine could not
+        interrupt) would hold the process at the interpreter's exit, which joins non-daemon
+        threads. Give threads `EXIT_WAIT` to end, then exit without them. Only a server that
+        owns the process (runs in its main thread, as `python -m server` does) exits this way; one
+        embedded in a thread of another program leaves that to its host."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        loop = asyncio.get_running_loop()
+        end = loop.time() + EXIT_WAIT
+        while (busy := _lingering_threads()) and loop.time() < end:
+            await asyncio.sleep(0.05)
+        if busy:
+            log.warning(
+                "exiting without joining %d thread(s) still alive (%s): an engine step that "
+                "cannot be interrupted, or idle pool workers",
+                len(busy),
+                ", ".join(t.name for t in busy),
+            )
+            logging.shutdown()  # flush the log handlers: os._exit skips atexit
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
     async def _deadline(self) -> None:
         await asyncio.sleep(self.drain_timeout)
+        self.deadline_passed = True
         open_connections = len(self.server_state.connections)
         if open_connections:
             log.warning(
@@ -78,6 +116,13 @@ class DrainingServer(uvicorn.Server):
                 open_connections,
             )
         await self.on_deadline()
+
+
+def _lingering_threads() -> list[threading.Thread]:
+    """Non-daemon threads other than this one: what the interpreter would wait for at exit.
+    (Idle pool workers count too; exiting past them costs nothing.)"""
+    me = threading.current_thread()
+    return [t for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()]
 
 
 def timed_h11(read_timeout: float) -> type[H11Protocol]:
