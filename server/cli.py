@@ -316,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine import make_engine
     from models import ModelLoadError, load_model
+    from models.cpu import in_passing_thread
     from server.app import ServerSettings, create_app
     from server.driver import AsyncEngineDriver
     from server.http_server import STEP_WAIT, DrainingServer, server_config
@@ -324,7 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     try:
-        lm = load_model(
+        # Loaded in a passing thread: the engine's step thread must be the only one whose
+        # parallel torch ops create an OpenMP team (`models.cpu.in_passing_thread`).
+        lm = in_passing_thread(
+            load_model,
             args.model,
             dtype=resolve_dtype(args.dtype),
             quantization=args.quantization,
@@ -340,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
-        engine = make_engine(args.engine, lm.model, engine_config(args))
+        engine = in_passing_thread(make_engine, args.engine, lm.model, engine_config(args))
     except ValueError as e:
         print(f"error: cannot build the {args.engine} engine: {e}", file=sys.stderr)
         return 2
