@@ -66,10 +66,11 @@ EXPOSE 8000
 # /health is 503 once the engine loop has died or a step is stuck; the start period covers loading.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
-# SIGTERM (docker stop) stops admission and lets in-flight requests finish for up to 8 s
+# SIGTERM (docker stop) stops admission and lets in-flight requests finish for up to 7 s
 # (--shutdown-timeout), inside Docker's default 10 s grace; then open streams get an error event
 # and [DONE], and the process exits without waiting for an engine step still running (measured
-# with streams open, 2026-12-01: `docker stop` returns in 8.4-9.3 s, exit code 0, no SIGKILL).
+# with streams open and the 8 s drain of the time, 2026-12-01: `docker stop` returned in
+# 8.4-9.3 s, exit code 0, no SIGKILL; 7 s leaves more room on a slower host).
 # A longer drain needs a longer grace: --shutdown-timeout 30 with --stop-timeout 35.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["python", "-m", "server", "--host", "0.0.0.0", "--port", "8000"]

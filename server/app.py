@@ -52,7 +52,7 @@ class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = 4 * 2**20
     log_prompts: bool = False
-    shutdown_timeout: float = 8.0  # how long the lifespan waits for the engine to stop
+    shutdown_timeout: float = 7.0  # how long the lifespan waits for the engine to stop
     # Open generation requests one client (X-Client-Id, else API key) may have; None: no limit.
     max_concurrent_per_client: int | None = None
     # A streamed response whose client reads nothing for this long is aborted; None: never.
