@@ -74,10 +74,6 @@ class EngineBase:
         self.wasted_slot_steps = 0
         self.num_steps = 0
 
-    def warm_up(self) -> None:
-        """Pay one-time costs on the calling thread (the one that will run `step`) before the
-        first request does. Engines with a model runner run one throwaway forward."""
-
     # -- the public interface ------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
@@ -240,9 +236,6 @@ class StaticBatchEngine(EngineBase):
         self.step_budget = None
         if config.target_step_ms is not None and not self._static:
             self.step_budget = StepBudget(config.target_step_ms / 1000, config.token_budget)
-
-    def warm_up(self) -> None:
-        self.runner.warm_up()
 
     def _blocks_from_budget(self, config: EngineConfig) -> int:
         """Size the pool from a memory budget; without one, enough for every slot to reach the

@@ -88,10 +88,6 @@ class DisaggregatedEngine(EngineBase):
         self.connector = connector or KVConnector()
         self._in_transfer: deque[RequestState] = deque()  # oldest first
 
-    def warm_up(self) -> None:
-        self.prefill.warm_up()
-        self.decode.warm_up()
-
     @property
     def transfers(self) -> int:
         return self.connector.transfers

@@ -37,22 +37,6 @@ class ModelRunner:
         self.kv = torch.from_numpy(np.zeros(shape, dtype=np_dtype))
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(layout.num_layers)]
 
-    def warm_up(self) -> None:
-        """One forward of a single token whose K/V go to the reserved block 0 (harmless, as a
-        wasted row's do), so the thread that will run the steps pays its one-time costs (its
-        OpenMP thread team, first-touch allocations) before a request does: a fresh server's
-        first time to first token was ~250 ms against ~17 ms warm."""
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor([NULL_BLOCK * self.block_size]),
-            num_decode_tokens=1,
-            decode_block_tables=torch.tensor([[NULL_BLOCK]]),
-            decode_context_lens=torch.tensor([1]),
-            prefills=[],
-        )
-        with torch.inference_mode():
-            hidden = self.model(torch.tensor([0]), torch.tensor([0]), self.kv_caches, meta)
-            self.model.compute_logits(hidden)
-
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of whole blocks' K and V in every layer, for moving a cache between pools."""
         index = torch.tensor(block_ids, dtype=torch.long)

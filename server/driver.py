@@ -229,12 +229,6 @@ class AsyncEngineDriver(EngineClient):
     def _init_worker(self) -> None:
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
-        # On the step thread itself: its OpenMP team and first allocations exist before the
-        # first request arrives. Not fatal: the first step then pays them.
-        try:
-            self.engine.warm_up()
-        except Exception:  # noqa: BLE001
-            log.warning("engine warm-up failed; the first step will be slower", exc_info=True)
 
     def _apply_pending(self) -> None:
         """Hand queued adds and aborts to the engine. Runs on the loop thread between steps."""

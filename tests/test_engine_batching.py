@@ -160,13 +160,3 @@ def test_scheduling_policies_do_not_change_greedy_output(model, specs, alone_gre
             outputs[out.request_id].extend(out.token_ids)
     assert [outputs[i] for i in ids] == alone_greedy
     assert engine.stats().num_preemptions > 0  # the policies did move things around
-
-
-@pytest.mark.parametrize("engine_cls", [StaticBatchEngine, ContinuousBatchEngine])
-def test_warm_up_changes_no_token(engine_cls, model, specs, alone_greedy, alone_seeded):
-    """The server warms each engine up on its step thread (one forward into the reserved block
-    0) before the first request: nothing a request reads may change."""
-    for params, alone in ((greedy, alone_greedy), (seeded, alone_seeded)):
-        engine = engine_cls(model, max_batch_size=8)
-        engine.warm_up()
-        assert serve(engine, specs, params) == alone
