@@ -32,7 +32,6 @@ F32, Q8_0, Q4_1 = 0, 1, 2
 # The same blocks laid out for int8 activations (AVX512-VNNI dot products; see `pack`).
 Q8_0X, Q4_1X = 3, 4
 KIND_NAMES = {F32: "f32", Q8_0: "q8_0", Q4_1: "q4_1", Q8_0X: "q8_0+a8", Q4_1X: "q4_1+a8"}
-INT8_KINDS = {Q8_0: Q8_0X, Q4_1: Q4_1X}
 SCHEMES = ("auto", "none", "q8_0", "q4_1")  # --quantization choices
 ACTIVATIONS = ("auto", "int8", "float32")  # --activation-dtype choices
 

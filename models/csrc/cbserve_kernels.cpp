@@ -547,6 +547,21 @@ at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {
 // attention
 // ------------------------------------------------------------------------------------------------
 
+// Softmax's exponentials in place: s[j] = exp(s[j] - mx) over [0, L); returns 1 / their sum.
+inline float softmax_exp(float* s, int64_t L, float mx) {
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= L; j += 8) {
+    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
+    _mm256_storeu_ps(s + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float sum = hsum(vsum);
+  for (; j < L; ++j) { s[j] = std::exp(s[j] - mx); sum += s[j]; }
+  return 1.f / sum;
+}
+
 // q: D floats (roped), scores of keys [0, L) of one kv head, softmax, weighted sum of values.
 // The generic path (any head_dim, any group size).
 template <typename C>
@@ -570,27 +585,16 @@ void decode_one(const float* q, const C* kc, const C* vc, const int64_t* table, 
       mx = std::max(mx, s[j]);
     }
   }
-  // softmax
-  const __m256 vmx = _mm256_set1_ps(mx);
-  __m256 vsum = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= L; j += 8) {
-    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
-    _mm256_storeu_ps(s + j, e);
-    vsum = _mm256_add_ps(vsum, e);
-  }
-  float sum = hsum(vsum);
-  for (; j < L; ++j) { s[j] = std::exp(s[j] - mx); sum += s[j]; }
-  const float inv = 1.f / sum;
+  const float inv = softmax_exp(s, L, mx);
   // values: D <= 256
   __m256 acc[32];
   const int64_t nv = D / 8;
   for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t bi = 0, jj = 0; bi < nb; ++bi) {
+  for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
     const C* vb = vc + table[bi] * blk_stride;
-    for (int64_t t = 0, n = std::min(bs, L - bi * bs); t < n; ++t, ++jj) {
+    for (int64_t t = 0, n = std::min(bs, L - bi * bs); t < n; ++t, ++j) {
       const C* vr = vb + t * tok_stride;
-      const __m256 p = _mm256_set1_ps(s[jj]);
+      const __m256 p = _mm256_set1_ps(s[j]);
       for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vr + 8 * i), acc[i]);
     }
   }
@@ -637,20 +641,7 @@ CB_AVX512 void decode_group64(const float* q, const C* kc, const C* vc, const in
     }
   }
   float inv[G];
-  for (int g = 0; g < G; ++g) {
-    float* sg = s + g * L;
-    const __m512 vmx = _mm512_set1_ps(mx[g]);
-    __m256 vsum = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= L; j += 8) {
-      __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + j), _mm512_castps512_ps256(vmx)));
-      _mm256_storeu_ps(sg + j, e);
-      vsum = _mm256_add_ps(vsum, e);
-    }
-    float sum = hsum(vsum);
-    for (; j < L; ++j) { sg[j] = std::exp(sg[j] - mx[g]); sum += sg[j]; }
-    inv[g] = 1.f / sum;
-  }
+  for (int g = 0; g < G; ++g) inv[g] = softmax_exp(s + g * L, L, mx[g]);
   __m512 acc[G][4];
 #pragma GCC unroll 8
   for (int g = 0; g < G; ++g)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -40,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import EngineDeadError
-from engine.errors import EngineError
 from server.client import OutputStream
 from server.ray.client import RayEngineClient, _Group
 from server.ray.replica import EngineReplica
@@ -64,41 +62,21 @@ class PrefillReplica(EngineReplica):
     def _build_engine(self, lm: Any, make_engine: Any) -> Any:
         return PrefillEngine(lm.model, self.spec.config)
 
-    async def generate(self, call: EngineCall) -> AsyncIterator[Accepted | Refused | StepItem]:
+    def _item(self, out: Any) -> Any:
+        handoff = None if out.finished else self.engine.take_handoff(out.request_id)
+        if handoff is None:
+            return super()._item(out)
         import ray
 
-        now = time.monotonic()
-        requests = [dataclasses.replace(r, arrival_time=now) for r in call.requests]
-        try:
-            stream = await self.driver.submit(requests)
-        except EngineError as e:
-            yield Refused.of(e)
-            return
-        self.served += len(requests)
-        yield Accepted(self.replica, self.driver.stats())
-        try:
-            async for out in stream:
-                handoff = None if out.finished else self.engine.take_handoff(out.request_id)
-                if handoff is None:
-                    yield StepItem(out, self.driver.stats())
-                    continue
-                # It left the engine in the step that sampled its first token: close it in the
-                # driver's books too (the engine no longer knows it, so nothing is aborted).
-                self.driver.abort(out.request_id)
-                ref = ray.put(handoff.payload)  # to the object store, out of the stream
-                yield HandedOff(
-                    out, handoff.snapshot, ref, handoff.num_kv_bytes, self.driver.stats()
-                )
-        except EngineError as e:
-            yield Refused.of(e)
-        finally:
-            open_ids = stream.open_request_ids
-            if open_ids:
-                self.aborted_on_cancel += len(open_ids)
-            for request_id in open_ids:
-                self.driver.abort(request_id)
-            for r in requests:  # a hand-off whose output nobody read (cancelled meanwhile)
-                self.engine.take_handoff(r.request_id)
+        # It left the engine in the step that sampled its first token: close it in the
+        # driver's books too (the engine no longer knows it, so nothing is aborted).
+        self.driver.abort(out.request_id)
+        ref = ray.put(handoff.payload)  # to the object store, out of the stream
+        return HandedOff(out, handoff.snapshot, ref, handoff.num_kv_bytes, self.driver.stats())
+
+    def _forget(self, requests: list) -> None:
+        for r in requests:  # a hand-off whose output nobody read (cancelled meanwhile)
+            self.engine.take_handoff(r.request_id)
 
     async def probe(self, call: Probe) -> dict:
         state = await super().probe(call)

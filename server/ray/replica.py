@@ -51,19 +51,22 @@ class EngineReplica:
 
         from engine import make_engine
         from models import load_model
+        from models.cpu import in_passing_thread
         from server.driver import AsyncEngineDriver
 
         torch.set_num_threads(spec.num_threads)
         self.spec = spec
         self.replica = serve.get_replica_context().replica_id.unique_id
-        lm = load_model(
+        # As `python -m server` does: the driver's step thread must own the only OpenMP team.
+        lm = in_passing_thread(
+            load_model,
             spec.model,
             dtype=spec.dtype,
             quantization=spec.quantization,
             kv_cache_dtype=spec.kv_cache_dtype,
             activations=spec.activation_dtype,
         )
-        self.engine = self._build_engine(lm, make_engine)
+        self.engine = in_passing_thread(self._build_engine, lm, make_engine)
         self.driver = AsyncEngineDriver(
             self.engine,
             max_waiting=spec.max_waiting,
@@ -91,7 +94,7 @@ class EngineReplica:
         yield Accepted(self.replica, self.driver.stats())
         try:
             async for out in stream:
-                yield StepItem(out, self.driver.stats())
+                yield self._item(out)
         except EngineError as e:  # the engine died mid-stream: say so, as data
             yield Refused.of(e)
         finally:
@@ -101,6 +104,14 @@ class EngineReplica:
                 self.aborted_on_cancel += len(open_ids)
             for request_id in open_ids:
                 self.driver.abort(request_id)
+            self._forget(requests)
+
+    def _item(self, out: Any) -> Any:
+        """What crosses the handle for one step output (a disaggregated tier sends its own)."""
+        return StepItem(out, self.driver.stats())
+
+    def _forget(self, requests: list) -> None:
+        """After a call ends: drop anything kept for its requests (nothing here)."""
 
     async def abort(self, call: AbortCall) -> None:
         self.driver.abort(call.request_id)
