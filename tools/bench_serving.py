@@ -13,6 +13,14 @@ from /proc for targets given a `--pid` (several pids summed: `--pid ours=1,2`).
 Start each server yourself (ours: `python -m server --model smollm2-135m-instruct`; the peers: see
 ../shared/peers.md) and run targets one at a time on a quiet machine: each server competes for the
 same cores. Each target gets one warm-up run that is discarded.
+
+Seeds: by default every run draws its own prompts (seeds 7, 8, ... in the same order for every
+server), so no run is served from an earlier run's prefix cache: what a server does with prompts it
+has never seen. `--seeds same` replays seed 7 in every run, the protocol `../shared/peers.md`
+describes for the peers' figures (`python -m loadtest run ... seed 7` per rate): after the first run
+a server with a prefix cache (vLLM's is on by default, so is ours) computes only each prompt's last
+partial block. The two protocols answer different questions; quote which one a figure used. For our
+server each run also prints the prefix-cache hit rate it saw (from /metrics).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import dataclasses
 import json
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,13 +78,15 @@ class RSSWatcher(threading.Thread):
 
 
 _RUN = [0]
+_SAME_SEED = [False]
 
 
 def _spec(long: bool, rate: float, n: int) -> TraceSpec:
     # Every run its own seed (7, 8, ... in the same order for every server): a run that replayed
-    # an earlier run's prompts would be served from the prefix cache and flatter the server.
+    # an earlier run's prompts would be served from the prefix cache. `--seeds same` does exactly
+    # that on purpose (the peers' protocol).
     _RUN[0] += 1
-    seed = 6 + _RUN[0]
+    seed = 7 if _SAME_SEED[0] else 6 + _RUN[0]
     if long:
         return TraceSpec(
             num_requests=n, rate=rate, prompt_len=(1024, 1536), output_len=(64, 128), seed=seed
@@ -83,15 +94,37 @@ def _spec(long: bool, rate: float, n: int) -> TraceSpec:
     return TraceSpec(num_requests=n, rate=rate, prompt_len=(32, 96), output_len=(16, 48), seed=seed)
 
 
+def _prefix_counters(url: str) -> tuple[float, float] | None:
+    """(hits, queries) of our server's prefix cache in tokens, or None for a server without them."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except (OSError, ValueError):
+        return None
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("cbserve_prefix_cache_hits_total", "cbserve_prefix_cache_queries_total"):
+            found[name] = float(value)
+    if len(found) != 2:
+        return None
+    return found["cbserve_prefix_cache_hits_total"], found["cbserve_prefix_cache_queries_total"]
+
+
 def _run(url: str, spec: TraceSpec, model: str | None) -> Summary:
     opts = MeasureOptions(model=model, slo=SLO_ISSUE, progress=False, time_limit=900.0)
+    before = _prefix_counters(url)
     summary = measure(url, spec, opts).summary
+    after = _prefix_counters(url)
+    hit = ""
+    if before and after and after[1] > before[1]:
+        hit = f", prefix hits {(after[0] - before[0]) / (after[1] - before[1]):.0%}"
     itl = summary.itl.p50 * 1e3 if summary.itl else float("nan")
     ttft = summary.ttft.p50 * 1e3 if summary.ttft else float("nan")
     print(
         f"  rate {spec.rate:g} x{spec.num_requests}: ok {summary.completed}/{summary.total}, "
         f"in SLO {summary.goodput_fraction:.0%}, TTFT p50 {ttft:.0f} ms, ITL p50 {itl:.1f} ms, "
-        f"output {summary.output_throughput:.0f} tok/s",
+        f"output {summary.output_throughput:.0f} tok/s{hit}",
         flush=True,
     )
     return summary
@@ -148,9 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=120, help="per sweep rate (short trace)")
     ap.add_argument("--long", action="store_true", help="the long-prompt trace")
     ap.add_argument("--model", default=None, help="model name to send (default: the server's)")
+    ap.add_argument(
+        "--seeds",
+        choices=("fresh", "same"),
+        default="fresh",
+        help="fresh: each run its own prompts (default); same: seed 7 every run (peers.md)",
+    )
     ap.add_argument("--keep-going", action="store_true", help="do not stop a sweep past the knee")
     ap.add_argument("--out", type=Path, default=None, help="write the summaries as JSON")
     args = ap.parse_args(argv)
+    _SAME_SEED[0] = args.seeds == "same"
     pids = {}
     for item in args.pid:
         name, _, value = item.partition("=")
@@ -160,7 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         name, _, url = item.partition("=")
         results.append(bench(name, url, args, pids.get(name, [])))
     print()
-    trace = _spec(args.long, 1.0, 1).describe().replace(f"seed {6 + _RUN[0]}", "seeds 7, 8, ...")
+    trace = _spec(args.long, 1.0, 1).describe()
+    if not _SAME_SEED[0]:
+        trace = trace.replace(f"seed {6 + _RUN[0]}", "seeds 7, 8, ...")
+    else:
+        trace += " in every run (prompts repeat across runs)"
     print(f"SLO: {SLO_ISSUE.describe()}; trace: {trace}")
     print(table(results, args.long))
     if args.out:
