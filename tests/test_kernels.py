@@ -189,6 +189,7 @@ def test_fused_attention_matches_paged_attention(pool_dtype, D):  # noqa: N803
         "dec_b": ([7], 2, 1),
         "chunk": ([11, 12, 30, 31], 6, 5),
         "fresh": ([14, 15], 0, 7),
+        "long": ([32, 33, 34, 35, 36, 37, 38, 39], 25, 6),  # 31 keys: more than one 16-key run
     }
     kpool = torch.zeros(NB, BS, KVH, D)
     vpool = torch.zeros(NB, BS, KVH, D)
@@ -253,7 +254,7 @@ def test_a_tokens_attention_is_the_same_in_a_prefill_chunk_and_as_a_decode_row(D
     token as decode rows gives bit-identical attention outputs (so chunking, preemption and
     recompute never change a token)."""
     torch.manual_seed(8)
-    n, table = 11, torch.tensor([5, 2, 9])
+    n, table = 37, torch.tensor([5, 2, 9, 17, 3, 30, 22, 11, 26, 38])  # 10 blocks of 4
     qkv = torch.randn(n, (H + 2 * KVH) * D)
     cos, sin = _rope_tables(torch.arange(n), D)
     slots = table[torch.arange(n) // BS] * BS + torch.arange(n) % BS
