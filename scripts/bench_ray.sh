@@ -17,6 +17,10 @@ N=${N:-20}
 TENANT_N=${TENANT_N:-32}
 TENANT_RATE=${TENANT_RATE:-0.5}
 TENANT_OUT=${TENANT_OUT:-8}
+TENANTS=${TENANTS:-8}
+REPLICAS=${REPLICAS:-2}
+NUM_CPUS=${NUM_CPUS:-}       # Ray CPUs of the local cluster (more replicas than cores need more)
+ONLY_TENANTS=${ONLY_TENANTS:-0}  # 1: skip the one-process run and the load runs (routing only)
 mkdir -p "$OUT" "$OUT/home"
 # Ray writes into HOME (~/.ray): give it a private one, but keep the model cache where it is.
 export CBSERVE_MODEL_DIR="${CBSERVE_MODEL_DIR:-$HOME/.cache/cbserve/models}"
@@ -39,29 +43,31 @@ load() {  # label
 
 tenants() {  # label
     $PY -m server.ray.bench_tenants --base-url "http://127.0.0.1:$PORT" --label "$1" \
-        --num-requests "$TENANT_N" --rate "$TENANT_RATE" --output-len "$TENANT_OUT" --out "$OUT/tenants.jsonl"
+        --tenants "$TENANTS" --num-requests "$TENANT_N" --rate "$TENANT_RATE" --output-len "$TENANT_OUT" --out "$OUT/tenants.jsonl"
 }
 
-echo "== one process (uvicorn), 1 thread"
-$PY -m server --model "$MODEL" --port $PORT --num-threads 1 --kv-cache-memory "$KV" \
-    --log-level warning > "$OUT/server-1proc.log" 2>&1 &
-pid=$!
-wait_up $pid
-load one-process
-tenants one-process
-kill -TERM $pid; wait $pid || true
+if [ "$ONLY_TENANTS" != 1 ]; then
+    echo "== one process (uvicorn), 1 thread"
+    $PY -m server --model "$MODEL" --port $PORT --num-threads 1 --kv-cache-memory "$KV" \
+        --log-level warning > "$OUT/server-1proc.log" 2>&1 &
+    pid=$!
+    wait_up $pid
+    load one-process
+    tenants one-process
+    kill -TERM $pid; wait $pid || true
+fi
 
 for routing in prefix default; do
-    echo "== Ray Serve, 2 replicas x 1 thread, routing=$routing"
-    $PY -m server.ray --model "$MODEL" --replicas 2 --threads-per-replica 1 --port $PORT \
-        --kv-cache-memory "$KV" --routing $routing --ray-temp-dir "$OUT/ray" \
+    echo "== Ray Serve, $REPLICAS replicas x 1 thread, routing=$routing"
+    $PY -m server.ray --model "$MODEL" --replicas "$REPLICAS" --threads-per-replica 1 --port $PORT \
+        --kv-cache-memory "$KV" --routing $routing --ray-temp-dir "$OUT/ray" ${NUM_CPUS:+--num-cpus $NUM_CPUS} \
         --log-level warning > "$OUT/server-ray-$routing.log" 2>&1 &
     pid=$!
     t0=$(date +%s)
     wait_up $pid
     echo "ready after $(( $(date +%s) - t0 )) s"
-    [ $routing = prefix ] && load ray-2-replicas
-    tenants "ray-$routing"
+    [ $routing = prefix ] && [ "$ONLY_TENANTS" != 1 ] && load ray-2-replicas
+    tenants "ray-$routing-r$REPLICAS-kv$KV"
     kill -TERM $pid; wait $pid || true
 done
 rm -rf "$OUT/ray" "$OUT/home"

@@ -34,6 +34,14 @@ def build_ray_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("ray serve")
     r.add_argument("--address", default=None, help="Ray cluster to join (default: start one here)")
     r.add_argument("--ray-temp-dir", default=None, help="Ray's session folder for a local cluster")
+    r.add_argument(
+        "--num-cpus",
+        type=int,
+        default=None,
+        help="CPUs a local cluster offers Ray (as `ray start --num-cpus`; default: the machine's). "
+        "Each engine replica reserves --threads-per-replica of them, so more replicas than cores "
+        "need a larger figure (they then share the cores)",
+    )
     r.add_argument("--replicas", type=int, default=2, help="engine replicas (default: %(default)s)")
     r.add_argument(
         "--threads-per-replica",
@@ -203,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.address:
         ray.init(address=args.address)
     else:
-        ray.init(include_dashboard=False, _temp_dir=args.ray_temp_dir)
+        ray.init(include_dashboard=False, _temp_dir=args.ray_temp_dir, num_cpus=args.num_cpus)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, name="cbserve", route_prefix="/")
     print(f"serving on http://{args.host}:{args.port} with Ray Serve", flush=True)

@@ -2,9 +2,10 @@
 
 It runs in the process that holds the engine handle (the ingress replica). Each `EngineCall`
 carries a route key (`keys.route_key`: the chained hash of the prompt's first full KV blocks);
-replicas are ranked by rendezvous hashing of that key, so every prompt that starts with the same
-blocks prefers the same replica, where the prefix cache holds them, and adding or removing a
-replica moves only the keys that replica wins or held. A load guard keeps a popular prefix from
+every prompt that starts with the same blocks prefers the same replica, where the prefix cache
+holds them. A key seen for the first time is placed on the replica holding the fewest live keys
+(`keys.Placement`; rendezvous hashing breaks ties), so tenants spread evenly over the replicas'
+caches, and adding or removing a replica moves no placed key but those of a removed one. A load guard keeps a popular prefix from
 piling onto one replica: if the preferred replica has more than `imbalance_bound` requests in
 flight beyond the least loaded one, the least loaded goes first. In-flight counts are this
 router's own (`on_request_routed` / `on_request_completed`), exact with one ingress replica.
@@ -27,7 +28,7 @@ import logging
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from server.ray.keys import rank_replicas
+from server.ray.keys import Placement, rank_replicas
 from server.ray.wire import AbortCall, EngineCall, Probe
 
 log = logging.getLogger("server.ray.router")
@@ -73,6 +74,7 @@ class PrefixAwareRouter(RequestRouter):
     def initialize_state(self, imbalance_bound: int = 4, **kwargs: object) -> None:
         self.imbalance_bound = int(imbalance_bound)
         self.inflight: collections.Counter[str] = collections.Counter()
+        self.placement = Placement()
 
     async def choose_replicas(
         self,
@@ -86,7 +88,7 @@ class PrefixAwareRouter(RequestRouter):
             return [[target]] if target is not None else []
         key = call.route_key if isinstance(call, EngineCall) else None
         order, fell_back = rank_replicas(
-            key, list(by_id), dict(self.inflight), self.imbalance_bound
+            key, list(by_id), dict(self.inflight), self.imbalance_bound, self.placement
         )
         if isinstance(call, EngineCall) and order:
             _routing().record(
@@ -111,3 +113,4 @@ class PrefixAwareRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id) -> None:  # noqa: ANN001
         super().on_replica_actor_died(replica_id)
         self.inflight.pop(replica_id.unique_id, None)
+        self.placement.forget_replica(replica_id.unique_id)
