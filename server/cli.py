@@ -67,14 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="continuous",
         help="batching policy (default: %(default)s)",
     )
-    # Serving defaults, measured on 2 cores with SmolLM2 (docs/benchmarks.md): 32 slots; steps
+    # Serving defaults, measured on 2 cores with SmolLM2 (docs/benchmarks.md): 128 slots (against
+    # 32 and 64 on the trace: the most requests in SLO past the knee with fresh prompts,
+    # and the highest rate held when prompts repeat; a batch-128 decode step is ~110 ms); steps
     # sized to ~120 ms while requests decode (each step's prefill chunk is what fits), so every
     # inter-token gap stays well under a 200 ms SLO, and up to 512 tokens when none decode, so an
     # idle server prefills a prompt at full speed.
     m.add_argument(
         "--max-batch-size",
         type=int,
-        default=32,
+        default=128,
         help="running requests per step (default: %(default)s)",
     )
     m.add_argument(

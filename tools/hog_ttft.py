@@ -3,8 +3,8 @@
     python -m tools.hog_ttft [--policies fcfs,fair] [--hog-choices 64] [--hog-tokens 1000]
                              [--probes 5] [--threads 1] [--think-ms 50]
 
-For each policy: start a real server (`python -m server --model tinygpt`: 32 slots, a 96-token
-step budget, the CLI's defaults) on a free loopback port; take the unloaded TTFT of a short streamed request (4 tokens)
+For each policy: start a real server (`python -m server --model tinygpt --max-batch-size 32`:
+32 slots, so the hog's 64 choices fill them; otherwise the CLI's defaults) on a free loopback port; take the unloaded TTFT of a short streamed request (4 tokens)
 as the median of `--probes`; then start the hog (client "hog": 4 prompts x n=16 = 64 choices of
 `--hog-tokens` tokens, read as it streams) and, once it is generating, the same short request
 `--probes` times from client "short" (X-Client-Id; once under fcfs, where the first probe outlives
@@ -42,6 +42,7 @@ def serve(policy: str, threads: int) -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "server", "--model", "tinygpt", "--port", str(port)]
+    cmd += ["--max-batch-size", "32"]  # fewer slots than hog choices: the policy decides who runs
     cmd += ["--scheduling", policy, "--num-threads", str(threads), "--log-level", "warning"]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
