@@ -611,6 +611,18 @@ CB_AVX512 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// The next block's rows of this kv head (64 values: one or two cache lines each). A sequence's
+// blocks are scattered through the pool once requests interleave and the prefix cache recycles
+// blocks, and the hardware prefetcher loses the stream at every jump; when the next block
+// follows in memory it keeps it, and prefetching on top only costs (callers skip that case).
+template <typename C>
+inline void prefetch_rows(const C* first, int64_t n, int64_t tok_stride) {
+  for (int64_t t = 0; t < n; ++t) {
+    const char* p = reinterpret_cast<const char*>(first + t * tok_stride);
+    for (size_t off = 0; off < 64 * sizeof(C); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  }
+}
+
 template <typename C, int G>
 CB_AVX512 void decode_group64(const float* q, const C* kc, const C* vc, const int64_t* table, int64_t L,
                               int64_t bs, int64_t tok_stride, int64_t blk_stride, float scale, float* out,
@@ -625,6 +637,8 @@ CB_AVX512 void decode_group64(const float* q, const C* kc, const C* vc, const in
   for (int g = 0; g < G; ++g) mx[g] = -INFINITY;
   for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
     const C* kb = kc + table[bi] * blk_stride;
+    if (bi + 1 < nb && table[bi + 1] != table[bi] + 1)
+      prefetch_rows(kc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs), tok_stride);
     for (int64_t t = 0, n = std::min(bs, L - bi * bs); t < n; ++t, ++j) {
       const C* kr = kb + t * tok_stride;
       const __m512 k0 = load16(kr), k1 = load16(kr + 16), k2 = load16(kr + 32), k3 = load16(kr + 48);
@@ -648,6 +662,8 @@ CB_AVX512 void decode_group64(const float* q, const C* kc, const C* vc, const in
     for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
   for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
     const C* vb = vc + table[bi] * blk_stride;
+    if (bi + 1 < nb && table[bi + 1] != table[bi] + 1)
+      prefetch_rows(vc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs), tok_stride);
     for (int64_t t = 0, n = std::min(bs, L - bi * bs); t < n; ++t, ++j) {
       const C* vr = vb + t * tok_stride;
       const __m512 v0 = load16(vr), v1 = load16(vr + 16), v2 = load16(vr + 32), v3 = load16(vr + 48);
