@@ -31,6 +31,7 @@ error; the prefill tier is not involved any more.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -56,11 +57,32 @@ from server.ray.wire import (
 log = logging.getLogger("server.ray.disagg")
 
 
+# How long a prefill replica keeps each hand-off's K/V object alive itself, and how many bytes of
+# them at most. Ray does not count the ObjectRef inside a streamed item as borrowed by the
+# ingress: with only the stream holding it, the object was sometimes freed before the decode
+# replica fetched it (ReferenceCountingAssertionError, "the prefilled K/V was lost"; seen in 2 of
+# 6 test runs on 2026-12-01). The decode replica normally fetches within milliseconds; the pin
+# covers a slow dispatch. The byte cap bounds the object store under a prefill burst.
+HANDOFF_PIN_SECONDS = 30.0
+HANDOFF_PIN_BYTES = 512 * 2**20
+
+
 class PrefillReplica(EngineReplica):
     """An engine replica whose engine stops each request after its first token."""
 
     def _build_engine(self, lm: Any, make_engine: Any) -> Any:
+        self._pinned: collections.deque[tuple[float, int, Any]] = collections.deque()
+        self._pinned_bytes = 0
         return PrefillEngine(lm.model, self.spec.config)
+
+    def _pin(self, ref: Any, num_bytes: int) -> None:
+        """Hold `ref` (see HANDOFF_PIN_SECONDS); release the expired and the oldest over the cap."""
+        now = time.monotonic()
+        self._pinned.append((now + HANDOFF_PIN_SECONDS, num_bytes, ref))
+        self._pinned_bytes += num_bytes
+        while self._pinned and (self._pinned[0][0] < now or self._pinned_bytes > HANDOFF_PIN_BYTES):
+            _, size, _ = self._pinned.popleft()
+            self._pinned_bytes -= size
 
     def _item(self, out: Any) -> Any:
         handoff = None if out.finished else self.engine.take_handoff(out.request_id)
@@ -72,6 +94,7 @@ class PrefillReplica(EngineReplica):
         # driver's books too (the engine no longer knows it, so nothing is aborted).
         self.driver.abort(out.request_id)
         ref = ray.put(handoff.payload)  # to the object store, out of the stream
+        self._pin(ref, handoff.num_kv_bytes)
         return HandedOff(out, handoff.snapshot, ref, handoff.num_kv_bytes, self.driver.stats())
 
     def _forget(self, requests: list) -> None:
