@@ -54,7 +54,7 @@ from loadtest.metrics import SLO, distribution
 from loadtest.runner import fetch_model_info
 from loadtest.sweep import free_port, server_command, server_process
 from loadtest.trace import arrival_times
-from tools.soak_traffic import Clock, Mix, Outcome, Plan, plan_request, send
+from tools.soak_traffic import OUTCOMES, Clock, Mix, Outcome, Plan, plan_request, send
 
 # /metrics gauges that must be back to 0 once the traffic has ended.
 GAUGES = {
@@ -433,16 +433,7 @@ def format_report(r: Report) -> str:
         + f"), SLO {r.slo}",
         f"Traffic: {r.traffic_seconds:.0f} s, {r.sent} requests sent",
     ]
-    for name in (
-        "finished",
-        "disconnected",
-        "rejected",
-        "status",
-        "stream_error",
-        "accepted_bad",
-        "malformed",
-        "lost",
-    ):
+    for name in OUTCOMES:
         extra = ""
         if name == "status" and r.refused_by_status:
             extra = f"  {r.refused_by_status}"

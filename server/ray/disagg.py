@@ -42,7 +42,7 @@ from typing import Any
 from engine import EngineDeadError
 from server.client import OutputStream
 from server.ray.client import RayEngineClient, _Group
-from server.ray.replica import EngineReplica
+from server.ray.replica import EngineReplica, EngineSpec
 from server.ray.tiers import DecodeEngine, Handoff, PrefillEngine
 from server.ray.wire import (
     Accepted,
@@ -70,9 +70,12 @@ HANDOFF_PIN_BYTES = 512 * 2**20
 class PrefillReplica(EngineReplica):
     """An engine replica whose engine stops each request after its first token."""
 
-    def _build_engine(self, lm: Any, make_engine: Any) -> Any:
+    async def __init__(self, spec: EngineSpec) -> None:
         self._pinned: collections.deque[tuple[float, int, Any]] = collections.deque()
-        self._pinned_bytes = 0
+        self._pinned_bytes = 0  # the sum of the pinned objects' sizes
+        await super().__init__(spec)
+
+    def _build_engine(self, lm: Any, make_engine: Any) -> Any:
         return PrefillEngine(lm.model, self.spec.config)
 
     def _pin(self, ref: Any, num_bytes: int) -> None:
