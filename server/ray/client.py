@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +41,30 @@ from server.ray.wire import AbortCall, Accepted, EngineCall, Refused, StepItem
 log = logging.getLogger("server.ray.client")
 
 _ZERO = EngineStats(*(0,) * len(dataclasses.fields(EngineStats)))
+
+
+def call_of_its_own(method: Any, arg: Any) -> Any:
+    """`method.remote(arg)` as a Serve call with an internal request id of its own.
+
+    Serve gives every handle call made while it handles one HTTP request that request's internal
+    id, and its request router (ray 2.60) indexes the calls waiting for a replica by that id:
+    a second call waiting under the same id is never matched to a replica, and the router's loop
+    then retries it without ever yielding, which stalls every call of the process. One HTTP
+    request makes several concurrent calls when its choices go on to the decode tier or several
+    of them are aborted (stop strings with n > 1): each goes out under a fresh id (the HTTP
+    request id, used in logs, is kept). Cancelling them is this client's job (`abort`), not
+    Serve's parent-child bookkeeping, which keys on that id.
+    """
+    return contextvars.copy_context().run(_with_fresh_internal_id, method, arg)
+
+
+def _with_fresh_internal_id(method: Any, arg: Any) -> Any:
+    from ray.serve import context
+
+    current = context._get_serve_request_context()
+    fresh = dataclasses.replace(current, _internal_request_id=str(uuid.uuid4()))
+    context._serve_request_context.set(fresh)  # in the copied context only
+    return method.remote(arg)
 
 
 @dataclass(slots=True)
@@ -195,7 +221,7 @@ class RayEngineClient(EngineClient):
             group.call.cancel()  # cancels the replica's generator: it aborts in `finally`
         else:
             with contextlib.suppress(Exception):  # best effort; the replica frees it at the end
-                self._handle.abort.remote(AbortCall(request_id, group.replica))
+                call_of_its_own(self._handle.abort, AbortCall(request_id, group.replica))
 
     def health(self) -> Health:
         if self._stopping:

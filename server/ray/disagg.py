@@ -41,7 +41,7 @@ from typing import Any
 
 from engine import EngineDeadError
 from server.client import OutputStream
-from server.ray.client import RayEngineClient, _Group
+from server.ray.client import RayEngineClient, _Group, call_of_its_own
 from server.ray.replica import EngineReplica, EngineSpec
 from server.ray.tiers import DecodeEngine, Handoff, PrefillEngine
 from server.ray.wire import (
@@ -194,7 +194,8 @@ class DisaggregatedClient(RayEngineClient):
 
     def _start_decode(self, stream: OutputStream, item: HandedOff) -> None:
         request_id = item.output.request_id
-        call = self._decode.options(stream=True).generate.remote(DecodeCall(item.snapshot, item.kv))
+        generate = self._decode.options(stream=True).generate
+        call = call_of_its_own(generate, DecodeCall(item.snapshot, item.kv))
         self._decoding[request_id] = _Decoding(call, stream)
         task = asyncio.create_task(
             self._decode_pump(request_id, call, stream, item.kv_bytes, time.monotonic()),

@@ -11,7 +11,7 @@ flight beyond the least loaded one, the least loaded goes first. In-flight count
 router's own (`on_request_routed` / `on_request_completed`), exact with one ingress replica.
 
 Each rank is a single replica: Serve tries the ranks in order and moves on when a replica is at
-`max_ongoing_requests`. `AbortCall`s and `Probe`s go to the replica they name. Do not mix in `FIFOMixin`: it
+`max_ongoing_requests`. `AbortCall`s and `Probe`s go to the replica they name (any, if it is gone). Do not mix in `FIFOMixin`: it
 hands a chosen replica to whichever request waits longest, which breaks affinity.
 
 Counters (`ROUTING`) feed the ingress's `/metrics`: routing decisions (the key's preferred replica
@@ -85,7 +85,12 @@ class PrefixAwareRouter(RequestRouter):
         call = _call_of(pending_request)
         if isinstance(call, AbortCall | Probe):  # pinned to the replica they name
             target = by_id.get(call.replica)
-            return [[target]] if target is not None else []
+            if target is not None:
+                return [[target]]
+            # That replica is gone. Never answer with no replica: Serve (2.60) then asks again at
+            # once without yielding, and the router's loop spins. Any replica will do: an abort
+            # of a request it does not run is a no-op, and a probe's answer names its replica.
+            return [[r] for r in candidate_replicas]
         key = call.route_key if isinstance(call, EngineCall) else None
         order, fell_back = rank_replicas(
             key, list(by_id), dict(self.inflight), self.imbalance_bound, self.placement
