@@ -23,7 +23,12 @@ class RopeScaling:
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """How the KV pool stores one token: K and V of `num_kv_heads x head_dim` per layer."""
+    """How the KV pool stores one token: K and V of `num_kv_heads x head_dim` per layer.
+
+    A float32 or float16 row (one kv head of one token) is its `head_dim` values. An int8 row is
+    `head_dim` int8 values followed by one float32 scale per 32 of them (x = q * scale, as
+    llama.cpp's q8_0), `row_width` bytes in all: only the cbserve attention kernel reads it.
+    """
 
     num_layers: int
     num_kv_heads: int
@@ -31,13 +36,18 @@ class KVLayout:
     dtype: torch.dtype
 
     @property
+    def row_width(self) -> int:
+        """Elements of `dtype` one kv head of one token occupies."""
+        return self.head_dim + self.head_dim // 8 if self.dtype == torch.int8 else self.head_dim
+
+    @property
     def bytes_per_token(self) -> int:
         """Bytes of K and V that one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.row_width * self.dtype.itemsize
 
     def pool_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """(layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim)."""
-        return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        """(layers, 2 (K, V), num_blocks, block_size, kv_heads, row_width)."""
+        return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.row_width)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +85,8 @@ class ModelConfig:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The KV pool's dtype: float32 unless the loader chose float16 (which only the cbserve
-        attention kernel reads; it computes in float32 either way). Never bfloat16: CPU
+        """The KV pool's dtype: float32 unless the loader chose float16 or int8 (which only the
+        cbserve attention kernel reads; it computes in float32 either way). Never bfloat16: CPU
         attention is slower in bfloat16 than in float32."""
         return self.kv_cache_dtype or torch.float32
 

@@ -32,7 +32,7 @@ SUPPORTED = (
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-KV_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
 
 
 def load_model(
@@ -59,7 +59,9 @@ def load_model(
     "int8" or "float32": what the projections multiply (see `models.quant.KernelOptions`).
 
     `kv_cache_dtype`: "auto" is float16 when the weights are quantized (as llama.cpp's default
-    cache) and float32 otherwise; "float16" needs the kernels.
+    cache) and float32 otherwise; "float16" and "int8" (per 32 values an int8 and a float32 scale:
+    0.56 of float16's bytes at head_dim 64, so long-context decode reads about half as much) need
+    the kernels.
 
     `dtype="bfloat16"` is the pure-torch bfloat16-matmul mode: projection weights and the head in
     bfloat16 (the residual stream, norms, attention, KV cache and logits stay float32). It pays
@@ -88,9 +90,9 @@ def load_model(
     if activations == "int8" and not (use_kernels and kernels.has_int8_dot()):
         why = "this CPU has no AVX512-VNNI" if use_kernels else "the CPU kernels are off"
         raise ModelLoadError(f"int8 activations need the CPU kernels with int8 dot products: {why}")
-    if kv_cache_dtype == "float16" and not use_kernels:
+    if kv_cache_dtype in ("float16", "int8") and not use_kernels:
         why = "bfloat16 mode" if wants_bf16 else kernels.unavailable_reason() or "turned off"
-        raise ModelLoadError(f"a float16 KV cache needs the CPU kernels: {why}")
+        raise ModelLoadError(f"a {kv_cache_dtype} KV cache needs the CPU kernels: {why}")
 
     options = KernelOptions(quantization, activations) if use_kernels else None
     lm = _load(name_or_path, options)
@@ -106,6 +108,11 @@ def load_model(
         kv = torch.float16 if quantized else torch.float32
     else:
         kv = KV_DTYPES[kv_cache_dtype]
+    if kv == torch.int8 and lm.config.head_dim % 32:
+        raise ModelLoadError(
+            f"an int8 KV cache needs head_dim to be a multiple of 32 (this model's is "
+            f"{lm.config.head_dim})"
+        )
     if kv != lm.config.kv_dtype:
         config = dataclasses.replace(lm.config, kv_cache_dtype=kv)
         model.config = config

@@ -151,10 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--kv-cache-dtype",
-        choices=("auto", "float32", "float16"),
+        choices=("auto", "float32", "float16", "int8"),
         default="auto",
         help="KV pool storage. auto: float16 with quantized weights (as llama.cpp), else "
-        "float32; attention computes in float32 either way (default: %(default)s)",
+        "float32; int8: per 32 values an int8 and a float32 scale (q8_0), about half of "
+        "float16's bytes, for long contexts; attention computes in float32 either way "
+        "(default: %(default)s)",
     )
     m.add_argument(
         "--activation-dtype",

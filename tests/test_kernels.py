@@ -3,7 +3,8 @@
 packed_linear for every weight format (and its epilogues), with float32 and (where the CPU has
 AVX512-VNNI) int8 activations, batch invariance of a row's result,
 GGUF block decoding against the gguf package's own dequantizer, the fused attention op against
-`paged_attention` (decode rows, chunks with and without a past, float32 and float16 pools), and the
+`paged_attention` (decode rows, chunks with and without a past, float32, float16 and int8 pools;
+the int8 pool's rows against a reference quantizer), and the
 whole SmolLM2 model through the kernels against the float model with the same weights.
 """
 
@@ -166,6 +167,32 @@ def test_fused_qkv_rows_keep_their_blocks():
 H, KVH, D, BS, NB = 6, 2, 32, 4, 40
 
 
+def _to_pool(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of float32 values (..., head_dim) as a pool of `dtype` holds them. int8: per 32
+    values the int8s, then one float32 scale each after the row (`models.config.KVLayout`)."""
+    if dtype != torch.int8:
+        return x.to(dtype)
+    d = x.shape[-1]
+    g = x.reshape(*x.shape[:-1], d // 32, 32)
+    scale = g.abs().amax(-1, keepdim=True) / 127  # float32 ops, as the kernel's
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    q = torch.round(g * inv).clamp(-127, 127).to(torch.int8).reshape(x.shape)  # half to even
+    return torch.cat([q, scale.squeeze(-1).contiguous().view(torch.int8)], -1)
+
+
+def _from_pool(p: torch.Tensor, d: int) -> torch.Tensor:
+    """The float32 values of pool rows (`_to_pool`'s inverse, up to its rounding)."""
+    if p.dtype != torch.int8:
+        return p.float()
+    q, scale = p[..., :d], p[..., d:].contiguous().view(torch.float32)
+    g = q.float().reshape(*q.shape[:-1], d // 32, 32) * scale[..., None]
+    return g.reshape(q.shape)
+
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _from_pool(_to_pool(x, dtype), x.shape[-1])
+
+
 def _rope_tables(positions: torch.Tensor, D: int = D):  # noqa: N803
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
     freqs = torch.outer(positions.double(), inv)
@@ -179,7 +206,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.int8])
 @pytest.mark.parametrize("D", [32, 64])  # 64: the AVX-512 grouped decode kernel where it runs
 def test_fused_attention_matches_paged_attention(pool_dtype, D):  # noqa: N803
     """Two decode rows, a chunk with a cached past and a fresh prompt, in one flat batch."""
@@ -197,7 +224,7 @@ def test_fused_attention_matches_paged_attention(pool_dtype, D):  # noqa: N803
         for p in range(past):
             kpool[table[p // BS], p % BS] = torch.randn(KVH, D)
             vpool[table[p // BS], p % BS] = torch.randn(KVH, D)
-    kpool, vpool = kpool.to(pool_dtype).float(), vpool.to(pool_dtype).float()  # same past
+    kpool, vpool = _rounded(kpool, pool_dtype), _rounded(vpool, pool_dtype)  # same past
 
     positions, slots, prefills, token = [], [], [], 0
     for name, (table, past, n) in seqs.items():
@@ -226,12 +253,11 @@ def test_fused_attention_matches_paged_attention(pool_dtype, D):  # noqa: N803
     q = _rotate(qkv[:, : H * D].view(t, H, D), cos, sin)
     k = _rotate(qkv[:, H * D : (H + KVH) * D].view(t, KVH, D), cos, sin)
     v = qkv[:, (H + KVH) * D :].view(t, KVH, D)
-    if pool_dtype == torch.float16:  # what the pool will hold of this step's K/V
-        k, v = k.half().float(), v.half().float()
+    k, v = _rounded(k, pool_dtype), _rounded(v, pool_dtype)  # what the pool will hold of them
     ref_cache = (kpool.clone(), vpool.clone())
     want = paged_attention(q, k, v, ref_cache, meta(), D**-0.5).reshape(t, H * D)
 
-    cache = (kpool.to(pool_dtype), vpool.to(pool_dtype))
+    cache = (_to_pool(kpool, pool_dtype), _to_pool(vpool, pool_dtype))
     m = meta()
     got = torch.ops.cbserve.attention(
         qkv.clone(), cos, sin, cache[0], cache[1], m.slot_mapping, 2,
@@ -240,16 +266,19 @@ def test_fused_attention_matches_paged_attention(pool_dtype, D):  # noqa: N803
     )  # fmt: skip
     # With a float16 pool a chunk without a past attends over its own unrounded K/V (the kernel
     # never reads them back), the reference over rounded ones: float16 rounding apart.
-    tol = 1e-4 if pool_dtype == torch.float32 else 2e-3
+    tol = 2e-3 if pool_dtype == torch.float16 else 1e-4
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    torch.testing.assert_close(cache[0].float(), ref_cache[0], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(_from_pool(cache[0], D), ref_cache[0], rtol=1e-3, atol=1e-3)
+    if pool_dtype == torch.int8:  # the kernel's quantizer is the reference's, value for value
+        assert torch.equal(cache[1], _to_pool(ref_cache[1], torch.int8))
 
 
 # -- the whole model ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float16, torch.int8])
 @pytest.mark.parametrize("D", [32, 64])
-def test_a_tokens_attention_is_the_same_in_a_prefill_chunk_and_as_a_decode_row(D):  # noqa: N803
+def test_a_tokens_attention_is_the_same_in_a_prefill_chunk_and_as_a_decode_row(D, pool_dtype):  # noqa: N803
     """One kernel computes both: a prompt prefilled as one chunk, as chunks of 3, and token by
     token as decode rows gives bit-identical attention outputs (so chunking, preemption and
     recompute never change a token)."""
@@ -261,7 +290,8 @@ def test_a_tokens_attention_is_the_same_in_a_prefill_chunk_and_as_a_decode_row(D
     none2, none1 = torch.empty(0, 1, dtype=torch.long), torch.empty(0, dtype=torch.long)
 
     def run(pieces):
-        k, v = torch.zeros(NB, BS, KVH, D).half(), torch.zeros(NB, BS, KVH, D).half()
+        k = _to_pool(torch.zeros(NB, BS, KVH, D), pool_dtype)
+        v = _to_pool(torch.zeros(NB, BS, KVH, D), pool_dtype)
         outs = []
         for start, size, as_decode in pieces:
             sl = slice(start, start + size)

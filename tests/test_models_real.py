@@ -333,6 +333,21 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path):
         load_model(str(tmp_path))
 
 
+def test_an_int8_kv_cache_needs_the_kernels_and_is_sized_by_its_rows():
+    with pytest.raises(ModelLoadError, match="int8 KV cache needs the CPU kernels"):
+        load_model("tinygpt", kv_cache_dtype="int8", use_kernels=False)
+    with pytest.raises(ModelLoadError, match="unknown kv_cache_dtype"):
+        load_model("tinygpt", kv_cache_dtype="int4")
+    from models import kernels
+
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason() or "no kernels")
+    lm = load_model("tinygpt", kv_cache_dtype="int8")
+    layout = lm.config.kv_layout  # head_dim 32: 32 int8 values and one float32 scale a row
+    assert (layout.dtype, layout.row_width) == (torch.int8, 36)
+    assert lm.config.kv_bytes_per_token == 2 * layout.num_layers * layout.num_kv_heads * 36
+
+
 def test_missing_file_and_unknown_name_are_refused():
     with pytest.raises(ModelLoadError, match="no such"):
         load_model("/nonexistent/model.gguf")

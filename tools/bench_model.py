@@ -41,7 +41,7 @@ class Pool:
     def create(cls, model: LlamaForCausalLM, seqs: int, max_len: int) -> Pool:
         c = model.config
         per_seq = math.ceil(max_len / BLOCK)
-        shape = (seqs * per_seq, BLOCK, c.num_kv_heads, c.head_dim)
+        shape = (seqs * per_seq, BLOCK, c.num_kv_heads, c.kv_layout.row_width)
         dt = c.kv_dtype
         caches = [
             (torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt))

@@ -1,4 +1,4 @@
-"""What quantization and a float16 KV cache cost in quality: perplexity and logit error on a text.
+"""What quantization and a float16 or int8 KV cache cost in quality: perplexity and logit error on a text.
 
     python -m tools.quant_quality [--model smollm2-135m-instruct] [--text FILE] [--tokens 512]
 
@@ -6,7 +6,7 @@ Runs the same text (default: this project's README, a fixed English text) throug
 loaded several ways and compares each with the float32 reference (pure torch, float32 KV):
 perplexity of the text, the largest and mean absolute logit difference, and how often the
 greedy next token differs. The prompt goes through the paged pool in chunks of 64 tokens, so the
-later chunks read their past from the KV cache (where a float16 cache would matter).
+later chunks read their past from the KV cache (where a float16 or int8 cache matters).
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         ("file's own blocks, float32 KV (kernels)", "k", {"kv_cache_dtype": "float32", **f32a}),
         ("file's own blocks, float16 KV (kernels)", "k", f32a),
         ("file's own blocks, float16 KV, int8 activations", "k", i8a),
+        ("file's own blocks, int8 KV (kernels)", "k", {"kv_cache_dtype": "int8", **f32a}),
+        ("file's own blocks, int8 KV, int8 activations", "k", {"kv_cache_dtype": "int8", **i8a}),
         ("q8_0 weights, float16 KV", "k", {"quantization": "q8_0", **f32a}),
         ("q8_0 weights, float16 KV, int8 activations", "k", {"quantization": "q8_0", **i8a}),
         ("q4_1 weights, float16 KV", "k", {"quantization": "q4_1", **f32a}),

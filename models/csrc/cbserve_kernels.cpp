@@ -11,7 +11,8 @@
 // rms_norm: y = x / rms(x) * w.
 // attention: RoPE on q and k, K/V written into the paged pool, then causal attention of every
 //   token over its sequence's pool blocks, read in place by one paged kernel for decode rows and
-//   prefill chunks alike.
+//   prefill chunks alike. The pool holds float32, float16 or int8 rows (int8: per 32 values one
+//   float32 scale after the row's values, as llama.cpp's q8_0); attention computes in float32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -562,6 +563,50 @@ inline float softmax_exp(float* s, int64_t L, float mx) {
   return 1.f / sum;
 }
 
+// One kv head's row of K or V in the pool. float32 and float16 rows are its D values. An int8 row
+// is D int8 values, then D/32 float32 scales (x = q * scale per 32 values): 72 bytes at head_dim
+// 64 where float16 takes 128. Decode attention reads every past row of every sequence each step,
+// and at long contexts that read is the step (memory-bound), so fewer bytes a row is a faster step.
+template <typename C>
+constexpr int64_t row_width(int64_t D) { return D; }  // elements of C a row occupies
+template <>
+constexpr int64_t row_width<int8_t>(int64_t D) { return D + D / 8; }
+
+inline float row_scale(const int8_t* r, int64_t D, int64_t i) {  // the scale of value i
+  float s;
+  std::memcpy(&s, r + D + 4 * (i / 32), sizeof s);  // rows are not 4-byte aligned in general
+  return s;
+}
+
+// Values [i, i + 8) of a row, as float32.
+inline __m256 row8(const float* r, int64_t i, int64_t) { return _mm256_loadu_ps(r + i); }
+inline __m256 row8(const at::Half* r, int64_t i, int64_t) { return load_h8(r + i); }
+inline __m256 row8(const int8_t* r, int64_t i, int64_t D) {
+  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + i));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_set1_ps(row_scale(r, D, i)));
+}
+
+// Write one row of D float32 values into the pool.
+template <typename C>
+inline void store_row(C* dst, const float* x, int64_t D) {
+  int64_t i = 0;
+  for (; i + 8 <= D; i += 8) store8(dst + i, _mm256_loadu_ps(x + i));
+  for (; i < D; ++i) dst[i] = static_cast<C>(x[i]);
+}
+// int8: symmetric per 32 values, scale = max|x| / 127, q = x * (1 / scale) rounded to nearest even.
+template <>
+inline void store_row<int8_t>(int8_t* dst, const float* x, int64_t D) {
+  for (int64_t g = 0; g < D; g += 32) {
+    float amax = 0.f;
+    for (int64_t i = g; i < g + 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float scale = amax / 127.f;
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    for (int64_t i = g; i < g + 32; ++i)
+      dst[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] * inv), -127.f, 127.f));
+    std::memcpy(dst + D + 4 * (g / 32), &scale, sizeof scale);
+  }
+}
+
 // q: D floats (roped), scores of keys [0, L) of one kv head, softmax, weighted sum of values.
 // The generic path (any head_dim, any group size).
 template <typename C>
@@ -577,10 +622,10 @@ void decode_one(const float* q, const C* kc, const C* vc, const int64_t* table, 
       __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
       int64_t i = 0;
       for (; i + 16 <= D; i += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(kr + i), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(kr + i + 8), a1);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), row8(kr, i, D), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), row8(kr, i + 8, D), a1);
       }
-      for (; i < D; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(kr + i), a0);
+      for (; i < D; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), row8(kr, i, D), a0);
       s[j] = hsum(_mm256_add_ps(a0, a1)) * scale;
       mx = std::max(mx, s[j]);
     }
@@ -595,7 +640,7 @@ void decode_one(const float* q, const C* kc, const C* vc, const int64_t* table, 
     for (int64_t t = 0, n = std::min(bs, L - bi * bs); t < n; ++t, ++j) {
       const C* vr = vb + t * tok_stride;
       const __m256 p = _mm256_set1_ps(s[j]);
-      for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vr + 8 * i), acc[i]);
+      for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(p, row8(vr, 8 * i, D), acc[i]);
     }
   }
   const __m256 vinv = _mm256_set1_ps(inv);
@@ -606,9 +651,14 @@ void decode_one(const float* q, const C* kc, const C* vc, const int64_t* table, 
 // so each K and V row is loaded and widened once for all of them; 4 zmm a row.
 #define CB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 
-CB_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-CB_AVX512 inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+// Values [16 i, 16 i + 16) of a head_dim-64 row, as float32.
+CB_AVX512 inline __m512 row16(const float* r, int i) { return _mm512_loadu_ps(r + 16 * i); }
+CB_AVX512 inline __m512 row16(const at::Half* r, int i) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 16 * i)));
+}
+CB_AVX512 inline __m512 row16(const int8_t* r, int i) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 16 * i));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(row_scale(r, 64, 16 * i)));
 }
 
 // The next block's rows of this kv head (64 values: one or two cache lines each). A sequence's
@@ -619,7 +669,7 @@ template <typename C>
 inline void prefetch_rows(const C* first, int64_t n, int64_t tok_stride) {
   for (int64_t t = 0; t < n; ++t) {
     const char* p = reinterpret_cast<const char*>(first + t * tok_stride);
-    for (size_t off = 0; off < 64 * sizeof(C); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    for (size_t off = 0; off < row_width<C>(64) * sizeof(C); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
   }
 }
 
@@ -641,7 +691,7 @@ CB_AVX512 void decode_group64(const float* q, const C* kc, const C* vc, const in
       prefetch_rows(kc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs), tok_stride);
     for (int64_t t = 0, n = std::min(bs, L - bi * bs); t < n; ++t, ++j) {
       const C* kr = kb + t * tok_stride;
-      const __m512 k0 = load16(kr), k1 = load16(kr + 16), k2 = load16(kr + 32), k3 = load16(kr + 48);
+      const __m512 k0 = row16(kr, 0), k1 = row16(kr, 1), k2 = row16(kr, 2), k3 = row16(kr, 3);
 #pragma GCC unroll 8
       for (int g = 0; g < G; ++g) {
         __m512 a = _mm512_mul_ps(qv[g][0], k0);
@@ -666,7 +716,7 @@ CB_AVX512 void decode_group64(const float* q, const C* kc, const C* vc, const in
       prefetch_rows(vc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs), tok_stride);
     for (int64_t t = 0, n = std::min(bs, L - bi * bs); t < n; ++t, ++j) {
       const C* vr = vb + t * tok_stride;
-      const __m512 v0 = load16(vr), v1 = load16(vr + 16), v2 = load16(vr + 32), v3 = load16(vr + 48);
+      const __m512 v0 = row16(vr, 0), v1 = row16(vr, 1), v2 = row16(vr, 2), v3 = row16(vr, 3);
 #pragma GCC unroll 8
       for (int g = 0; g < G; ++g) {
         const __m512 p = _mm512_set1_ps(s[g * L + j]);
@@ -730,43 +780,27 @@ void rope_and_write(float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, co
           x[half + i] = x2 * c[i] + x1 * s[i];
         }
       }
-      const int64_t slot = slots[t];
+      const int64_t W = row_width<C>(D);
       const float* k = row + H * D;
       const float* v = row + (H + KVH) * D;
-      C* kd = kcache + slot * KVH * D;
-      C* vd = vcache + slot * KVH * D;
-      int64_t i = 0;
-      for (; i + 8 <= KVH * D; i += 8) { store8(kd + i, _mm256_loadu_ps(k + i)); store8(vd + i, _mm256_loadu_ps(v + i)); }
-      for (; i < KVH * D; ++i) { kd[i] = static_cast<C>(k[i]); vd[i] = static_cast<C>(v[i]); }
+      C* kd = kcache + slots[t] * KVH * W;
+      C* vd = vcache + slots[t] * KVH * W;
+      for (int64_t h = 0; h < KVH; ++h) {
+        store_row<C>(kd + h * W, k + h * D, D);
+        store_row<C>(vd + h * W, v + h * D, D);
+      }
     }
   });
 }
 
-// chunk_meta: (C, 3) int64 rows [token_start, num_tokens, context_len]; chunk_tables (C, maxb).
-at::Tensor attention(const at::Tensor& qkv_, const at::Tensor& cos_, const at::Tensor& sin_,
-                     const at::Tensor& kcache, const at::Tensor& vcache, const at::Tensor& slots_,
-                     int64_t num_decode, const at::Tensor& dec_tables_, const at::Tensor& dec_lens_,
-                     const at::Tensor& chunk_meta_, const at::Tensor& chunk_tables_, int64_t H,
-                     int64_t KVH, int64_t D, double scale_) {
-  at::Tensor qkv = qkv_.contiguous();  // roped in place: it is this op's own input buffer
-  at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous(), slots = slots_.contiguous();
-  const int64_t T = qkv.size(0);
-  const float scale = static_cast<float>(scale_);
-  const bool half_cache = kcache.scalar_type() == at::kHalf;
-  TORCH_CHECK(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
-  TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of kv heads");
-  if (half_cache)
-    rope_and_write<at::Half>(qkv.data_ptr<float>(), T, H, KVH, D, cos.data_ptr<float>(), sin.data_ptr<float>(),
-                             slots.data_ptr<int64_t>(), kcache.data_ptr<at::Half>(), vcache.data_ptr<at::Half>());
-  else
-    rope_and_write<float>(qkv.data_ptr<float>(), T, H, KVH, D, cos.data_ptr<float>(), sin.data_ptr<float>(),
-                          slots.data_ptr<int64_t>(), kcache.data_ptr<float>(), vcache.data_ptr<float>());
-  at::Tensor out = at::empty({T, H * D}, qkv.options());
+// After the K/V are in the pool: decode rows, then prefill chunks, over pool rows of type C.
+template <typename C>
+void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t bs, int64_t num_decode,
+            const at::Tensor& dec_tables_, const at::Tensor& dec_lens_, const at::Tensor& chunk_meta_,
+            const at::Tensor& chunk_tables_, int64_t H, int64_t KVH, int64_t D, float scale) {
   const int64_t width = (H + 2 * KVH) * D;
-  const int64_t bs = kcache.size(1), tok_stride = KVH * D, blk_stride = bs * KVH * D;
+  const int64_t W = row_width<C>(D), tok_stride = KVH * W, blk_stride = bs * KVH * W;
   const int64_t G = H / KVH;
-  const float* qp = qkv.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   if (num_decode > 0) {
     at::Tensor tables = dec_tables_.contiguous(), lens = dec_lens_.contiguous();
     const int64_t* tp = tables.data_ptr<int64_t>();
@@ -783,12 +817,8 @@ at::Tensor attention(const at::Tensor& qkv_, const at::Tensor& cos_, const at::T
         // The group's G query heads are adjacent in q and in out (heads kvh*G .. kvh*G+G-1).
         const float* q = qp + b * width + kvh * G * D;
         float* o = op + b * H * D + kvh * G * D;
-        if (half_cache)
-          decode_heads<at::Half>(q, G, kcache.data_ptr<at::Half>() + kvh * D, vcache.data_ptr<at::Half>() + kvh * D,
-                                 tp + b * maxb, L, bs, tok_stride, blk_stride, D, scale, o, s.data());
-        else
-          decode_heads<float>(q, G, kcache.data_ptr<float>() + kvh * D, vcache.data_ptr<float>() + kvh * D,
-                              tp + b * maxb, L, bs, tok_stride, blk_stride, D, scale, o, s.data());
+        decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, tp + b * maxb, L, bs, tok_stride, blk_stride, D,
+                        scale, o, s.data());
       }
     });
   }
@@ -797,15 +827,15 @@ at::Tensor attention(const at::Tensor& qkv_, const at::Tensor& cos_, const at::T
   // bit-identical whether it is computed in a prefill chunk of any size, as a decode step, or
   // recomputed after preemption; and no gather of the past. Tokens are dealt in zigzag order
   // (first, last, second, ...) so the threads' contiguous shares cost about the same.
-  const int64_t C = chunk_meta_.defined() ? chunk_meta_.size(0) : 0;
-  if (C > 0) {
+  const int64_t NC = chunk_meta_.defined() ? chunk_meta_.size(0) : 0;
+  if (NC > 0) {
     at::Tensor meta = chunk_meta_.contiguous(), ctables = chunk_tables_.contiguous();
     const int64_t* mp = meta.data_ptr<int64_t>();
     const int64_t* ctp = ctables.data_ptr<int64_t>();
     const int64_t cmaxb = ctables.size(1);
     std::vector<int64_t> row, len, chunk;
     int64_t max_len = 1;
-    for (int64_t c = 0; c < C; ++c) {
+    for (int64_t c = 0; c < NC; ++c) {
       const int64_t start = mp[c * 3], n = mp[c * 3 + 1], L = mp[c * 3 + 2];
       for (int64_t t = 0; t < n; ++t) {
         row.push_back(start + t);
@@ -822,18 +852,63 @@ at::Tensor attention(const at::Tensor& qkv_, const at::Tensor& cos_, const at::T
         const int64_t k = i / KVH, kvh = i % KVH;
         const int64_t x = (k % 2 == 0) ? k / 2 : NT - 1 - k / 2;  // zigzag
         const int64_t r = row[x], L = len[x];
-        const int64_t* table = ctp + chunk[x] * cmaxb;
         s.resize(G * L + 16);
         const float* q = qp + r * width + kvh * G * D;
         float* o = op + r * H * D + kvh * G * D;
-        if (half_cache)
-          decode_heads<at::Half>(q, G, kcache.data_ptr<at::Half>() + kvh * D, vcache.data_ptr<at::Half>() + kvh * D,
-                                 table, L, bs, tok_stride, blk_stride, D, scale, o, s.data());
-        else
-          decode_heads<float>(q, G, kcache.data_ptr<float>() + kvh * D, vcache.data_ptr<float>() + kvh * D,
-                              table, L, bs, tok_stride, blk_stride, D, scale, o, s.data());
+        decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, ctp + chunk[x] * cmaxb, L, bs, tok_stride,
+                        blk_stride, D, scale, o, s.data());
       }
     });
+  }
+}
+
+template <typename C>
+void rope_write_attend(float* qkv, float* out, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kcache,
+                       const at::Tensor& vcache, const at::Tensor& slots, int64_t T, int64_t num_decode,
+                       const at::Tensor& dec_tables, const at::Tensor& dec_lens, const at::Tensor& chunk_meta,
+                       const at::Tensor& chunk_tables, int64_t H, int64_t KVH, int64_t D, float scale) {
+  TORCH_CHECK(kcache.size(3) == row_width<C>(D) && vcache.sizes() == kcache.sizes(),
+              "the KV pool's rows do not fit head_dim ", D);
+  C* kc = kcache.data_ptr<C>();
+  C* vc = vcache.data_ptr<C>();
+  rope_and_write<C>(qkv, T, H, KVH, D, cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(), kc, vc);
+  attend<C>(qkv, out, kc, vc, kcache.size(1), num_decode, dec_tables, dec_lens, chunk_meta, chunk_tables, H, KVH, D,
+            scale);
+}
+
+// chunk_meta: (C, 3) int64 rows [token_start, num_tokens, context_len]; chunk_tables (C, maxb).
+// The pools: (num_blocks, block_size, KVH, row width) of float32, float16 or int8 (`row_width`).
+at::Tensor attention(const at::Tensor& qkv_, const at::Tensor& cos_, const at::Tensor& sin_,
+                     const at::Tensor& kcache, const at::Tensor& vcache, const at::Tensor& slots_,
+                     int64_t num_decode, const at::Tensor& dec_tables, const at::Tensor& dec_lens,
+                     const at::Tensor& chunk_meta, const at::Tensor& chunk_tables, int64_t H,
+                     int64_t KVH, int64_t D, double scale_) {
+  at::Tensor qkv = qkv_.contiguous();  // roped in place: it is this op's own input buffer
+  at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous(), slots = slots_.contiguous();
+  const int64_t T = qkv.size(0);
+  const float scale = static_cast<float>(scale_);
+  TORCH_CHECK(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
+  TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(kcache.is_contiguous() && vcache.is_contiguous(), "the KV pools must be contiguous");
+  at::Tensor out = at::empty({T, H * D}, qkv.options());
+  float* qp = qkv.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  switch (kcache.scalar_type()) {
+    case at::kFloat:
+      rope_write_attend<float>(qp, op, cos, sin, kcache, vcache, slots, T, num_decode, dec_tables, dec_lens,
+                               chunk_meta, chunk_tables, H, KVH, D, scale);
+      break;
+    case at::kHalf:
+      rope_write_attend<at::Half>(qp, op, cos, sin, kcache, vcache, slots, T, num_decode, dec_tables, dec_lens,
+                                  chunk_meta, chunk_tables, H, KVH, D, scale);
+      break;
+    case at::kChar:
+      TORCH_CHECK(D % 32 == 0, "an int8 KV pool needs head_dim to be a multiple of 32");
+      rope_write_attend<int8_t>(qp, op, cos, sin, kcache, vcache, slots, T, num_decode, dec_tables, dec_lens,
+                                chunk_meta, chunk_tables, H, KVH, D, scale);
+      break;
+    default:
+      TORCH_CHECK(false, "KV pool dtype must be float32, float16 or int8, not ", kcache.scalar_type());
   }
   return out;
 }
