@@ -25,7 +25,7 @@ from ray.serve import context  # noqa: E402
 from server.ray.client import call_of_its_own  # noqa: E402
 from server.ray.keys import Placement  # noqa: E402
 from server.ray.router import PrefixAwareRouter  # noqa: E402
-from server.ray.wire import AbortCall, Probe  # noqa: E402
+from server.ray.wire import AbortCall, Probe, ReleaseCall  # noqa: E402
 
 
 class _Method:
@@ -63,7 +63,9 @@ def _router(replicas: list[str]) -> tuple[PrefixAwareRouter, list[SimpleNamespac
     return router, candidates
 
 
-@pytest.mark.parametrize("call", [AbortCall("req-1", "r2"), Probe("r2")])
+@pytest.mark.parametrize(
+    "call", [AbortCall("req-1", "r2"), ReleaseCall("req-1", "r2"), Probe("r2")]
+)
 def test_a_pinned_call_goes_to_its_replica_or_to_any_when_it_is_gone(call) -> None:
     router, candidates = _router(["r1", "r2"])
     pending = SimpleNamespace(args=(call,))

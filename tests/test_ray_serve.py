@@ -411,6 +411,12 @@ else:
             "per hand-off (ingress-side, incl. object-store fetch)"
         )
         assert all(p["stats"].num_running == 0 for p in (*decode.values(), *prefill.values()))
+        # Each hand-off's K/V object is released (a ReleaseCall, sent asynchronously) once its
+        # decode replica has it: nothing stays pinned on the prefill tier.
+        deadline = time.monotonic() + 10
+        while sum(p["pinned"] for p in probe("disagg", "Prefill").values()):
+            assert time.monotonic() < deadline, probe("disagg", "Prefill")
+            time.sleep(0.1)
 
     def test_disaggregated_streaming_and_disconnect_free_both_tiers(cluster, reference):
         # A stop string ends each choice at a different token, wherever it runs then (prefill
@@ -465,6 +471,7 @@ else:
             idle = all(
                 p["stats"].num_running == 0
                 and p["stats"].num_free_blocks == p["stats"].num_total_blocks
+                and p.get("pinned", 0) == 0  # the prefill tier released every hand-off
                 for t in tiers
                 for p in t.values()
             )

@@ -17,7 +17,10 @@ deployments: the ingress (the same FastAPI app), `Prefill` (P replicas of `Prefi
    directly when they are on different machines), hands them to its `DecodeEngine`, and streams
    the remaining tokens back to the ingress like any engine replica.
 
-The ingress counts each transfer when the decode replica has accepted it (it holds the K/V then):
+The prefill replica pins each hand-off's object until the ingress sends a `ReleaseCall`: when the
+decode replica has accepted the request (it fetched the K/V before accepting), or when the request
+will never get there (aborted, refused, the decode replica gone). The ingress counts each transfer
+when the decode replica has accepted it (it holds the K/V then):
 `transfers`, `transferred_bytes` (payload bytes through the object store) and `transfer_seconds`
 (from the hand-off's arrival at the ingress to the decode tier's acceptance: the object-store
 fetch plus the decode replica's queueing), exported at the ingress's `/metrics`.
@@ -31,7 +34,6 @@ error; the prefill tier is not involved any more.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import time
@@ -51,41 +53,56 @@ from server.ray.wire import (
     HandedOff,
     Probe,
     Refused,
+    ReleaseCall,
     StepItem,
 )
 
 log = logging.getLogger("server.ray.disagg")
 
 
-# How long a prefill replica keeps each hand-off's K/V object alive itself, and how many bytes of
-# them at most. Ray does not count the ObjectRef inside a streamed item as borrowed by the
+# A prefill replica keeps each hand-off's K/V object alive itself until the ingress releases it
+# (`ReleaseCall`). Ray does not count the ObjectRef inside a streamed item as borrowed by the
 # ingress: with only the stream holding it, the object was sometimes freed before the decode
 # replica fetched it (ReferenceCountingAssertionError, "the prefilled K/V was lost"; seen in 2 of
-# 6 test runs on 2026-12-01). The decode replica normally fetches within milliseconds; the pin
-# covers a slow dispatch. The byte cap bounds the object store under a prefill burst.
-HANDOFF_PIN_SECONDS = 30.0
-HANDOFF_PIN_BYTES = 512 * 2**20
+# 6 test runs on 2026-12-01). No byte cap: an object the decode tier has not fetched yet is still
+# needed, however many there are (the object store spills to disk past its memory). The time
+# limit only catches a release that never came (an ingress that died): a decode call waits
+# minutes in a queue only on a tier overloaded far beyond its SLO.
+HANDOFF_PIN_SECONDS = 600.0
 
 
 class PrefillReplica(EngineReplica):
     """An engine replica whose engine stops each request after its first token."""
 
     async def __init__(self, spec: EngineSpec) -> None:
-        self._pinned: collections.deque[tuple[float, int, Any]] = collections.deque()
+        # request id -> (expiry, bytes, ObjectRef), oldest first (dicts keep insertion order)
+        self._pinned: dict[str, tuple[float, int, Any]] = {}
         self._pinned_bytes = 0  # the sum of the pinned objects' sizes
         await super().__init__(spec)
 
     def _build_engine(self, lm: Any, make_engine: Any) -> Any:
         return PrefillEngine(lm.model, self.spec.config)
 
-    def _pin(self, ref: Any, num_bytes: int) -> None:
-        """Hold `ref` (see HANDOFF_PIN_SECONDS); release the expired and the oldest over the cap."""
+    def _pin(self, request_id: str, ref: Any, num_bytes: int) -> None:
+        """Hold `ref` until `release` (or HANDOFF_PIN_SECONDS); drop pins past their time."""
         now = time.monotonic()
-        self._pinned.append((now + HANDOFF_PIN_SECONDS, num_bytes, ref))
+        while self._pinned:
+            oldest = next(iter(self._pinned))
+            if self._pinned[oldest][0] >= now:
+                break
+            log.warning("K/V hand-off of %s was never released; dropping it", oldest)
+            self._unpin(oldest)
+        self._pinned[request_id] = (now + HANDOFF_PIN_SECONDS, num_bytes, ref)
         self._pinned_bytes += num_bytes
-        while self._pinned and (self._pinned[0][0] < now or self._pinned_bytes > HANDOFF_PIN_BYTES):
-            _, size, _ = self._pinned.popleft()
-            self._pinned_bytes -= size
+
+    def _unpin(self, request_id: str) -> None:
+        entry = self._pinned.pop(request_id, None)
+        if entry is not None:
+            self._pinned_bytes -= entry[1]
+
+    async def release(self, call: ReleaseCall) -> None:
+        """The ingress is done with this hand-off's K/V object (see the module doc)."""
+        self._unpin(call.request_id)
 
     def _item(self, out: Any) -> Any:
         handoff = None if out.finished else self.engine.take_handoff(out.request_id)
@@ -97,7 +114,7 @@ class PrefillReplica(EngineReplica):
         # driver's books too (the engine no longer knows it, so nothing is aborted).
         self.driver.abort(out.request_id)
         ref = ray.put(handoff.payload)  # to the object store, out of the stream
-        self._pin(ref, handoff.num_kv_bytes)
+        self._pin(out.request_id, ref, handoff.num_kv_bytes)
         return HandedOff(out, handoff.snapshot, ref, handoff.num_kv_bytes, self.driver.stats())
 
     def _forget(self, requests: list) -> None:
@@ -108,6 +125,8 @@ class PrefillReplica(EngineReplica):
         state = await super().probe(call)
         state["handed_off"] = self.engine.handed_off
         state["handed_off_bytes"] = self.engine.handed_off_bytes
+        state["pinned"] = len(self._pinned)
+        state["pinned_bytes"] = self._pinned_bytes
         return state
 
 
@@ -171,9 +190,10 @@ class DisaggregatedClient(RayEngineClient):
                 self._groups.pop(out.request_id, None)  # it leaves the prefill replica here
                 if isinstance(item, HandedOff):
                     if out.request_id not in stream.open_request_ids:
-                        continue  # aborted meanwhile: nobody reads it; the ref is dropped
+                        self._release(group.replica, out.request_id)  # aborted meanwhile
+                        continue
                     stream.deliver(out)
-                    self._start_decode(stream, item)
+                    self._start_decode(stream, item, group.replica)
                     continue
                 assert isinstance(item, StepItem), item
                 stream.deliver(out)
@@ -192,24 +212,42 @@ class DisaggregatedClient(RayEngineClient):
                 if self._groups.get(request_id) is group:
                     del self._groups[request_id]
 
-    def _start_decode(self, stream: OutputStream, item: HandedOff) -> None:
+    def _release(self, prefill_replica: str, request_id: str) -> None:
+        """Let the prefill replica drop its pin on the request's K/V object (best effort: the
+        pin times out otherwise)."""
+        with contextlib.suppress(Exception):
+            call_of_its_own(self._handle.release, ReleaseCall(request_id, prefill_replica))
+
+    def _start_decode(self, stream: OutputStream, item: HandedOff, prefill_replica: str) -> None:
         request_id = item.output.request_id
         generate = self._decode.options(stream=True).generate
         call = call_of_its_own(generate, DecodeCall(item.snapshot, item.kv))
         self._decoding[request_id] = _Decoding(call, stream)
         task = asyncio.create_task(
-            self._decode_pump(request_id, call, stream, item.kv_bytes, time.monotonic()),
+            self._decode_pump(
+                request_id, call, stream, item.kv_bytes, time.monotonic(), prefill_replica
+            ),
             name="ray-decode-pump",
         )
         self._pumps.add(task)
         task.add_done_callback(self._pumps.discard)
 
     async def _decode_pump(
-        self, request_id: str, call: Any, stream: OutputStream, kv_bytes: int, handed: float
+        self,
+        request_id: str,
+        call: Any,
+        stream: OutputStream,
+        kv_bytes: int,
+        handed: float,
+        prefill_replica: str,
     ) -> None:
         replica = None
+        released = False
         try:
             first = await call.__anext__()
+            # Accepted: the decode replica fetched the K/V first. Refused: it never will.
+            self._release(prefill_replica, request_id)
+            released = True
             if isinstance(first, Refused):
                 self.transfer_failures += 1
                 stream.fail(first.error())
@@ -239,6 +277,8 @@ class DisaggregatedClient(RayEngineClient):
                     self._stats.pop(replica, None)
                 stream.fail(EngineDeadError("the engine replica failed while generating"))
         finally:
+            if not released:  # cancelled (aborted) or the decode replica failed first
+                self._release(prefill_replica, request_id)
             decoding = self._decoding.get(request_id)
             if decoding is not None and decoding.call is call:
                 del self._decoding[request_id]

@@ -11,8 +11,9 @@ flight beyond the least loaded one, the least loaded goes first. In-flight count
 router's own (`on_request_routed` / `on_request_completed`), exact with one ingress replica.
 
 Each rank is a single replica: Serve tries the ranks in order and moves on when a replica is at
-`max_ongoing_requests`. `AbortCall`s and `Probe`s go to the replica they name (any, if it is gone). Do not mix in `FIFOMixin`: it
-hands a chosen replica to whichever request waits longest, which breaks affinity.
+`max_ongoing_requests`. `AbortCall`s, `ReleaseCall`s and `Probe`s go to the replica they name
+(any, if it is gone). Do not mix in `FIFOMixin`: it hands a chosen replica to whichever request
+waits longest, which breaks affinity.
 
 Counters (`ROUTING`) feed the ingress's `/metrics`: routing decisions (the key's preferred replica
 first, load-guard fallbacks, requests without a key) and calls sent to each replica. A decision
@@ -29,7 +30,7 @@ import logging
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from server.ray.keys import Placement, rank_replicas
-from server.ray.wire import AbortCall, EngineCall, Probe
+from server.ray.wire import AbortCall, EngineCall, Probe, ReleaseCall
 
 log = logging.getLogger("server.ray.router")
 
@@ -83,7 +84,7 @@ class PrefixAwareRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         call = _call_of(pending_request)
-        if isinstance(call, AbortCall | Probe):  # pinned to the replica they name
+        if isinstance(call, AbortCall | Probe | ReleaseCall):  # pinned to the replica they name
             target = by_id.get(call.replica)
             if target is not None:
                 return [[target]]

@@ -102,6 +102,15 @@ class HandedOff:
 
 
 @dataclass(frozen=True, slots=True)
+class ReleaseCall:
+    """Ingress -> the prefill replica that handed `request_id` off: the decode tier holds its K/V
+    now (or never will), so the replica stops pinning the object. Pinned like `AbortCall`."""
+
+    request_id: str
+    replica: str
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeCall:
     """Ingress -> decode tier: continue one prefilled request; it fetches `kv` itself."""
 
