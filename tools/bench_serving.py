@@ -2,7 +2,8 @@
 
     python -m tools.bench_serving --target ours=http://127.0.0.1:8000 \\
         --target llama-server=http://127.0.0.1:18080 --pid llama-server=12345 \\
-        [--rates 1,2,3,4,6] [--num-requests 120] [--long] [--out results/serving.json]
+        [--rates 1,2,3,4,6] [--num-requests 120] [--long] [--out results/serving.json] \\
+        [--plots results/serving]
 
 Reproduces issue 13's table: for each target, ITL p50 and E2E p50 at 1 req/s (60 requests), a
 rate sweep (the highest rate at which every request met the SLO is what the server "holds"), and
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest.metrics import SLO, Summary
-from loadtest.report import to_json
+from loadtest.report import SweepPoint, plot_sweep, to_json
 from loadtest.sweep import MeasureOptions, measure
 from loadtest.trace import TraceSpec
 
@@ -189,6 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--keep-going", action="store_true", help="do not stop a sweep past the knee")
     ap.add_argument("--out", type=Path, default=None, help="write the summaries as JSON")
+    ap.add_argument(
+        "--plots",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write the sweep's plots (TTFT, ITL, goodput against rate; one line a server) and "
+        "table.md there",
+    )
     args = ap.parse_args(argv)
     _SAME_SEED[0] = args.seeds == "same"
     pids = {}
@@ -207,6 +216,15 @@ def main(argv: list[str] | None = None) -> int:
         trace += " in every run (prompts repeat across runs)"
     print(f"SLO: {SLO_ISSUE.describe()}; trace: {trace}")
     print(table(results, args.long))
+    if args.plots:
+        points = [SweepPoint(r.name, rate, s) for r in results for rate, s in r.sweep.items()]
+        title = f"SLO: {SLO_ISSUE.describe()}; trace: {trace}"
+        paths = plot_sweep(points, args.plots, title=title)
+        md = f"{title}\n\n{table(results, args.long)}\n\n" + "\n".join(
+            f"![{p.stem}]({p.name})" for p in paths
+        )
+        (args.plots / "table.md").write_text(md + "\n")
+        print(f"plots and table: {args.plots}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
 
