@@ -72,6 +72,23 @@ def test_split_tiers_equal_one_engine(model, params):
     assert prefill.handed_off_bytes > decode.connector.transferred_bytes  # + the headers
 
 
+def test_split_tiers_equal_one_engine_over_int8_kv_pools():
+    """The hand-off carries int8 pool rows (values and scales) byte for byte."""
+    from models import load_model
+    from models.base import ModelLoadError
+
+    try:
+        model = load_model("tinygpt", kv_cache_dtype="int8").model
+    except ModelLoadError as e:  # no kernels here
+        pytest.skip(str(e))
+    specs = mixed_specs(6, seed=4)
+    got, _, decode = run_split(model, specs, seeded)
+    assert got == serve_individually(model, specs, seeded)
+    layout = model.config.kv_layout
+    blocks = sum(math.ceil(len(p) / 16) for p, n in specs if n > 1)
+    assert decode.connector.transferred_bytes == blocks * 16 * layout.bytes_per_token
+
+
 def test_abort_while_waiting_for_a_decode_slot_frees_everything(model):
     config = EngineConfig(max_batch_size=1, kv_cache_memory_gib=0.05)
     prefill, decode = PrefillEngine(model, config), DecodeEngine(model, config)
