@@ -6,7 +6,8 @@ client), as a streaming /v1/completions (or /v1/chat/completions) request with
 `ignore_eos`, `temperature=0` and `max_tokens=output_len`, so every request does the work the
 trace asked for. Errors become records, never exceptions; a global time limit cancels what is
 left and records it as "timeout". Also owns the few other HTTP calls a run needs: /v1/models
-metadata, /tokenize for exact text lengths, and a warm-up request.
+metadata, /tokenize for exact text lengths, a warm-up request, and reading counters from a
+server's Prometheus /metrics.
 """
 
 from __future__ import annotations
@@ -63,6 +64,21 @@ def _lookup(entry: dict[str, Any], key: str) -> Any:
         return entry[key]
     metadata = entry.get("metadata")
     return metadata.get(key) if isinstance(metadata, dict) else None
+
+
+def scrape_metrics(
+    base_url: str, prefixes: tuple[str, ...], timeout: float = 30.0
+) -> dict[str, float]:
+    """The samples of `base_url`'s /metrics whose name (labels included) starts with one of
+    `prefixes`, by that name. Raises httpx's errors for a server that does not answer."""
+    response = httpx.get(base_url.rstrip("/") + "/metrics", timeout=timeout)
+    response.raise_for_status()
+    values: dict[str, float] = {}
+    for line in response.text.splitlines():
+        if line.startswith(prefixes):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
 
 
 def fetch_model_info(

@@ -31,12 +31,14 @@ import dataclasses
 import json
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 from loadtest.metrics import SLO, Summary
 from loadtest.report import SweepPoint, plot_sweep, to_json
+from loadtest.runner import scrape_metrics
 from loadtest.sweep import MeasureOptions, measure
 from loadtest.trace import TraceSpec
 
@@ -95,21 +97,18 @@ def _spec(long: bool, rate: float, n: int) -> TraceSpec:
     return TraceSpec(num_requests=n, rate=rate, prompt_len=(32, 96), output_len=(16, 48), seed=seed)
 
 
+_HITS, _QUERIES = "cbserve_prefix_cache_hits_total", "cbserve_prefix_cache_queries_total"
+
+
 def _prefix_counters(url: str) -> tuple[float, float] | None:
     """(hits, queries) of our server's prefix cache in tokens, or None for a server without them."""
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except (OSError, ValueError):
+        found = scrape_metrics(url, (_HITS, _QUERIES), timeout=5)
+    except (httpx.HTTPError, ValueError):
         return None
-    found = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in ("cbserve_prefix_cache_hits_total", "cbserve_prefix_cache_queries_total"):
-            found[name] = float(value)
-    if len(found) != 2:
+    if _HITS not in found or _QUERIES not in found:
         return None
-    return found["cbserve_prefix_cache_hits_total"], found["cbserve_prefix_cache_queries_total"]
+    return found[_HITS], found[_QUERIES]
 
 
 def _run(url: str, spec: TraceSpec, model: str | None) -> Summary:
@@ -214,11 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         trace = trace.replace(f"seed {6 + _RUN[0]}", "seeds 7, 8, ...")
     else:
         trace += " in every run (prompts repeat across runs)"
-    print(f"SLO: {SLO_ISSUE.describe()}; trace: {trace}")
+    title = f"SLO: {SLO_ISSUE.describe()}; trace: {trace}"
+    print(title)
     print(table(results, args.long))
     if args.plots:
         points = [SweepPoint(r.name, rate, s) for r in results for rate, s in r.sweep.items()]
-        title = f"SLO: {SLO_ISSUE.describe()}; trace: {trace}"
         paths = plot_sweep(points, args.plots, title=title)
         md = f"{title}\n\n{table(results, args.long)}\n\n" + "\n".join(
             f"![{p.stem}]({p.name})" for p in paths

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 
 from loadtest.metrics import summarize
-from loadtest.runner import run_trace
+from loadtest.runner import run_trace, scrape_metrics
 from loadtest.trace import TraceRequest, arrival_times
 
 
@@ -45,13 +45,7 @@ def tenant_trace(
 
 
 def scrape(base_url: str) -> dict[str, float]:
-    text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=30).text
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(("cbserve_prefix_cache_", "cbserve_router_decisions_total")):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
+    return scrape_metrics(base_url, ("cbserve_prefix_cache_", "cbserve_router_decisions_total"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,7 +77,6 @@ class PrefillReplica(EngineReplica):
     async def __init__(self, spec: EngineSpec) -> None:
         # request id -> (expiry, bytes, ObjectRef), oldest first (dicts keep insertion order)
         self._pinned: dict[str, tuple[float, int, Any]] = {}
-        self._pinned_bytes = 0  # the sum of the pinned objects' sizes
         await super().__init__(spec)
 
     def _build_engine(self, lm: Any, make_engine: Any) -> Any:
@@ -91,18 +90,12 @@ class PrefillReplica(EngineReplica):
             if self._pinned[oldest][0] >= now:
                 break
             log.warning("K/V hand-off of %s was never released; dropping it", oldest)
-            self._unpin(oldest)
+            del self._pinned[oldest]
         self._pinned[request_id] = (now + HANDOFF_PIN_SECONDS, num_bytes, ref)
-        self._pinned_bytes += num_bytes
-
-    def _unpin(self, request_id: str) -> None:
-        entry = self._pinned.pop(request_id, None)
-        if entry is not None:
-            self._pinned_bytes -= entry[1]
 
     async def release(self, call: ReleaseCall) -> None:
         """The ingress is done with this hand-off's K/V object (see the module doc)."""
-        self._unpin(call.request_id)
+        self._pinned.pop(call.request_id, None)
 
     def _item(self, out: Any) -> Any:
         handoff = None if out.finished else self.engine.take_handoff(out.request_id)
@@ -126,7 +119,7 @@ class PrefillReplica(EngineReplica):
         state["handed_off"] = self.engine.handed_off
         state["handed_off_bytes"] = self.engine.handed_off_bytes
         state["pinned"] = len(self._pinned)
-        state["pinned_bytes"] = self._pinned_bytes
+        state["pinned_bytes"] = sum(size for _, size, _ in self._pinned.values())
         return state
 
 

@@ -5,9 +5,9 @@ carries a route key (`keys.route_key`: the chained hash of the prompt's first fu
 every prompt that starts with the same blocks prefers the same replica, where the prefix cache
 holds them. A key seen for the first time is placed on the replica holding the fewest live keys
 (`keys.Placement`; rendezvous hashing breaks ties), so tenants spread evenly over the replicas'
-caches, and adding or removing a replica moves no placed key but those of a removed one. A load guard keeps a popular prefix from
-piling onto one replica: if the preferred replica has more than `imbalance_bound` requests in
-flight beyond the least loaded one, the least loaded goes first. In-flight counts are this
+caches, and adding or removing a replica moves no placed key but those of a removed one. A load
+guard keeps a popular prefix from piling onto one replica: if the preferred replica has more than
+`imbalance_bound` requests in flight beyond the least loaded one, the least loaded goes first. In-flight counts are this
 router's own (`on_request_routed` / `on_request_completed`), exact with one ingress replica.
 
 Each rank is a single replica: Serve tries the ranks in order and moves on when a replica is at
