@@ -155,3 +155,60 @@ def test_seeded_row_draws_the_same_whatever_shares_its_batch():
     others = [_state([1], temperature=1.0, seed=s) for s in (1, 2)]
     batched = sample(logits[:3], [*others, _state([1], temperature=1.0, seed=5)])[0]
     assert batched[2] == alone[0]
+
+
+def _kept_by_full_sort(x: torch.Tensor, top_k, top_p: float, min_p: float) -> set[int]:
+    """The reference filter: sort the whole vocabulary (what the sampler did before it started
+    from top-k candidates)."""
+    vals, order = x.sort(descending=True)
+    drop = torch.arange(len(x)) >= (top_k if top_k is not None else len(x))
+    probs = vals.masked_fill(drop, float("-inf")).softmax(dim=0)
+    drop |= (probs.cumsum(dim=0) - probs) >= top_p
+    drop[0] = False
+    kept = x.clone()
+    kept[order[drop]] = float("-inf")
+    if min_p > 0:
+        probs = kept.softmax(dim=0)
+        kept[probs < min_p * probs.max()] = float("-inf")
+    return set(torch.nonzero(kept > float("-inf")).flatten().tolist())
+
+
+@pytest.mark.parametrize(
+    ("scale", "top_k", "top_p", "min_p"),
+    [
+        (8.0, None, 0.9, 0.0),  # peaked: the nucleus is a few of the 256 candidates
+        (8.0, None, 0.999, 0.0),
+        (0.05, None, 0.9, 0.0),  # flat: the nucleus reaches past the candidates (full sort)
+        (1.0, 40, 0.8, 0.0),
+        (1.0, 1000, 0.95, 0.0),  # top-k larger than the candidates
+        (1.0, None, 1.0, 0.05),  # min-p alone
+        (3.0, 50, 0.9, 0.1),
+    ],
+)
+def test_the_kept_tokens_are_those_a_full_sort_keeps(scale, top_k, top_p, min_p):
+    from engine.sampling import TOP_P_CANDIDATES, _nucleus
+
+    torch.manual_seed(11)
+    x = torch.randn(49152) * scale
+    ids, vals = _nucleus(x, top_k, top_p, min_p)
+    kept = set(ids.tolist())
+    assert kept == _kept_by_full_sort(x, top_k, top_p, min_p)
+    assert torch.equal(vals, x[ids])
+    if top_k is not None or top_p < 1.0:
+        assert bool((vals[:-1] >= vals[1:]).all())  # best first
+    if scale == 0.05:
+        assert len(kept) > TOP_P_CANDIDATES
+
+
+def test_a_filtered_draw_only_picks_kept_tokens_and_follows_their_probabilities():
+    torch.manual_seed(2)
+    logits = torch.randn(1, 300) * 2
+    keep = _kept_by_full_sort(logits[0], None, 0.7, 0.0)
+    counts: dict[int, int] = {}
+    for seed in range(3000):
+        tok = sample(logits, [_state([1], temperature=1.0, top_p=0.7, seed=seed)])[0][0]
+        counts[tok] = counts.get(tok, 0) + 1
+    assert set(counts) <= keep
+    probs = logits[0, sorted(keep)].softmax(dim=0)
+    for tok, p in zip(sorted(keep), probs.tolist(), strict=True):
+        assert abs(counts.get(tok, 0) / 3000 - p) < 4 * math.sqrt(p * (1 - p) / 3000) + 1e-3
