@@ -426,7 +426,7 @@ else:
             "prompt": "Stop strings across the tiers",
             "max_tokens": 30,
             "temperature": 1.0,
-            "seed": 5,
+            "seed": 3,  # (which choices stop depends on the seed and the sampler's draws)
             "n": 3,
             "stop": ["e", "a"],
             "ignore_eos": True,
