@@ -62,40 +62,32 @@ def _apply_penalties(logits: torch.Tensor, states: Sequence[RequestState]) -> No
                 row -= p.presence_penalty * (counts > 0).to(row.dtype)
 
 
-# Candidates a top-p row starts from: the nucleus is almost always far smaller (a chat model at
-# temperature 0.2 and top_p 0.9 keeps a handful of tokens), and topk of 256 costs ~0.1 ms where
-# sorting a 49,152-token vocabulary costs ~3.6 ms a row (measured here, 2 threads). When the
-# candidates' mass falls short of top_p (a flat distribution), the row falls back to a full sort.
-TOP_P_CANDIDATES = 256
+# Candidates a filtered row starts from: the nucleus is almost always far smaller (a chat model at
+# temperature 0.2 and top_p 0.9 keeps a handful of tokens), and topk of 256 costs ~0.1 ms a row
+# where sorting a 49,152-token vocabulary costs ~3.6 ms (measured here, 2 threads). When the
+# candidates hold less than top_p of the mass (a flat distribution), the row sorts in full.
+CANDIDATES = 256
 
 
-def _nucleus(
-    x: torch.Tensor, top_k: int | None, top_p: float, min_p: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens a row keeps after top-k, top-p and min-p, and their logits: best first, except
-    with min-p alone (vocabulary order).
-
-    x: the row's temperature-scaled logits (V,). Semantics as vLLM's: top-p over the top-k
-    distribution renormalized, then min-p against the best kept token's probability.
-    """
-    vocab = x.shape[0]
-    k = top_k if top_k is not None and top_k < vocab else None
-    if k is not None:
-        vals, ids = x.topk(k)  # sorted, best first: the whole top-k distribution
-        log_norm = torch.logsumexp(vals, dim=0)
-    elif top_p < 1.0:
-        vals, ids = x.topk(min(TOP_P_CANDIDATES, vocab))
-        log_norm = torch.logsumexp(x, dim=0)
-    else:
-        vals, ids = x, torch.arange(vocab)  # min-p alone: every token is a candidate
+def _cut(
+    vals: torch.Tensor,
+    ids: torch.Tensor,
+    log_norm: torch.Tensor | None,
+    top_p: float,
+    min_p: float,
+    complete: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Top-p, then min-p, over candidates sorted best first (`log_norm`: the log of the
+    distribution's normalizer). None when the candidates are not `complete` and hold less than
+    top_p of the mass: the nucleus may reach past them."""
     if top_p < 1.0:
         probs = (vals - log_norm).exp()
-        if k is None and float(probs.sum()) < top_p and len(vals) < vocab:
-            vals, ids = x.sort(descending=True)  # the nucleus reaches past the candidates
-            probs = (vals - log_norm).exp()
+        before = probs.cumsum(dim=0) - probs
+        if not complete and float(before[-1] + probs[-1]) < top_p:
+            return None
         # Keep the smallest prefix whose mass reaches top_p: a token goes when the mass before it
         # already reaches p. The first token always stays.
-        keep = (probs.cumsum(dim=0) - probs) < top_p
+        keep = before < top_p
         keep[0] = True
         vals, ids = vals[keep], ids[keep]
     if min_p > 0.0:
@@ -103,6 +95,90 @@ def _nucleus(
         keep = probs >= min_p * probs.max()
         vals, ids = vals[keep], ids[keep]
     return ids, vals
+
+
+def _nucleus(
+    x: torch.Tensor, top_k: int | None, top_p: float, min_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens a row keeps after top-k, top-p and min-p, and their logits: best first, except
+    with min-p alone (vocabulary order). x: the row's temperature-scaled logits (V,).
+    Semantics as vLLM's: top-p over the top-k distribution renormalized, then min-p against the
+    best kept token's probability."""
+    vocab = x.shape[0]
+    if top_k is not None and top_k < vocab:
+        vals, ids = x.topk(top_k)  # sorted, best first: the whole top-k distribution
+        return _cut(vals, ids, torch.logsumexp(vals, dim=0), top_p, min_p, complete=True)
+    if top_p < 1.0:
+        vals, ids = x.topk(min(CANDIDATES, vocab))
+        log_norm = torch.logsumexp(x, dim=0)
+        cut = _cut(vals, ids, log_norm, top_p, min_p, complete=len(vals) == vocab)
+        if cut is not None:
+            return cut
+        vals, ids = x.sort(descending=True)  # the nucleus reaches past the candidates
+        return _cut(vals, ids, log_norm, top_p, min_p, complete=True)
+    return _cut(x, torch.arange(vocab), None, 1.0, min_p, complete=True)  # min-p alone
+
+
+def _pick(ids: torch.Tensor | None, vals: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Draw among `vals` (logits; `ids` their tokens, None: the whole vocabulary).
+
+    Inverse CDF: one uniform number from the request's generator against the cumulative
+    probabilities (float64, so the rounding of a 49,152-term sum stays ~1e-12); a zero-width
+    interval (a masked token) can never hold it. ~0.07 ms over the whole vocabulary, where an
+    exponential race (noise for every token) cost ~1 ms a row here: torch's CPU generator is
+    sequential."""
+    cdf = vals.softmax(dim=0).double().cumsum(dim=0)
+    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
+    j = min(int(torch.searchsorted(cdf, u, right=True)), len(cdf) - 1)
+    return j if ids is None else int(ids[j])
+
+
+def _draw_random_rows(
+    logits: torch.Tensor, states: Sequence[RequestState], tokens: list[int]
+) -> None:
+    """The random rows' tokens: temperature, the filters, a draw with each request's own
+    generator. Rows with top-p (or a top-k within the candidates) take their candidates from one
+    batched topk; everything whose arithmetic could depend on the rows beside it (the log
+    normalizer, the cut, the draw) runs on the row alone, so a seeded request draws the same
+    tokens whatever shares its batch."""
+    vocab = logits.shape[1]
+    batched, single = [], []
+    for i, s in enumerate(states):
+        if s.params.greedy:
+            continue
+        p = s.params
+        k = p.top_k if p.top_k is not None and p.top_k < vocab else None
+        if (
+            vocab > CANDIDATES
+            and (p.top_p < 1.0 or k is not None)
+            and (k is None or k <= CANDIDATES)
+        ):
+            batched.append(i)
+        else:
+            single.append(i)
+    if batched:
+        temps = torch.tensor([states[i].params.temperature for i in batched], dtype=logits.dtype)
+        scaled = logits[batched] / temps[:, None]
+        cand_vals, cand_ids = scaled.topk(CANDIDATES, dim=1)  # a selection: exact per row
+        for j, i in enumerate(batched):
+            p = states[i].params
+            if p.top_k is not None and p.top_k < vocab:
+                vals, ids = cand_vals[j, : p.top_k], cand_ids[j, : p.top_k]
+                cut = _cut(vals, ids, torch.logsumexp(vals, dim=0), p.top_p, p.min_p, True)
+            else:
+                log_norm = torch.logsumexp(scaled[j], dim=0)
+                cut = _cut(cand_vals[j], cand_ids[j], log_norm, p.top_p, p.min_p, False)
+                if cut is None:  # the nucleus reaches past the candidates
+                    vals, ids = scaled[j].sort(descending=True)
+                    cut = _cut(vals, ids, log_norm, p.top_p, p.min_p, True)
+            tokens[i] = _pick(*cut, states[i].generator)
+    for i in single:
+        p = states[i].params
+        x = logits[i] / p.temperature
+        if p.top_k is None and p.top_p >= 1.0 and p.min_p <= 0.0:
+            tokens[i] = _pick(None, x, states[i].generator)
+        else:
+            tokens[i] = _pick(*_nucleus(x, p.top_k, p.top_p, p.min_p), states[i].generator)
 
 
 def _logprobs(
@@ -161,26 +237,5 @@ def sample(
             _keep_a_grammar_token(logits, raw, states, disallowed)
 
     tokens = logits.argmax(dim=-1).tolist()
-    for i, s in enumerate(states):
-        if not s.params.greedy:
-            tokens[i] = _draw(logits[i], s)
+    _draw_random_rows(logits, states, tokens)
     return tokens, _logprobs(raw, tokens, states)
-
-
-def _draw(row: torch.Tensor, state: RequestState) -> int:
-    """One random row's token: temperature, the filters, then a draw with the request's own
-    generator (so a seeded request draws the same whatever shares its batch)."""
-    p = state.params
-    x = row / p.temperature
-    if p.top_k is None and p.top_p >= 1.0 and p.min_p <= 0.0:
-        ids, vals = None, x
-    else:
-        ids, vals = _nucleus(x, p.top_k, p.top_p, p.min_p)
-    # Inverse CDF: one uniform number from the request's generator against the cumulative
-    # probabilities (float64, so the rounding of a 49,152-term sum stays ~1e-12). A zero-width
-    # interval (a masked token) can never hold it. One draw costs ~0.07 ms where noise for every
-    # token (an exponential race) cost ~1 ms a row here: torch's CPU generator is sequential.
-    cdf = vals.softmax(dim=0).double().cumsum(dim=0)
-    u = torch.rand((), generator=state.generator, dtype=torch.float64) * cdf[-1]
-    j = min(int(torch.searchsorted(cdf, u, right=True)), len(cdf) - 1)
-    return j if ids is None else int(ids[j])

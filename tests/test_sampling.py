@@ -186,7 +186,7 @@ def _kept_by_full_sort(x: torch.Tensor, top_k, top_p: float, min_p: float) -> se
     ],
 )
 def test_the_kept_tokens_are_those_a_full_sort_keeps(scale, top_k, top_p, min_p):
-    from engine.sampling import TOP_P_CANDIDATES, _nucleus
+    from engine.sampling import CANDIDATES, _nucleus
 
     torch.manual_seed(11)
     x = torch.randn(49152) * scale
@@ -197,7 +197,7 @@ def test_the_kept_tokens_are_those_a_full_sort_keeps(scale, top_k, top_p, min_p)
     if top_k is not None or top_p < 1.0:
         assert bool((vals[:-1] >= vals[1:]).all())  # best first
     if scale == 0.05:
-        assert len(kept) > TOP_P_CANDIDATES
+        assert len(kept) > CANDIDATES
 
 
 def test_a_filtered_draw_only_picks_kept_tokens_and_follows_their_probabilities():
@@ -212,3 +212,35 @@ def test_a_filtered_draw_only_picks_kept_tokens_and_follows_their_probabilities(
     probs = logits[0, sorted(keep)].softmax(dim=0)
     for tok, p in zip(sorted(keep), probs.tolist(), strict=True):
         assert abs(counts.get(tok, 0) / 3000 - p) < 4 * math.sqrt(p * (1 - p) / 3000) + 1e-3
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.7, "top_p": 0.9},
+        {"temperature": 1.0, "top_k": 20, "top_p": 0.95},
+        {"temperature": 3.0, "top_p": 0.99},  # flat: the nucleus reaches past the candidates
+        {"temperature": 1.0, "top_k": 600},  # a top-k beyond the candidates
+        {"temperature": 1.0, "min_p": 0.05},
+    ],
+)
+def test_seeded_filtered_rows_draw_the_same_alone_and_in_a_mixed_batch(params):
+    """Over a vocabulary larger than the candidates, so the batched topk path runs."""
+    torch.manual_seed(3)
+    logits = torch.randn(5, 1000) * 4
+    mixed = [
+        {"temperature": 0.0},
+        {"temperature": 0.5, "top_p": 0.8},
+        {"temperature": 1.0},
+        {"temperature": 1.2, "top_k": 5},
+    ]
+    for seed in range(6):
+        alone = sample(logits[4:5], [_state([1], seed=seed, **params)])[0][0]
+        others = [_state([1], seed=100 + j, **m) for j, m in enumerate(mixed)]
+        batched = sample(logits, [*others, _state([1], seed=seed, **params)])[0]
+        assert batched[4] == alone
+        x = logits[4] / params["temperature"]
+        keep = _kept_by_full_sort(
+            x, params.get("top_k"), params.get("top_p", 1.0), params.get("min_p", 0.0)
+        )
+        assert alone in keep
