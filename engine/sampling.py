@@ -16,6 +16,7 @@ model's raw distribution (vLLM's default), not the processed one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -104,8 +105,8 @@ def _cut(
         keep[0] = True
         vals, ids = vals[keep], ids[keep]
     if min_p > 0.0:
-        probs = (vals - torch.logsumexp(vals, dim=0)).exp()
-        keep = probs >= min_p * probs.max()
+        # p >= min_p * p_max is x >= x_max + log(min_p): no normalizer, no exponentials.
+        keep = vals >= vals.max() + math.log(min_p)
         vals, ids = vals[keep], ids[keep]
     return ids, vals
 
@@ -129,7 +130,8 @@ def _nucleus(
             return cut
         vals, ids = x.sort(descending=True)  # the nucleus reaches past the candidates
         return _cut(vals, ids, log_norm, top_p, min_p, complete=True)
-    return _cut(x, torch.arange(vocab), None, 1.0, min_p, complete=True)  # min-p alone
+    ids = (x >= x.max() + math.log(min_p)).nonzero().squeeze(1)  # min-p alone, as `_cut` keeps
+    return ids, x[ids]
 
 
 def _pick(ids: torch.Tensor | None, vals: torch.Tensor, generator: torch.Generator | None) -> int:
