@@ -3,8 +3,9 @@
 Owns the client side of a run. Each request is sent at its arrival time whether or not earlier
 ones have finished (open loop: a slow server faces a growing queue instead of a politely waiting
 client), as a streaming /v1/completions (or /v1/chat/completions) request with
-`ignore_eos`, `temperature=0` and `max_tokens=output_len`, so every request does the work the
-trace asked for. Errors become records, never exceptions; a global time limit cancels what is
+`ignore_eos` and `max_tokens=output_len`, so every request does the work the trace asked for,
+and greedy (`temperature=0`) unless the run is given other sampling fields (`SERVER_DEFAULTS`:
+none, so the server applies its model's defaults, as for a client that sets nothing). Errors become records, never exceptions; a global time limit cancels what is
 left and records it as "timeout". Also owns the few other HTTP calls a run needs: /v1/models
 metadata, /tokenize for exact text lengths, a warm-up request, and reading counters from a
 server's Prometheus /metrics.
@@ -13,6 +14,7 @@ server's Prometheus /metrics.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -36,6 +38,34 @@ from loadtest.metrics import TIMEOUT, RequestRecord
 from loadtest.trace import Trace, TraceRequest
 
 Endpoint = Literal["completions", "chat"]
+# Sampling fields every request of a run carries.
+Sampling = tuple[tuple[str, Any], ...]
+GREEDY: Sampling = (("temperature", 0),)
+SERVER_DEFAULTS: Sampling = ()
+
+
+def parse_sampling(text: str) -> Sampling:
+    """`greedy`, `server` (send no sampling field: the server's defaults) or a JSON object of
+    fields, e.g. '{"temperature": 0.7, "top_p": 0.9}'."""
+    if text == "greedy":
+        return GREEDY
+    if text == "server":
+        return SERVER_DEFAULTS
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"sampling must be greedy, server or a JSON object: {exc}") from None
+    if not isinstance(fields, dict):
+        raise ValueError("sampling must be greedy, server or a JSON object")
+    return tuple(sorted(fields.items()))
+
+
+def describe_sampling(sampling: Sampling) -> str:
+    if sampling == GREEDY:
+        return "greedy"
+    return json.dumps(dict(sampling)) if sampling else "the server's defaults"
+
+
 PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
@@ -144,13 +174,15 @@ class TokenCounter:
         self.close()
 
 
-def request_body(request: TraceRequest, model: str, endpoint: Endpoint) -> dict[str, Any]:
+def request_body(
+    request: TraceRequest, model: str, endpoint: Endpoint, sampling: Sampling = GREEDY
+) -> dict[str, Any]:
     """The JSON body that asks for exactly `output_len` tokens, streamed with a usage chunk."""
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": request.output_len,
         "ignore_eos": True,
-        "temperature": 0,
+        **dict(sampling),
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -197,10 +229,17 @@ class _Run:
     """One run's shared state: the clock origin, in-flight count and every observation."""
 
     def __init__(
-        self, trace: Trace, http: httpx.AsyncClient, model: str, endpoint: Endpoint, bar: tqdm
+        self,
+        trace: Trace,
+        http: httpx.AsyncClient,
+        model: str,
+        endpoint: Endpoint,
+        bar: tqdm,
+        sampling: Sampling,
     ) -> None:
         self.http = http
         self.model = model
+        self.sampling = sampling
         self.path = PATHS[endpoint]
         self.endpoint = endpoint
         self.bar = bar
@@ -214,7 +253,7 @@ class _Run:
 
     async def send(self, request: TraceRequest) -> None:
         obs = self.observations[request.index]
-        body = request_body(request, self.model, self.endpoint)
+        body = request_body(request, self.model, self.endpoint, self.sampling)
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
         obs.send_time = self.now()
@@ -265,13 +304,14 @@ async def run_trace(
     api_key: str | None = None,
     time_limit: float | None = None,
     progress: bool = True,
+    sampling: Sampling = GREEDY,
 ) -> RunResult:
     """Send every request of `trace` at its arrival time and record what the client observes."""
     # Reject a bad trace before the clock starts.
     if len({request.index for request in trace}) != len(trace):
         raise ValueError("trace indices must be unique")
     for request in trace:
-        request_body(request, model, endpoint)
+        request_body(request, model, endpoint, sampling)
     started_at = _iso_now()
     # No connection limit: httpx's default pool of 100 would quietly queue requests client-side
     # and turn the open loop into a closed one. No read timeout: the time limit bounds the run.
@@ -283,7 +323,7 @@ async def run_trace(
     )
     with tqdm(total=len(trace), disable=not progress, unit="req", desc="requests") as bar:
         async with http:
-            run = _Run(trace, http, model, endpoint, bar)
+            run = _Run(trace, http, model, endpoint, bar, sampling)
             tasks: list[asyncio.Task[None]] = []
 
             async def dispatch() -> None:
@@ -316,6 +356,7 @@ async def warm_up(
     request: TraceRequest,
     endpoint: Endpoint = "completions",
     api_key: str | None = None,
+    sampling: Sampling = GREEDY,
 ) -> None:
     """Send `request` once and wait for it, so first-call costs stay out of the measurement.
 
@@ -327,7 +368,8 @@ async def warm_up(
     async with httpx.AsyncClient(
         base_url=normalize_base_url(base_url), headers=auth_headers(api_key), timeout=120
     ) as http:
-        response = await http.post(PATHS[endpoint], json=request_body(warm, model, endpoint))
+        body = request_body(warm, model, endpoint, sampling)
+        response = await http.post(PATHS[endpoint], json=body)
         if response.status_code >= 400:
             raise error_from_body(response.status_code, response.content, response.reason_phrase)
 

@@ -36,9 +36,12 @@ from loadtest.report import (
     write_json,
 )
 from loadtest.runner import (
+    GREEDY,
     Endpoint,
     RunResult,
+    Sampling,
     TokenCounter,
+    describe_sampling,
     fetch_model_info,
     run_trace,
     warm_up,
@@ -58,6 +61,7 @@ class MeasureOptions:
     slo: SLO = SLO()
     warmup: int = 1
     parameter_count: int | None = None
+    sampling: Sampling = GREEDY  # sampling fields each request sends (SERVER_DEFAULTS: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +88,11 @@ def measure(
     else:
         trace = build_trace(spec)
     for _ in range(options.warmup):
-        asyncio.run(warm_up(base_url, info.id, trace[0], options.endpoint, options.api_key))
+        asyncio.run(
+            warm_up(
+                base_url, info.id, trace[0], options.endpoint, options.api_key, options.sampling
+            )
+        )
     result = asyncio.run(
         run_trace(
             trace,
@@ -94,6 +102,7 @@ def measure(
             api_key=options.api_key,
             time_limit=options.time_limit,
             progress=options.progress,
+            sampling=options.sampling,
         )
     )
     summary = summarize(result.records, result.duration, result.peak_concurrency, options.slo)
@@ -101,7 +110,12 @@ def measure(
         model=info.id,
         parameter_count=options.parameter_count or info.parameter_count,
         torch_version=info.torch_version,
-        trace=spec.describe(),
+        trace=spec.describe()
+        + (
+            ""
+            if options.sampling == GREEDY
+            else f", sampling {describe_sampling(options.sampling)}"
+        ),
         rates=[spec.rate],
         date=result.started_at,
     )

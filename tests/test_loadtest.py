@@ -439,6 +439,32 @@ def test_request_body_asks_for_exactly_output_len_tokens() -> None:
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
 
 
+def test_sampling_fields_greedy_by_default_none_for_server_defaults_or_given() -> None:
+    from loadtest.runner import SERVER_DEFAULTS, describe_sampling, parse_sampling
+
+    def sampling_of(sampling):
+        body = request_body(_request(0), "m", "completions", sampling)
+        return {k: v for k, v in body.items() if k in ("temperature", "top_p", "top_k")}
+
+    assert sampling_of(parse_sampling("greedy")) == {"temperature": 0}
+    assert parse_sampling("server") == SERVER_DEFAULTS and sampling_of(SERVER_DEFAULTS) == {}
+    given = parse_sampling('{"top_p": 0.9, "temperature": 0.2}')
+    assert sampling_of(given) == {"temperature": 0.2, "top_p": 0.9}
+    assert describe_sampling(SERVER_DEFAULTS) == "the server's defaults"
+    with pytest.raises(ValueError, match="JSON object"):
+        parse_sampling("[1]")
+    with pytest.raises(ValueError, match="greedy, server or a JSON object"):
+        parse_sampling("hot")
+
+
+def test_the_loadtest_cli_refuses_bad_sampling(capsys) -> None:
+    from loadtest.__main__ import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--sampling", "hot"])
+    assert "--sampling" in capsys.readouterr().err
+
+
 def test_model_info_and_tokenize_come_from_the_server(url: str) -> None:
     info = fetch_model_info(url)
     assert (info.id, info.parameter_count, info.torch_version) == ("fake", 5_838_080, "9.9")

@@ -38,7 +38,7 @@ import httpx
 
 from loadtest.metrics import SLO, Summary
 from loadtest.report import SweepPoint, plot_sweep, to_json
-from loadtest.runner import scrape_metrics
+from loadtest.runner import GREEDY, describe_sampling, parse_sampling, scrape_metrics
 from loadtest.sweep import MeasureOptions, measure
 from loadtest.trace import TraceSpec
 
@@ -82,6 +82,7 @@ class RSSWatcher(threading.Thread):
 
 _RUN = [0]
 _SAME_SEED = [False]
+_SAMPLING = [GREEDY]  # the sampling fields every request sends (--sampling)
 
 
 def _spec(long: bool, rate: float, n: int) -> TraceSpec:
@@ -112,7 +113,9 @@ def _prefix_counters(url: str) -> tuple[float, float] | None:
 
 
 def _run(url: str, spec: TraceSpec, model: str | None) -> Summary:
-    opts = MeasureOptions(model=model, slo=SLO_ISSUE, progress=False, time_limit=900.0)
+    opts = MeasureOptions(
+        model=model, slo=SLO_ISSUE, progress=False, time_limit=900.0, sampling=_SAMPLING[0]
+    )
     before = _prefix_counters(url)
     summary = measure(url, spec, opts).summary
     after = _prefix_counters(url)
@@ -187,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         default="fresh",
         help="fresh: each run its own prompts (default); same: seed 7 every run (peers.md)",
     )
+    ap.add_argument(
+        "--sampling", type=parse_sampling, default=GREEDY, metavar="greedy|server|JSON",
+        help="sampling fields each request sends (default greedy; server: none, the server's "
+        "defaults; or a JSON object)",
+    )  # fmt: skip
     ap.add_argument("--keep-going", action="store_true", help="do not stop a sweep past the knee")
     ap.add_argument("--out", type=Path, default=None, help="write the summaries as JSON")
     ap.add_argument(
@@ -199,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     _SAME_SEED[0] = args.seeds == "same"
+    _SAMPLING[0] = args.sampling
     pids = {}
     for item in args.pid:
         name, _, value = item.partition("=")
@@ -213,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         trace = trace.replace(f"seed {6 + _RUN[0]}", "seeds 7, 8, ...")
     else:
         trace += " in every run (prompts repeat across runs)"
-    title = f"SLO: {SLO_ISSUE.describe()}; trace: {trace}"
+    title = (
+        f"SLO: {SLO_ISSUE.describe()}; trace: {trace}; sampling: {describe_sampling(_SAMPLING[0])}"
+    )
     print(title)
     print(table(results, args.long))
     if args.plots:
