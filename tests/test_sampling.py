@@ -244,3 +244,17 @@ def test_seeded_filtered_rows_draw_the_same_alone_and_in_a_mixed_batch(params):
             x, params.get("top_k"), params.get("top_p", 1.0), params.get("min_p", 0.0)
         )
         assert alone in keep
+
+
+@pytest.mark.parametrize("params", [{"top_p": 0.9}, {"top_k": 50}, {"min_p": 0.01}, {}])
+def test_masked_tokens_are_never_drawn(params):
+    """A row with a handful of allowed tokens (a grammar or logit-bias mask leaves -inf) over a
+    vocabulary larger than the candidates: every path draws only allowed tokens."""
+    logits = torch.full((2, 1000), float("-inf"))
+    allowed = [3, 500, 999]
+    logits[:, allowed] = torch.tensor([1.0, 0.5, 0.2])
+    drawn = set()
+    for seed in range(200):
+        tokens = sample(logits, [_state([1], temperature=1.5, seed=seed, **params)] * 2)[0]
+        drawn.update(tokens)
+    assert drawn <= set(allowed) and len(drawn) > 1
