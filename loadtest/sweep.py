@@ -106,16 +106,14 @@ def measure(
         )
     )
     summary = summarize(result.records, result.duration, result.peak_concurrency, options.slo)
+    described = spec.describe()
+    if options.sampling != GREEDY:  # greedy is the protocol's default: said only when it differs
+        described += f", sampling {describe_sampling(options.sampling)}"
     conditions = local_conditions(
         model=info.id,
         parameter_count=options.parameter_count or info.parameter_count,
         torch_version=info.torch_version,
-        trace=spec.describe()
-        + (
-            ""
-            if options.sampling == GREEDY
-            else f", sampling {describe_sampling(options.sampling)}"
-        ),
+        trace=described,
         rates=[spec.rate],
         date=result.started_at,
     )
