@@ -112,10 +112,16 @@ def _cut(
 
 
 def _nucleus(
-    x: torch.Tensor, top_k: int | None, top_p: float, min_p: float
+    x: torch.Tensor,
+    top_k: int | None,
+    top_p: float,
+    min_p: float,
+    candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens a row keeps after top-k, top-p and min-p, and their logits: best first, except
-    with min-p alone (vocabulary order). x: the row's temperature-scaled logits (V,).
+    with min-p alone (vocabulary order). x: the row's temperature-scaled logits (V,);
+    `candidates`: its best CANDIDATES (values, ids), when a batched topk already found them
+    (used by top-p without top-k).
     Semantics as vLLM's: top-p over the top-k distribution renormalized, then min-p against the
     best kept token's probability."""
     vocab = x.shape[0]
@@ -123,7 +129,7 @@ def _nucleus(
         vals, ids = x.topk(top_k)  # sorted, best first: the whole top-k distribution
         return _cut(vals, ids, torch.logsumexp(vals, dim=0), top_p, min_p, complete=True)
     if top_p < 1.0:
-        vals, ids = x.topk(min(CANDIDATES, vocab))
+        vals, ids = candidates if candidates is not None else x.topk(min(CANDIDATES, vocab))
         log_norm = _log_norm(x)
         cut = _cut(vals, ids, log_norm, top_p, min_p, complete=len(vals) == vocab)
         if cut is not None:
@@ -152,22 +158,17 @@ def _draw_random_rows(
     logits: torch.Tensor, states: Sequence[RequestState], tokens: list[int]
 ) -> None:
     """The random rows' tokens: temperature, the filters, a draw with each request's own
-    generator. Rows with top-p (or a top-k within the candidates) take their candidates from one
-    batched topk; everything whose arithmetic could depend on the rows beside it (the log
-    normalizer, the cut, the draw) runs on the row alone, so a seeded request draws the same
-    tokens whatever shares its batch."""
+    generator. Rows with top-p and no top-k take their candidates from one batched topk (a
+    selection: exact per row; a top-k row's own topk of k is cheaper); everything whose arithmetic could depend on the
+    rows beside it (the log normalizer, the cut, the draw) runs on the row alone, so a seeded
+    request draws the same tokens whatever shares its batch."""
     vocab = logits.shape[1]
     batched, single = [], []
     for i, s in enumerate(states):
         if s.params.greedy:
             continue
         p = s.params
-        k = p.top_k if p.top_k is not None and p.top_k < vocab else None
-        if (
-            vocab > CANDIDATES
-            and (p.top_p < 1.0 or k is not None)
-            and (k is None or k <= CANDIDATES)
-        ):
+        if vocab > CANDIDATES and p.top_p < 1.0 and (p.top_k is None or p.top_k >= vocab):
             batched.append(i)
         else:
             single.append(i)
@@ -175,21 +176,9 @@ def _draw_random_rows(
         temps = torch.tensor([states[i].params.temperature for i in batched], dtype=logits.dtype)
         scaled = logits[batched] / temps[:, None]
         cand_vals, cand_ids = scaled.topk(CANDIDATES, dim=1)  # a selection: exact per row
-        # Log-normalizers as `_log_norm` computes them: the max and the exponentials are exact per
-        # element whatever the batch, and each row's sum runs over that row alone.
-        top = scaled.max(dim=1, keepdim=True).values
-        expd = (scaled - top).clamp_(min=EXP_FLOOR).exp_()
         for j, i in enumerate(batched):
             p = states[i].params
-            if p.top_k is not None and p.top_k < vocab:
-                vals, ids = cand_vals[j, : p.top_k], cand_ids[j, : p.top_k]
-                cut = _cut(vals, ids, torch.logsumexp(vals, dim=0), p.top_p, p.min_p, True)
-            else:
-                log_norm = top[j, 0] + expd[j].sum().log()
-                cut = _cut(cand_vals[j], cand_ids[j], log_norm, p.top_p, p.min_p, False)
-                if cut is None:  # the nucleus reaches past the candidates
-                    vals, ids = scaled[j].sort(descending=True)
-                    cut = _cut(vals, ids, log_norm, p.top_p, p.min_p, True)
+            cut = _nucleus(scaled[j], p.top_k, p.top_p, p.min_p, (cand_vals[j], cand_ids[j]))
             tokens[i] = _pick(*cut, states[i].generator)
     for i in single:
         p = states[i].params

@@ -5,8 +5,9 @@ ones have finished (open loop: a slow server faces a growing queue instead of a 
 client), as a streaming /v1/completions (or /v1/chat/completions) request with
 `ignore_eos` and `max_tokens=output_len`, so every request does the work the trace asked for,
 and greedy (`temperature=0`) unless the run is given other sampling fields (`SERVER_DEFAULTS`:
-none, so the server applies its model's defaults, as for a client that sets nothing). Errors become records, never exceptions; a global time limit cancels what is
-left and records it as "timeout". Also owns the few other HTTP calls a run needs: /v1/models
+none, so the server applies its model's defaults, as for a client that sets nothing). Errors
+become records, never exceptions; a global time limit cancels what is left and records it as
+"timeout". Also owns the few other HTTP calls a run needs: /v1/models
 metadata, /tokenize for exact text lengths, a warm-up request, and reading counters from a
 server's Prometheus /metrics.
 """

@@ -7,8 +7,9 @@ holds them. A key seen for the first time is placed on the replica holding the f
 (`keys.Placement`; rendezvous hashing breaks ties), so tenants spread evenly over the replicas'
 caches, and adding or removing a replica moves no placed key but those of a removed one. A load
 guard keeps a popular prefix from piling onto one replica: if the preferred replica has more than
-`imbalance_bound` requests in flight beyond the least loaded one, the least loaded goes first. In-flight counts are this
-router's own (`on_request_routed` / `on_request_completed`), exact with one ingress replica.
+`imbalance_bound` requests in flight beyond the least loaded one, the least loaded goes first.
+In-flight counts are this router's own (`on_request_routed` / `on_request_completed`), exact with
+one ingress replica.
 
 Each rank is a single replica: Serve tries the ranks in order and moves on when a replica is at
 `max_ongoing_requests`. `AbortCall`s, `ReleaseCall`s and `Probe`s go to the replica they name
