@@ -40,7 +40,8 @@ def test_page_is_served_without_the_key_and_its_data_needs_it(keyed):
 
 def test_engine_stats_report_steps_and_latencies_after_a_request(keyed):
     auth = {"Authorization": f"Bearer {KEY}"}
-    body = {"prompt": "Hello", "max_tokens": 8, "stream": True}
+    # ignore_eos: an unseeded draw may pick EOS early, and the count below needs all 8 tokens
+    body = {"prompt": "Hello", "max_tokens": 8, "stream": True, "ignore_eos": True}
     r = httpx.post(keyed.url("/v1/completions"), json=body, headers=auth, timeout=60)
     assert r.status_code == 200
     s = httpx.get(keyed.url("/v1/engine/stats"), headers=auth, timeout=10).json()
