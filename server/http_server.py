@@ -34,6 +34,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from server.driver import ENGINE_THREAD_NAME
+
 log = logging.getLogger("server.shutdown")
 
 # Docker sends SIGKILL 10 s after SIGTERM unless told otherwise (`docker stop -t`,
@@ -119,10 +121,15 @@ class DrainingServer(uvicorn.Server):
 
 
 def _lingering_threads() -> list[threading.Thread]:
-    """Non-daemon threads other than this one: what the interpreter would wait for at exit.
-    (Idle pool workers count too; exiting past them costs nothing.)"""
+    """Non-daemon threads other than this one: what the interpreter would wait for at exit
+    (idle pool workers count too; exiting past them costs nothing), and the engine thread: a
+    daemon, but one still inside a torch op when the interpreter finalizes can crash the exit."""
     me = threading.current_thread()
-    return [t for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()]
+    return [
+        t
+        for t in threading.enumerate()
+        if t is not me and t.is_alive() and (not t.daemon or t.name == ENGINE_THREAD_NAME)
+    ]
 
 
 def timed_h11(read_timeout: float) -> type[H11Protocol]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+import time
 
 import pytest
 
@@ -31,10 +32,11 @@ async def run(driver: AsyncEngineDriver, requests: list[Request]) -> dict[str, l
     return tokens
 
 
-async def test_engine_is_mutated_on_the_loop_thread_and_stepped_on_one_worker(engine):
-    threads: dict[str, set[int]] = {"add": set(), "step": set()}
-    add, step = engine.add_request, engine.step
+async def test_the_engine_is_touched_by_one_thread_only_and_not_the_loops(engine):
+    threads: dict[str, set[int]] = {"add": set(), "abort": set(), "step": set()}
+    add, abort, step = engine.add_request, engine.abort, engine.step
     engine.add_request = lambda r: (threads["add"].add(threading.get_ident()), add(r))[1]
+    engine.abort = lambda rid: (threads["abort"].add(threading.get_ident()), abort(rid))[1]
     engine.step = lambda: (threads["step"].add(threading.get_ident()), step())[1]
     driver = AsyncEngineDriver(engine, num_threads=1)
     await driver.start()
@@ -42,10 +44,34 @@ async def test_engine_is_mutated_on_the_loop_thread_and_stepped_on_one_worker(en
         for i in range(3):
             tokens = await run(driver, [req(f"r{i}"), req(f"s{i}")])
             assert [len(t) for t in tokens.values()] == [4, 4]
+        stream = await driver.submit([req("cut", max_tokens=1000)])
+        await stream.__anext__()
+        driver.abort("cut")
+        await run(driver, [req("after")])  # the abort was applied before this one's steps
     finally:
         await driver.stop()
-    assert threads["add"] == {threading.get_ident()}  # the event loop's thread
-    assert len(threads["step"]) == 1 and threading.get_ident() not in threads["step"]
+    assert len(threads["add"] | threads["abort"] | threads["step"]) == 1
+    assert threading.get_ident() not in threads["step"]
+
+
+async def test_the_engine_keeps_stepping_while_the_loop_is_busy(engine):
+    # The engine thread does not wait for the loop between steps: while the loop thread is
+    # blocked (a slow route, say), steps go on and their outputs queue up for it.
+    steps = [0]
+    step = engine.step
+    engine.step = lambda: (steps.__setitem__(0, steps[0] + 1), step())[1]
+    driver = AsyncEngineDriver(engine, num_threads=1)
+    await driver.start()
+    try:
+        stream = await driver.submit([req("a", max_tokens=200)])
+        await stream.__anext__()
+        before = steps[0]
+        time.sleep(0.5)  # blocks the event loop
+        assert steps[0] - before >= 3
+        tokens = 1 + sum([len(out.token_ids) async for out in stream])
+        assert tokens >= 200  # nothing was lost while the loop was away
+    finally:
+        await driver.stop()
 
 
 async def test_idle_driver_sleeps_instead_of_polling(engine):
@@ -96,21 +122,22 @@ async def test_max_waiting_counts_only_requests_beyond_the_free_slots(engine):
         await driver.stop()
 
 
-async def test_abort_before_the_engine_saw_the_request_drops_it(engine):
-    added: list[str] = []
-    add = engine.add_request
-    engine.add_request = lambda r: (added.append(r.request_id), add(r))[1]
+async def test_abort_right_after_submit_drops_the_request(engine):
+    # Whether the engine thread took the group before the abort is a race; either way the
+    # aborted request yields nothing and leaves nothing behind, and its sibling runs.
     driver = AsyncEngineDriver(engine, num_threads=1)
     await driver.start()
     try:
-        submit = asyncio.ensure_future(driver.submit([req("gone"), req("kept")]))
-        await asyncio.sleep(0)  # submit has queued the group; the driver has not run yet
-        driver.abort("gone")
-        tokens = {}
-        async for out in await submit:
-            tokens.setdefault(out.request_id, []).extend(out.token_ids)
-        assert added == ["kept"]
-        assert list(tokens) == ["kept"]
+        for i in range(5):
+            submit = asyncio.ensure_future(driver.submit([req(f"gone{i}"), req(f"kept{i}")]))
+            await asyncio.sleep(0)  # submit has queued the group
+            driver.abort(f"gone{i}")
+            tokens = {}
+            async for out in await submit:
+                tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            assert list(tokens) == [f"kept{i}"] and len(tokens[f"kept{i}"]) == 4
+        await run(driver, [req("flush")])  # a later window has applied every abort
+        assert engine.requests == {}
     finally:
         await driver.stop()
 
