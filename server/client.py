@@ -37,8 +37,8 @@ class OutputStream(AsyncIterator[StepOutput]):
     Backpressure: with `max_buffered` set, once that many outputs per request of the group wait
     unread, `on_pressure(self, True)` asks the producer to pause the group's requests (not to
     buffer more); once the reader has drained half of them, `on_pressure(self, False)` resumes
-    them. The producer may still deliver a step's worth past the mark: the bound is soft by one
-    step.
+    them. The producer may still deliver a step or two past the mark (the in-process driver's
+    engine thread may be in its next step when the pause is asked for): the bound is soft.
     """
 
     def __init__(
