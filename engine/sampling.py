@@ -1,7 +1,8 @@
 """Batched sampling over a `[batch, vocab]` logits tensor.
 
 The masks, bias and penalties work on the whole batch and are skipped when no row needs them (a
-greedy batch is one argmax). Each random row is then drawn on its own: its filters start from its
+greedy batch is one argmax, through the project's kernel where it is built: torch's reads ~4.5 GB/s,
+1.1 ms of a 32-row step). Each random row is then drawn on its own: its filters start from its
 top-k candidates instead of sorting the vocabulary, and the draw is one uniform number from the
 request's own `torch.Generator` against the kept tokens' cumulative probabilities; every
 operation sees only that row, so a seeded request samples the same tokens whatever else shares
@@ -23,6 +24,7 @@ import torch
 
 from engine.request import RequestState, TokenLogprob
 from engine.structured import apply_constraints
+from models import kernels
 
 
 def _apply_logit_bias(logits: torch.Tensor, states: Sequence[RequestState]) -> None:
@@ -154,6 +156,16 @@ def _pick(ids: torch.Tensor | None, vals: torch.Tensor, generator: torch.Generat
     return j if ids is None else int(ids[j])
 
 
+def _greedy_tokens(logits: torch.Tensor, states: Sequence[RequestState]) -> list[int]:
+    """Each row's argmax (the first maximum, as torch.argmax); a batch without a greedy row gets
+    placeholders, which the draws replace."""
+    if not any(s.params.greedy for s in states):
+        return [0] * len(states)
+    if logits.dtype == torch.float32 and logits.dim() == 2 and kernels.available():
+        return torch.ops.cbserve.argmax_rows(logits).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def _draw_random_rows(
     logits: torch.Tensor, states: Sequence[RequestState], tokens: list[int]
 ) -> None:
@@ -244,6 +256,6 @@ def sample(
         if disallowed is not None:
             _keep_a_grammar_token(logits, raw, states, disallowed)
 
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = _greedy_tokens(logits, states)
     _draw_random_rows(logits, states, tokens)
     return tokens, _logprobs(raw, tokens, states)

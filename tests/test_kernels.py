@@ -392,6 +392,21 @@ def test_rms_norm_kernel_matches_torch():
     torch.testing.assert_close(torch.ops.cbserve.rms_norm(x, w, 1e-5), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("V", [1, 7, 16, 17, 33, 1000, 49152])
+def test_argmax_kernel_gives_torchs_answer_ties_infinities_and_nans_included(V):  # noqa: N803
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(5, V, generator=g)
+    ties = x.clone()
+    ties.scatter_(1, torch.randint(0, V, (5, 3), generator=g), 100.0)  # the first of them wins
+    nans = x.clone()
+    nans[:, V // 2] = float("nan")  # torch counts NaN as the largest
+    nans[1, V - 1] = float("nan")
+    masked = torch.full((5, V), float("-inf"))
+    masked[2, V - 1] = -1e30
+    for rows in (x, ties, nans, masked, torch.zeros(5, V), x.t().contiguous().t()[:, :V]):
+        assert torch.equal(torch.ops.cbserve.argmax_rows(rows), rows.argmax(-1))
+
+
 _LOGITS_SCRIPT = """
 import json, sys, torch
 from models import kernels, load_model

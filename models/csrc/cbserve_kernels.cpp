@@ -9,6 +9,7 @@
 //   activations) and multiplied with vpdpbusd, four times the multiply-adds of fp32 FMA per
 //   instruction; the per-block scales are applied in fp32.
 // rms_norm: y = x / rms(x) * w.
+// argmax_rows: torch.argmax(x, -1) of float32 rows (first maximum; NaN counts as the largest).
 // attention: RoPE on q and k, K/V written into the paged pool, then causal attention of every
 //   token over its sequence's pool blocks, read in place by one paged kernel for decode rows and
 //   prefill chunks alike. The pool holds float32, float16 or int8 rows (int8: per 32 values one
@@ -545,6 +546,78 @@ at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// argmax over the last dim
+// ------------------------------------------------------------------------------------------------
+
+// torch.argmax(x, -1) for a (B, V) float32 matrix, same answer: the first index of the row's
+// maximum, or of its first NaN (torch treats NaN as the largest). torch's own reduction reads
+// ~4.5 GB/s here (1.1-1.4 ms for 32 x 49,152 logits, 4% of a 32-row decode step); this one
+// keeps 16 running maxima with the index where each lane first reached its value, rows split
+// over threads.
+int64_t argmax_row(const float* x, int64_t V) {
+  if (V < 16) {
+    int64_t best = 0;
+    for (int64_t i = 0; i < V; ++i) {
+      if (std::isnan(x[i])) return i;
+      if (x[i] > x[best]) best = i;
+    }
+    return best;
+  }
+  __m256 m0 = _mm256_loadu_ps(x), m1 = _mm256_loadu_ps(x + 8);
+  __m256i i0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), i1 = _mm256_add_epi32(i0, _mm256_set1_epi32(8));
+  __m256i c0 = _mm256_add_epi32(i0, _mm256_set1_epi32(16)), c1 = _mm256_add_epi32(i0, _mm256_set1_epi32(24));
+  const __m256i step = _mm256_set1_epi32(16);
+  __m256 nan = _mm256_or_ps(_mm256_cmp_ps(m0, m0, _CMP_UNORD_Q), _mm256_cmp_ps(m1, m1, _CMP_UNORD_Q));
+  int64_t i = 16;
+  for (; i + 16 <= V; i += 16) {
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+    const __m256 ga = _mm256_cmp_ps(a, m0, _CMP_GT_OQ), gb = _mm256_cmp_ps(b, m1, _CMP_GT_OQ);
+    m0 = _mm256_blendv_ps(m0, a, ga);
+    m1 = _mm256_blendv_ps(m1, b, gb);
+    i0 = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(i0), _mm256_castsi256_ps(c0), ga));
+    i1 = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(i1), _mm256_castsi256_ps(c1), gb));
+    nan = _mm256_or_ps(nan, _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(b, b, _CMP_UNORD_Q)));
+    c0 = _mm256_add_epi32(c0, step);
+    c1 = _mm256_add_epi32(c1, step);
+  }
+  if (_mm256_movemask_ps(nan)) {
+    for (int64_t j = 0; j < V; ++j)
+      if (std::isnan(x[j])) return j;
+  }
+  alignas(32) float mv[16];
+  alignas(32) int32_t iv[16];
+  _mm256_store_ps(mv, m0);
+  _mm256_store_ps(mv + 8, m1);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(iv), i0);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(iv + 8), i1);
+  // Each lane holds its maximum and where it first reached it: the row's first maximum is the
+  // smallest index among the lanes holding the largest value.
+  float best = mv[0];
+  int64_t at = iv[0];
+  for (int k = 1; k < 16; ++k)
+    if (mv[k] > best || (mv[k] == best && iv[k] < at)) { best = mv[k]; at = iv[k]; }
+  for (; i < V; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > best) { best = x[i]; at = i; }
+  }
+  return at;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x_) {
+  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat, "argmax_rows needs a 2-D float32 tensor");
+  TORCH_CHECK(x_.size(1) > 0 && x_.size(1) < (int64_t{1} << 31), "argmax_rows: bad row length ", x_.size(1));
+  at::Tensor x = x_.contiguous();
+  const int64_t B = x.size(0), V = x.size(1);
+  at::Tensor out = at::empty({B}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, std::max<int64_t>(1, (1 << 16) / V), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) op[b] = argmax_row(xp + b * V, V);
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------
 // attention
 // ------------------------------------------------------------------------------------------------
 
@@ -920,11 +993,13 @@ at::Tensor attention(const at::Tensor& qkv_, const at::Tensor& cos_, const at::T
 TORCH_LIBRARY(cbserve, m) {
   m.def("packed_linear(Tensor x, Tensor qs, Tensor? d, Tensor? m, int kind, int N, Tensor? bias, Tensor? residual, int act) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("has_int8_dot() -> bool", [] { return cbserve::cpu_has_vnni(); });
   m.def("attention(Tensor qkv, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache, Tensor slots, int num_decode, Tensor dec_tables, Tensor dec_lens, Tensor chunk_meta, Tensor chunk_tables, int H, int KVH, int D, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(cbserve, CPU, m) {
   m.impl("packed_linear", &cbserve::packed_linear);
   m.impl("rms_norm", &cbserve::rms_norm);
+  m.impl("argmax_rows", &cbserve::argmax_rows);
   m.impl("attention", &cbserve::attention);
 }
