@@ -161,7 +161,7 @@ def _greedy_tokens(logits: torch.Tensor, states: Sequence[RequestState]) -> list
     placeholders, which the draws replace."""
     if not any(s.params.greedy for s in states):
         return [0] * len(states)
-    if logits.dtype == torch.float32 and logits.dim() == 2 and kernels.available():
+    if logits.dtype == torch.float32 and kernels.available():
         return torch.ops.cbserve.argmax_rows(logits).tolist()
     return logits.argmax(dim=-1).tolist()
 
@@ -171,9 +171,9 @@ def _draw_random_rows(
 ) -> None:
     """The random rows' tokens: temperature, the filters, a draw with each request's own
     generator. Rows with top-p and no top-k take their candidates from one batched topk (a
-    selection: exact per row; a top-k row's own topk of k is cheaper); everything whose arithmetic could depend on the
-    rows beside it (the log normalizer, the cut, the draw) runs on the row alone, so a seeded
-    request draws the same tokens whatever shares its batch."""
+    selection: exact per row; a top-k row's own topk of k is cheaper); everything whose
+    arithmetic could depend on the rows beside it (the log normalizer, the cut, the draw) runs on
+    the row alone, so a seeded request draws the same tokens whatever shares its batch."""
     vocab = logits.shape[1]
     batched, single = [], []
     for i, s in enumerate(states):

@@ -20,7 +20,7 @@ import httpx
 from clients.protocol import ClientError
 from loadtest.metrics import SLO
 from loadtest.report import run_json, write_json
-from loadtest.runner import GREEDY, parse_sampling
+from loadtest.runner import add_sampling_argument
 from loadtest.sweep import MeasureOptions, measure, print_measurement, sweep
 from loadtest.trace import TraceSpec
 
@@ -72,11 +72,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--time-limit", type=float, default=600.0, help="seconds per run; the rest is cancelled"
     )
-    run.add_argument(
-        "--sampling", type=parse_sampling, default=GREEDY, metavar="greedy|server|JSON",
-        help="sampling fields each request sends: greedy (temperature 0, the default), server "
-        "(none: the server's defaults, as a client that sets nothing) or a JSON object",
-    )  # fmt: skip
+    add_sampling_argument(run)
     run.add_argument("--warmup", type=int, default=1, help="warm-up requests before each run")
     run.add_argument("--no-progress", action="store_true")
     run.add_argument(

@@ -61,6 +61,15 @@ def parse_sampling(text: str) -> Sampling:
     return tuple(sorted(fields.items()))
 
 
+def add_sampling_argument(parser: Any) -> None:
+    """`--sampling greedy|server|JSON` on an argparse parser or group (greedy by default)."""
+    parser.add_argument(
+        "--sampling", type=parse_sampling, default=GREEDY, metavar="greedy|server|JSON",
+        help="sampling fields each request sends: greedy (temperature 0, the default), server "
+        "(none: the server's defaults, as a client that sets nothing) or a JSON object",
+    )  # fmt: skip
+
+
 def describe_sampling(sampling: Sampling) -> str:
     if sampling == GREEDY:
         return "greedy"

@@ -382,9 +382,9 @@ class AsyncEngineDriver(EngineClient):
         self._fail_unacked(dead)
 
     def _fail_unacked(self, error: EngineDeadError) -> None:
-        """Submitters still waiting for the engine to take their group get `error`."""
+        """Submitters still waiting for the engine to take their group get `error` (their
+        streams, registered at submit, were failed with the rest or closed by an abort)."""
         unacked, self._unacked = self._unacked, []
         for add in unacked:
-            add.stream.fail(error)
             if not add.accepted.done():
                 add.accepted.set_exception(error)

@@ -38,7 +38,7 @@ import httpx
 
 from loadtest.metrics import SLO, Summary
 from loadtest.report import SweepPoint, plot_sweep, to_json
-from loadtest.runner import GREEDY, describe_sampling, parse_sampling, scrape_metrics
+from loadtest.runner import GREEDY, add_sampling_argument, describe_sampling, scrape_metrics
 from loadtest.sweep import MeasureOptions, measure
 from loadtest.trace import TraceSpec
 
@@ -190,11 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         default="fresh",
         help="fresh: each run its own prompts (default); same: seed 7 every run (peers.md)",
     )
-    ap.add_argument(
-        "--sampling", type=parse_sampling, default=GREEDY, metavar="greedy|server|JSON",
-        help="sampling fields each request sends (default greedy; server: none, the server's "
-        "defaults; or a JSON object)",
-    )  # fmt: skip
+    add_sampling_argument(ap)
     ap.add_argument("--keep-going", action="store_true", help="do not stop a sweep past the knee")
     ap.add_argument("--out", type=Path, default=None, help="write the summaries as JSON")
     ap.add_argument(
