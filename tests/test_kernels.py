@@ -193,6 +193,22 @@ def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _from_pool(_to_pool(x, dtype), x.shape[-1])
 
 
+def _query_as_the_kernel_reads_it(
+    q: torch.Tensor, pool_dtype: torch.dtype, scale: float
+) -> torch.Tensor:
+    """Over an int8 pool with head_dim 64 and AVX512-VNNI the kernel quantizes each query head as
+    the pool's rows (int8 per 32 values of q * scale) and takes integer dot products: the same
+    query, rounded so, in float32."""
+    d = q.shape[-1]
+    if pool_dtype != torch.int8 or d != 64 or not kernels.has_int8_dot():
+        return q
+    x = (q * scale).reshape(*q.shape[:-1], d // 32, 32)
+    amax = x.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    r = torch.round(x * inv).clamp(-127, 127) * (amax / 127)
+    return r.reshape(q.shape) / scale
+
+
 def _rope_tables(positions: torch.Tensor, D: int = D):  # noqa: N803
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
     freqs = torch.outer(positions.double(), inv)
@@ -254,6 +270,7 @@ def test_fused_attention_matches_paged_attention(pool_dtype, D):  # noqa: N803
     k = _rotate(qkv[:, H * D : (H + KVH) * D].view(t, KVH, D), cos, sin)
     v = qkv[:, (H + KVH) * D :].view(t, KVH, D)
     k, v = _rounded(k, pool_dtype), _rounded(v, pool_dtype)  # what the pool will hold of them
+    q = _query_as_the_kernel_reads_it(q, pool_dtype, D**-0.5)
     ref_cache = (kpool.clone(), vpool.clone())
     want = paged_attention(q, k, v, ref_cache, meta(), D**-0.5).reshape(t, H * D)
 

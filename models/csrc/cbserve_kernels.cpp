@@ -720,6 +720,108 @@ void decode_one(const float* q, const C* kc, const C* vc, const int64_t* table, 
   for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], vinv));
 }
 
+// int8 pools with AVX512-VNNI: scores through integer dot products. Each query head is quantized
+// as the pool's rows are (int8 per 32 values, scale max|x| / 127), so a score is sq * sk * (an
+// exact integer dot product), 64 multiply-adds an instruction (vpdpbusd) instead of 16. The K rows
+// of a tile of up to 16 keys are transposed (4 bytes of a row a lane: lane t is key t), so a key's
+// score is one lane: no horizontal sums, and the same whatever keys are around it (a token's
+// attention stays the same in a prefill chunk and as a decode row). vpdpbusd multiplies unsigned
+// by signed bytes: keys are offset by 128 (their sign bit flipped) and 128 * (the sum of the
+// query's values) is subtracted from each integer sum.
+#define CB_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+
+bool cpu_has_vnni();
+
+struct QueryInt8 {
+  int32_t words[16];  // the quantized query's bytes 4d .. 4d + 3, as one dword each
+  float scale[2];     // its scales, per 32 values
+  int32_t corr[2];    // 128 * the sum of its values, per 32
+};
+
+// q: one head's 64 values (roped); `softmax_scale` folded in before quantizing.
+inline void quantize_query(const float* q, float softmax_scale, QueryInt8& out) {
+  int8_t bytes[64];
+  for (int h = 0; h < 2; ++h) {
+    float x[32], amax = 0.f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i] = q[32 * h + i] * softmax_scale));
+    out.scale[h] = amax / 127.f;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    for (int i = 0; i < 32; ++i) {
+      const int v = static_cast<int>(std::clamp(std::nearbyint(x[i] * inv), -127.f, 127.f));
+      bytes[32 * h + i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    out.corr[h] = 128 * sum;
+  }
+  std::memcpy(out.words, bytes, sizeof bytes);
+}
+
+// 16 rows of 16 dwords -> vector d holding dword d of the 16 rows.
+CB_VNNI inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + j], 128-bit quarter c: dword 4c + j of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+    t[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    t[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    t[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+  for (int d = 0; d < 16; ++d) r[d] = t[d];
+}
+
+// Scores of G query heads (qh[0 .. G)) over n <= 16 keys whose rows start at `first`, into
+// s[g * L + j ...] (masked to n), their running maxima in vmx[g].
+template <int G>
+CB_VNNI inline void score_tile_int8(const int8_t* first, int n, int64_t tok_stride, const QueryInt8* qh, float* s,
+                                    int64_t L, int64_t j, __m512* vmx) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  alignas(64) float sk0[16], sk1[16];
+  __m512i r[16];
+  for (int t = 0; t < 16; ++t) {
+    if (t < n) {
+      const int8_t* kr = first + t * tok_stride;
+      r[t] = _mm512_xor_si512(_mm512_loadu_si512(kr), flip);
+      std::memcpy(&sk0[t], kr + 64, 4);
+      std::memcpy(&sk1[t], kr + 68, 4);
+    } else {
+      r[t] = flip;  // a zero key; its lane is masked out
+      sk0[t] = sk1[t] = 0.f;
+    }
+  }
+  transpose16(r);
+  const __m512 k0 = _mm512_load_ps(sk0), k1 = _mm512_load_ps(sk1);
+  const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) {
+    const QueryInt8& qg = qh[g];
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int d = 0; d < 8; ++d) {
+      a0 = _mm512_dpbusd_epi32(a0, r[d], _mm512_set1_epi32(qg.words[d]));
+      a1 = _mm512_dpbusd_epi32(a1, r[8 + d], _mm512_set1_epi32(qg.words[8 + d]));
+    }
+    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(a0, _mm512_set1_epi32(qg.corr[0])));
+    const __m512 w1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(a1, _mm512_set1_epi32(qg.corr[1])));
+    const __m512 sc = _mm512_fmadd_ps(w1, _mm512_mul_ps(k1, _mm512_set1_ps(qg.scale[1])),
+                                      _mm512_mul_ps(w0, _mm512_mul_ps(k0, _mm512_set1_ps(qg.scale[0]))));
+    _mm512_mask_storeu_ps(s + g * L + j, m, sc);
+    vmx[g] = _mm512_mask_max_ps(vmx[g], m, vmx[g], sc);
+  }
+}
+
 // head_dim 64 with AVX-512 (where the CPU has it): the G query heads sharing a kv head together,
 // so each K and V row is loaded and widened once for all of them; 4 zmm a row.
 #define CB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
@@ -746,17 +848,17 @@ inline void prefetch_rows(const C* first, int64_t n, int64_t tok_stride) {
   }
 }
 
+// Scores of a kv head's G query heads over keys [0, L) (head g's at s + g * L); returns nothing,
+// leaves the maxima in mx. The float path: one key at a time, a horizontal sum per head.
 template <typename C, int G>
-CB_AVX512 void decode_group64(const float* q, const C* kc, const C* vc, const int64_t* table, int64_t L,
-                              int64_t bs, int64_t tok_stride, int64_t blk_stride, float scale, float* out,
-                              float* s) {
+CB_AVX512 void scores_float64(const float* q, const C* kc, const int64_t* table, int64_t L, int64_t bs,
+                              int64_t tok_stride, int64_t blk_stride, float scale, float* s, float* mx) {
   constexpr int D = 64;
   const int64_t nb = (L + bs - 1) / bs;
   __m512 qv[G][4];
 #pragma GCC unroll 8
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < 4; ++i) qv[g][i] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * i), _mm512_set1_ps(scale));
-  float mx[G];
   for (int g = 0; g < G; ++g) mx[g] = -INFINITY;
   for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
     const C* kb = kc + table[bi] * blk_stride;
@@ -777,6 +879,64 @@ CB_AVX512 void decode_group64(const float* q, const C* kc, const C* vc, const in
       }
     }
   }
+}
+
+// The int8 + VNNI scores of one kv head (as scores_float64), a 16-key tile at a time.
+template <int G>
+CB_VNNI void scores_int8_64(const float* q, const int8_t* kc, const int64_t* table, int64_t L, int64_t bs,
+                            int64_t tok_stride, int64_t blk_stride, float scale, float* s, float* mx) {
+  QueryInt8 qh[G];
+  for (int g = 0; g < G; ++g) quantize_query(q + g * 64, scale, qh[g]);
+  __m512 vmx[G];
+  for (int g = 0; g < G; ++g) vmx[g] = _mm512_set1_ps(-INFINITY);
+  const int64_t nb = (L + bs - 1) / bs;
+  for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
+    const int8_t* kb = kc + table[bi] * blk_stride;
+    if (bi + 1 < nb && table[bi + 1] != table[bi] + 1)
+      prefetch_rows(kc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs), tok_stride);
+    const int64_t nblk = std::min(bs, L - bi * bs);
+    for (int64_t t0 = 0; t0 < nblk; t0 += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, nblk - t0));
+      score_tile_int8<G>(kb + t0 * tok_stride, n, tok_stride, qh, s, L, j, vmx);
+      j += n;
+    }
+  }
+  for (int g = 0; g < G; ++g) mx[g] = _mm512_reduce_max_ps(vmx[g]);
+}
+
+// acc[g] += the weights s[g * L + j + t] times the n value rows from `first` (in order).
+template <typename C, int G>
+CB_AVX512 inline void values_rows(const C* first, int64_t n, int64_t tok_stride, const float* s, int64_t L,
+                                  int64_t j, __m512 (*acc)[4]) {
+  for (int64_t t = 0; t < n; ++t) {
+    const C* vr = first + t * tok_stride;
+    const __m512 v0 = row16(vr, 0), v1 = row16(vr, 1), v2 = row16(vr, 2), v3 = row16(vr, 3);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(s[g * L + j + t]);
+      acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
+      acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
+      acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);
+      acc[g][3] = _mm512_fmadd_ps(p, v3, acc[g][3]);
+    }
+  }
+}
+
+template <typename C, int G>
+CB_AVX512 void decode_group64(const float* q, const C* kc, const C* vc, const int64_t* table, int64_t L,
+                              int64_t bs, int64_t tok_stride, int64_t blk_stride, float scale, float* out,
+                              float* s) {
+  constexpr int D = 64;
+  const int64_t nb = (L + bs - 1) / bs;
+  float mx[G];
+  if constexpr (std::is_same_v<C, int8_t>) {
+    if (cpu_has_vnni())
+      scores_int8_64<G>(q, kc, table, L, bs, tok_stride, blk_stride, scale, s, mx);
+    else
+      scores_float64<C, G>(q, kc, table, L, bs, tok_stride, blk_stride, scale, s, mx);
+  } else {
+    scores_float64<C, G>(q, kc, table, L, bs, tok_stride, blk_stride, scale, s, mx);
+  }
   float inv[G];
   for (int g = 0; g < G; ++g) inv[g] = softmax_exp(s + g * L, L, mx[g]);
   __m512 acc[G][4];
@@ -784,21 +944,11 @@ CB_AVX512 void decode_group64(const float* q, const C* kc, const C* vc, const in
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
   for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
-    const C* vb = vc + table[bi] * blk_stride;
     if (bi + 1 < nb && table[bi + 1] != table[bi] + 1)
       prefetch_rows(vc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs), tok_stride);
-    for (int64_t t = 0, n = std::min(bs, L - bi * bs); t < n; ++t, ++j) {
-      const C* vr = vb + t * tok_stride;
-      const __m512 v0 = row16(vr, 0), v1 = row16(vr, 1), v2 = row16(vr, 2), v3 = row16(vr, 3);
-#pragma GCC unroll 8
-      for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(s[g * L + j]);
-        acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
-        acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
-        acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);
-        acc[g][3] = _mm512_fmadd_ps(p, v3, acc[g][3]);
-      }
-    }
+    const int64_t n = std::min(bs, L - bi * bs);
+    values_rows<C, G>(vc + table[bi] * blk_stride, n, tok_stride, s, L, j, acc);
+    j += n;
   }
 #pragma GCC unroll 8
   for (int g = 0; g < G; ++g)
