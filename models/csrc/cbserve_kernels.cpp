@@ -743,9 +743,15 @@ inline void quantize_query(const float* q, float softmax_scale, QueryInt8& out) 
   int8_t bytes[64];
   for (int h = 0; h < 2; ++h) {
     float x[32], amax = 0.f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i] = q[32 * h + i] * softmax_scale));
-    out.scale[h] = amax / 127.f;
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    bool finite = true;
+    for (int i = 0; i < 32; ++i) {
+      x[i] = q[32 * h + i] * softmax_scale;
+      finite = finite && std::isfinite(x[i]);
+      amax = std::max(amax, std::fabs(x[i]));
+    }
+    // A non-finite query (a broken model) gives NaN scores, as the float path would.
+    out.scale[h] = finite ? amax / 127.f : NAN;
+    const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
     int32_t sum = 0;
     for (int i = 0; i < 32; ++i) {
       const int v = static_cast<int>(std::clamp(std::nearbyint(x[i] * inv), -127.f, 127.f));
