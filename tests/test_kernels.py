@@ -294,6 +294,25 @@ def test_fused_attention_matches_paged_attention(pool_dtype, D):  # noqa: N803
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float16, torch.int8])
+def test_a_non_finite_query_head_gives_nan_for_that_head_only(pool_dtype):
+    """A NaN or an infinity in one query head (a broken model) shows as NaN in that head's
+    output, on every path (the int8 pool's integer q.k path included), and leaves the others."""
+    torch.manual_seed(3)
+    h, kvh, d = 9, 3, 64
+    pool = [_to_pool(torch.randn(4, 16, kvh, d), pool_dtype) for _ in range(2)]
+    for bad in (float("nan"), float("inf")):
+        qkv = torch.randn(1, (h + 2 * kvh) * d)
+        qkv[0, 5] = bad  # query head 0
+        out = torch.ops.cbserve.attention(
+            qkv, torch.ones(1, d // 2), torch.zeros(1, d // 2), pool[0], pool[1], torch.tensor([20]), 1,
+            torch.tensor([[1, 2]]), torch.tensor([21]), torch.empty(0, 3, dtype=torch.long),
+            torch.empty(0, 1, dtype=torch.long), h, kvh, d, d**-0.5,
+        )  # fmt: skip
+        assert out[0, :d].isnan().all()
+        assert out[0, d:].isfinite().all()
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float16, torch.int8])
 @pytest.mark.parametrize("D", [32, 64])
 def test_a_tokens_attention_is_the_same_in_a_prefill_chunk_and_as_a_decode_row(D, pool_dtype):  # noqa: N803
     """One kernel computes both: a prompt prefilled as one chunk, as chunks of 3, and token by
