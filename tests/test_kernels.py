@@ -294,6 +294,36 @@ def test_fused_attention_matches_paged_attention(pool_dtype, D):  # noqa: N803
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float16, torch.int8])
+def test_a_decode_rows_attention_does_not_depend_on_how_many_rows_share_the_step(pool_dtype):
+    """From 8 decode rows on, an int8 pool's rows go whole through the kernel (every kv head in
+    one pass), fewer as (row, kv head) items: each row's result must be the same bits either way,
+    as it must be for every pool (batching never changes a token)."""
+    torch.manual_seed(4)
+    h, kvh, d, bs, rows = 9, 3, 64, 16, 9
+    lens = torch.randint(1, 200, (rows,))
+    lens[0] = 16 * 5  # whole blocks only
+    per_row = -(-int(lens.max()) // bs)
+    tables = torch.randperm(rows * per_row).view(rows, per_row) + 1  # scattered blocks
+    pool = [_to_pool(torch.randn(rows * per_row + 1, bs, kvh, d), pool_dtype) for _ in range(2)]
+    qkv = torch.randn(rows, (h + 2 * kvh) * d)
+    last = lens - 1
+    slots = tables[torch.arange(rows), last // bs] * bs + last % bs
+    cos, sin = torch.ones(rows, d // 2), torch.zeros(rows, d // 2)
+    none = torch.empty(0, 3, dtype=torch.long), torch.empty(0, 1, dtype=torch.long)
+
+    def attend(idx):
+        kc, vc = pool[0].clone(), pool[1].clone()
+        return torch.ops.cbserve.attention(
+            qkv[idx].clone(), cos[idx], sin[idx], kc, vc, slots[idx], len(idx), tables[idx], lens[idx],
+            *none, h, kvh, d, d**-0.5,
+        )  # fmt: skip
+
+    together = attend(torch.arange(rows))
+    for r in range(rows):
+        assert torch.equal(attend(torch.tensor([r]))[0], together[r]), r
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float16, torch.int8])
 def test_a_non_finite_query_head_gives_nan_for_that_head_only(pool_dtype):
     """A NaN or an infinity in one query head (a broken model) shows as NaN in that head's
     output, on every path (the int8 pool's integer q.k path included), and leaves the others."""
