@@ -12,7 +12,7 @@ def add_model_args(ap: argparse.ArgumentParser, dtype: bool = True) -> None:
     if dtype:
         ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--quantization", default="auto", help="auto|none|q8_0|q4_1 (load_model)")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="auto|float32|float16")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto|float32|float16|int8")
     ap.add_argument("--activation-dtype", default="auto", help="auto|int8|float32")
 
 
