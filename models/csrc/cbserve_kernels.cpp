@@ -1098,6 +1098,27 @@ void rope_and_write(float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, co
 // whole-row items (0-10% slower from DRAM), so they keep the (row, kv head) items.
 constexpr int64_t kRowsForWholeRowItems = 8;
 
+// Decode rows of an int8 pool as whole-row items (see decode_row_int8_64); head_dim 64, G <= 8.
+void decode_whole_rows_int8(const float* qp, float* op, const int8_t* kbase, const int8_t* vbase, int64_t bs,
+                            int64_t num_decode, const int64_t* tp, const int64_t* lp, int64_t maxb, int64_t H,
+                            int64_t KVH, int64_t tok_stride, int64_t blk_stride, float scale) {
+  const int64_t G = H / KVH, width = (H + 2 * KVH) * 64;
+  at::parallel_for(0, num_decode, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> s, state;
+    std::vector<QueryInt8> qh;
+    for (int64_t b = b0; b < b1; ++b) {
+      s.resize(H * lp[b] + 16);
+      const float* q = qp + b * width;
+      float* o = op + b * H * 64;
+      switch (G) {
+#define CB_G(n) case n: decode_row_int8_64<n>(q, kbase, vbase, tp + b * maxb, lp[b], bs, KVH, tok_stride, blk_stride, scale, o, s.data(), qh, state); break;
+        CB_G(1) CB_G(2) CB_G(3) CB_G(4) CB_G(5) CB_G(6) CB_G(7) CB_G(8)
+#undef CB_G
+      }
+    }
+  });
+}
+
 // After the K/V are in the pool: decode rows, then prefill chunks, over pool rows of type C.
 template <typename C>
 void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t bs, int64_t num_decode,
@@ -1113,44 +1134,35 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
     const int64_t maxb = tables.size(1);
     int64_t max_len = 1;
     for (int64_t b = 0; b < num_decode; ++b) max_len = std::max(max_len, lp[b]);
+    bool whole_rows = false;
     if constexpr (std::is_same_v<C, int8_t>) {
-      if (D == 64 && G <= 8 && H <= 64 && num_decode >= kRowsForWholeRowItems && cpu_has_avx512() &&
-          cpu_has_vnni()) {
-        at::parallel_for(0, num_decode, 1, [&](int64_t b0, int64_t b1) {
-          std::vector<float> s, state;
-          std::vector<QueryInt8> qh;
-          for (int64_t b = b0; b < b1; ++b) {
-            s.resize(H * lp[b] + 16);
-            switch (G) {
-#define CB_G(n) case n: decode_row_int8_64<n>(qp + b * width, kbase, vbase, tp + b * maxb, lp[b], bs, KVH, tok_stride, blk_stride, scale, op + b * H * D, s.data(), qh, state); break;
-              CB_G(1) CB_G(2) CB_G(3) CB_G(4) CB_G(5) CB_G(6) CB_G(7) CB_G(8)
-#undef CB_G
-            }
-          }
-        });
-        goto chunks;
-      }
+      whole_rows = D == 64 && G <= 8 && H <= 64 && num_decode >= kRowsForWholeRowItems && cpu_has_avx512() &&
+                   cpu_has_vnni();
+      if (whole_rows)
+        decode_whole_rows_int8(qp, op, kbase, vbase, bs, num_decode, tp, lp, maxb, H, KVH, tok_stride, blk_stride,
+                               scale);
     }
-    const int64_t task_grain = std::max<int64_t>(1, (1 << 17) / (max_len * D * G));
-    at::parallel_for(0, num_decode * KVH, task_grain, [&](int64_t i0, int64_t i1) {
-      std::vector<float> s;
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / KVH, kvh = i % KVH, L = lp[b];
-        s.resize(G * L + 16);
-        // The group's G query heads are adjacent in q and in out (heads kvh*G .. kvh*G+G-1).
-        const float* q = qp + b * width + kvh * G * D;
-        float* o = op + b * H * D + kvh * G * D;
-        decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, tp + b * maxb, L, bs, tok_stride, blk_stride, D,
-                        scale, o, s.data());
-      }
-    });
+    if (!whole_rows) {
+      const int64_t task_grain = std::max<int64_t>(1, (1 << 17) / (max_len * D * G));
+      at::parallel_for(0, num_decode * KVH, task_grain, [&](int64_t i0, int64_t i1) {
+        std::vector<float> s;
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t b = i / KVH, kvh = i % KVH, L = lp[b];
+          s.resize(G * L + 16);
+          // The group's G query heads are adjacent in q and in out (heads kvh*G .. kvh*G+G-1).
+          const float* q = qp + b * width + kvh * G * D;
+          float* o = op + b * H * D + kvh * G * D;
+          decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, tp + b * maxb, L, bs, tok_stride, blk_stride, D,
+                          scale, o, s.data());
+        }
+      });
+    }
   }
   // Prefill chunks: every token as a decode row over its own causal prefix, read from the pool
   // (this step's K/V were written above). The same kernel as decode, so a token's attention is
   // bit-identical whether it is computed in a prefill chunk of any size, as a decode step, or
   // recomputed after preemption; and no gather of the past. Tokens are dealt in zigzag order
   // (first, last, second, ...) so the threads' contiguous shares cost about the same.
-chunks:
   const int64_t NC = chunk_meta_.defined() ? chunk_meta_.size(0) : 0;
   if (NC > 0) {
     at::Tensor meta = chunk_meta_.contiguous(), ctables = chunk_tables_.contiguous();
