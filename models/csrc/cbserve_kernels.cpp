@@ -728,10 +728,6 @@ void decode_one(const float* q, const C* kc, const C* vc, const int64_t* table, 
 // attention stays the same in a prefill chunk and as a decode row). vpdpbusd multiplies unsigned
 // by signed bytes: keys are offset by 128 (their sign bit flipped) and 128 * (the sum of the
 // query's values) is subtracted from each integer sum.
-#define CB_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
-
-bool cpu_has_vnni();
-
 struct QueryInt8 {
   int32_t words[16];  // the quantized query's bytes 4d .. 4d + 3, as one dword each
   float scale[2];     // its scales, per 32 values
