@@ -58,10 +58,11 @@ def load_model(
     `activations`: "auto" (int8 where the weights are quantized and the CPU has AVX512-VNNI),
     "int8" or "float32": what the projections multiply (see `models.quant.KernelOptions`).
 
-    `kv_cache_dtype`: "auto" is float16 when the weights are quantized (as llama.cpp's default
-    cache) and float32 otherwise; "float16" and "int8" (per 32 values an int8 and a float32 scale:
-    0.56 of float16's bytes at head_dim 64, so long-context decode reads about half as much) need
-    the kernels.
+    `kv_cache_dtype`: "auto" is int8 when the projections run int8 activations (quantized
+    weights on an AVX512-VNNI CPU), float16 when the weights are quantized otherwise (as
+    llama.cpp's default cache) and float32 for float weights; "float16" and "int8" (per 32 values
+    an int8 and a float32 scale: 0.56 of float16's bytes at head_dim 64, so long-context decode
+    reads about half as much) need the kernels.
 
     `dtype="bfloat16"` is the pure-torch bfloat16-matmul mode: projection weights and the head in
     bfloat16 (the residual stream, norms, attention, KV cache and logits stay float32). It pays
@@ -104,8 +105,16 @@ def load_model(
         lm = _to_bfloat16(lm, dtype)  # type: ignore[arg-type]
     formats = model.weight_formats() if use_kernels else {}
     quantized = any(name.startswith(("q4_1", "q8_0")) for name in formats)
+    integer_dots = any(name.endswith("+a8") for name in formats)
     if kv_cache_dtype == "auto":
-        kv = torch.float16 if quantized else torch.float32
+        # int8 where the projections already multiply int8 activations (quantized weights on an
+        # AVX512-VNNI CPU, where attention's q.k runs on integer dot products too): its
+        # perplexity cost (+0.4%) is within the int8 activations' own, and it halves the bytes
+        # long-context decode reads each step. float16 with quantized weights otherwise.
+        if integer_dots and lm.config.head_dim % 32 == 0:
+            kv = torch.int8
+        else:
+            kv = torch.float16 if quantized else torch.float32
     else:
         kv = KV_DTYPES[kv_cache_dtype]
     if kv == torch.int8 and lm.config.head_dim % 32:

@@ -348,6 +348,23 @@ def test_an_int8_kv_cache_needs_the_kernels_and_is_sized_by_its_rows():
     assert lm.config.kv_bytes_per_token == 2 * layout.num_layers * layout.num_kv_heads * 36
 
 
+def test_auto_kv_cache_is_int8_exactly_where_activations_are_int8():
+    """`--kv-cache-dtype auto`: int8 where the projections multiply int8 activations (quantized
+    weights on an AVX512-VNNI CPU), float16 for quantized weights with float activations,
+    float32 for float weights."""
+    from models import kernels
+
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason() or "no kernels")
+    assert load_model("tinygpt").config.kv_dtype == torch.float32
+    f32a = load_model("tinygpt", quantization="q8_0", activations="float32")
+    assert f32a.config.kv_dtype == torch.float16
+    auto = load_model("tinygpt", quantization="q8_0")
+    integer = any(k.endswith("+a8") for k in auto.model.weight_formats())
+    assert integer == kernels.has_int8_dot()
+    assert auto.config.kv_dtype == (torch.int8 if integer else torch.float16)
+
+
 def test_missing_file_and_unknown_name_are_refused():
     with pytest.raises(ModelLoadError, match="no such"):
         load_model("/nonexistent/model.gguf")
