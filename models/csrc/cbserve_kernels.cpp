@@ -838,15 +838,25 @@ CB_AVX512 inline __m512 row16(const int8_t* r, int i) {
   return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(row_scale(r, 64, 16 * i)));
 }
 
-// The next block's rows of this kv head (64 values: one or two cache lines each). A sequence's
-// blocks are scattered through the pool once requests interleave and the prefix cache recycles
-// blocks, and the hardware prefetcher loses the stream at every jump; when the next block
-// follows in memory it keeps it, and prefetching on top only costs (callers skip that case).
+// Prefetching, one block ahead, into L2. Decode rows read each past row once per step, from DRAM
+// at long contexts (30 layers of pools do not stay in cache between steps), and the hardware
+// prefetchers do not follow the reads: a kv head's rows are 72 or 128 bytes at a stride of all kv
+// heads' rows, each key's load its own instruction, so a K pass alone ran at ~5 GB/s a thread
+// where a plain read gets ~19. Prefetching every next block made decode attention over int8 pools
+// 1.4-1.7x faster from DRAM (float16 pools, whose rows are whole cache lines: 1.0-1.04x); T1, not
+// T0: L1's few fill buffers made T0 prefetches as slow as none. Prefill chunks re-read one past for each of their tokens, which stays in cache,
+// and there prefetching every block cost ~3%: they prefetch across the jumps between scattered
+// blocks only, which the hardware cannot foresee at all.
+inline bool prefetch_next(const int64_t* table, int64_t bi, int64_t nb, bool streamed) {
+  return bi + 1 < nb && (streamed || table[bi + 1] != table[bi] + 1);
+}
+
+// The next block's rows of this kv head (64 values: one or two cache lines each).
 template <typename C>
 inline void prefetch_rows(const C* first, int64_t n, int64_t tok_stride) {
   for (int64_t t = 0; t < n; ++t) {
     const char* p = reinterpret_cast<const char*>(first + t * tok_stride);
-    for (size_t off = 0; off < row_width<C>(64) * sizeof(C); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    for (size_t off = 0; off < row_width<C>(64) * sizeof(C); off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
   }
 }
 
@@ -854,7 +864,8 @@ inline void prefetch_rows(const C* first, int64_t n, int64_t tok_stride) {
 // leaves the maxima in mx. The float path: one key at a time, a horizontal sum per head.
 template <typename C, int G>
 CB_AVX512 void scores_float64(const float* q, const C* kc, const int64_t* table, int64_t L, int64_t bs,
-                              int64_t tok_stride, int64_t blk_stride, float scale, float* s, float* mx) {
+                              int64_t tok_stride, int64_t blk_stride, float scale, float* s, float* mx,
+                              bool streamed) {
   constexpr int D = 64;
   const int64_t nb = (L + bs - 1) / bs;
   __m512 qv[G][4];
@@ -864,7 +875,7 @@ CB_AVX512 void scores_float64(const float* q, const C* kc, const int64_t* table,
   for (int g = 0; g < G; ++g) mx[g] = -INFINITY;
   for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
     const C* kb = kc + table[bi] * blk_stride;
-    if (bi + 1 < nb && table[bi + 1] != table[bi] + 1)
+    if (prefetch_next(table, bi, nb, streamed))
       prefetch_rows(kc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs), tok_stride);
     for (int64_t t = 0, n = std::min(bs, L - bi * bs); t < n; ++t, ++j) {
       const C* kr = kb + t * tok_stride;
@@ -886,7 +897,8 @@ CB_AVX512 void scores_float64(const float* q, const C* kc, const int64_t* table,
 // The int8 + VNNI scores of one kv head (as scores_float64), a 16-key tile at a time.
 template <int G>
 CB_VNNI void scores_int8_64(const float* q, const int8_t* kc, const int64_t* table, int64_t L, int64_t bs,
-                            int64_t tok_stride, int64_t blk_stride, float scale, float* s, float* mx) {
+                            int64_t tok_stride, int64_t blk_stride, float scale, float* s, float* mx,
+                            bool streamed) {
   QueryInt8 qh[G];
   for (int g = 0; g < G; ++g) quantize_query(q + g * 64, scale, qh[g]);
   __m512 vmx[G];
@@ -894,7 +906,7 @@ CB_VNNI void scores_int8_64(const float* q, const int8_t* kc, const int64_t* tab
   const int64_t nb = (L + bs - 1) / bs;
   for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
     const int8_t* kb = kc + table[bi] * blk_stride;
-    if (bi + 1 < nb && table[bi + 1] != table[bi] + 1)
+    if (prefetch_next(table, bi, nb, streamed))
       prefetch_rows(kc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs), tok_stride);
     const int64_t nblk = std::min(bs, L - bi * bs);
     for (int64_t t0 = 0; t0 < nblk; t0 += 16) {
@@ -927,17 +939,17 @@ CB_AVX512 inline void values_rows(const C* first, int64_t n, int64_t tok_stride,
 template <typename C, int G>
 CB_AVX512 void decode_group64(const float* q, const C* kc, const C* vc, const int64_t* table, int64_t L,
                               int64_t bs, int64_t tok_stride, int64_t blk_stride, float scale, float* out,
-                              float* s) {
+                              float* s, bool streamed) {
   constexpr int D = 64;
   const int64_t nb = (L + bs - 1) / bs;
   float mx[G];
   if constexpr (std::is_same_v<C, int8_t>) {
     if (cpu_has_vnni())
-      scores_int8_64<G>(q, kc, table, L, bs, tok_stride, blk_stride, scale, s, mx);
+      scores_int8_64<G>(q, kc, table, L, bs, tok_stride, blk_stride, scale, s, mx, streamed);
     else
-      scores_float64<C, G>(q, kc, table, L, bs, tok_stride, blk_stride, scale, s, mx);
+      scores_float64<C, G>(q, kc, table, L, bs, tok_stride, blk_stride, scale, s, mx, streamed);
   } else {
-    scores_float64<C, G>(q, kc, table, L, bs, tok_stride, blk_stride, scale, s, mx);
+    scores_float64<C, G>(q, kc, table, L, bs, tok_stride, blk_stride, scale, s, mx, streamed);
   }
   float inv[G];
   for (int g = 0; g < G; ++g) inv[g] = softmax_exp(s + g * L, L, mx[g]);
@@ -946,7 +958,7 @@ CB_AVX512 void decode_group64(const float* q, const C* kc, const C* vc, const in
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
   for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
-    if (bi + 1 < nb && table[bi + 1] != table[bi] + 1)
+    if (prefetch_next(table, bi, nb, streamed))
       prefetch_rows(vc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs), tok_stride);
     const int64_t n = std::min(bs, L - bi * bs);
     values_rows<C, G>(vc + table[bi] * blk_stride, n, tok_stride, s, L, j, acc);
@@ -958,10 +970,10 @@ CB_AVX512 void decode_group64(const float* q, const C* kc, const C* vc, const in
       _mm512_storeu_ps(out + g * D + 16 * i, _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv[g])));
 }
 
-// The next block's rows of every kv head, where it does not follow in memory (see prefetch_rows).
+// The next block's rows of every kv head (see prefetch_next).
 inline void prefetch_bytes(const void* first, int64_t bytes) {
   const char* p = static_cast<const char*>(first);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
 // A whole decode row of an int8 pool (all KVH kv heads, H = KVH * G query heads) in one pass over
@@ -990,9 +1002,9 @@ CB_VNNI void decode_row_int8_64(const float* q, const int8_t* kc, const int8_t* 
   const int64_t row_bytes = KVH * W;
   for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
     const int8_t* kb = kc + table[bi] * blk_stride;
-    if (bi + 1 < nb && table[bi + 1] != table[bi] + 1)
-      prefetch_bytes(kc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs) * row_bytes);
     const int64_t nblk = std::min(bs, L - bi * bs);
+    if (prefetch_next(table, bi, nb, true))
+      prefetch_bytes(kc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs) * row_bytes);
     for (int64_t t0 = 0; t0 < nblk; t0 += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, nblk - t0));
       for (int64_t kvh = 0; kvh < KVH; ++kvh) {
@@ -1009,9 +1021,9 @@ CB_VNNI void decode_row_int8_64(const float* q, const int8_t* kc, const int8_t* 
   for (int64_t i = 0; i < HH * D; ++i) st[i] = 0.f;
   for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
     const int8_t* vb = vc + table[bi] * blk_stride;
-    if (bi + 1 < nb && table[bi + 1] != table[bi] + 1)
-      prefetch_bytes(vc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs) * row_bytes);
     const int64_t n = std::min(bs, L - bi * bs);
+    if (prefetch_next(table, bi, nb, true))
+      prefetch_bytes(vc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs) * row_bytes);
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
       float* sa = st + kvh * G * D;
       __m512 a[G][4];
@@ -1039,10 +1051,10 @@ bool cpu_has_avx512() {
 template <typename C>
 void decode_heads(const float* q, int64_t G, const C* kc, const C* vc, const int64_t* table, int64_t L,
                   int64_t bs, int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float* out,
-                  float* s) {
+                  float* s, bool streamed) {
   if (D == 64 && G <= 8 && cpu_has_avx512()) {
     switch (G) {
-#define CB_G(n) case n: decode_group64<C, n>(q, kc, vc, table, L, bs, tok_stride, blk_stride, scale, out, s); return;
+#define CB_G(n) case n: decode_group64<C, n>(q, kc, vc, table, L, bs, tok_stride, blk_stride, scale, out, s, streamed); return;
       CB_G(1) CB_G(2) CB_G(3) CB_G(4) CB_G(5) CB_G(6) CB_G(7) CB_G(8)
 #undef CB_G
     }
@@ -1149,7 +1161,7 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
           const float* q = qp + b * width + kvh * G * D;
           float* o = op + b * H * D + kvh * G * D;
           decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, tp + b * maxb, L, bs, tok_stride, blk_stride, D,
-                          scale, o, s.data());
+                          scale, o, s.data(), true);
         }
       });
     }
@@ -1188,7 +1200,7 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
         const float* q = qp + r * width + kvh * G * D;
         float* o = op + r * H * D + kvh * G * D;
         decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, ctp + chunk[x] * cmaxb, L, bs, tok_stride,
-                        blk_stride, D, scale, o, s.data());
+                        blk_stride, D, scale, o, s.data(), false);
       }
     });
   }
