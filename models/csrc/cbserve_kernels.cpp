@@ -784,27 +784,38 @@ CB_VNNI inline void transpose16(__m512i r[16]) {
   for (int d = 0; d < 16; ++d) r[d] = t[d];
 }
 
-// Scores of G query heads (qh[0 .. G)) over n <= 16 keys whose rows start at `first`, into
-// s[g * L + j ...] (masked to n), their running maxima in vmx[g].
-template <int G>
-CB_VNNI inline void score_tile_int8(const int8_t* first, int n, int64_t tok_stride, const QueryInt8* qh, float* s,
-                                    int64_t L, int64_t j, __m512* vmx) {
+// A tile of up to 16 keys, transposed for vpdpbusd (r[d]: dword d of each key, key t in lane t,
+// offset to unsigned), and the keys' two scales (lane t: key t's).
+struct KeyTile {
+  __m512i r[16];
+  __m512 k0, k1;
+};
+
+// The n <= 16 K rows from `first` as a KeyTile; lanes from n on hold a zero key.
+CB_VNNI inline void load_key_tile(const int8_t* first, int n, int64_t tok_stride, KeyTile& kt) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   alignas(64) float sk0[16], sk1[16];
-  __m512i r[16];
   for (int t = 0; t < 16; ++t) {
     if (t < n) {
       const int8_t* kr = first + t * tok_stride;
-      r[t] = _mm512_xor_si512(_mm512_loadu_si512(kr), flip);
+      kt.r[t] = _mm512_xor_si512(_mm512_loadu_si512(kr), flip);
       std::memcpy(&sk0[t], kr + 64, 4);
       std::memcpy(&sk1[t], kr + 68, 4);
     } else {
-      r[t] = flip;  // a zero key; its lane is masked out
+      kt.r[t] = flip;
       sk0[t] = sk1[t] = 0.f;
     }
   }
-  transpose16(r);
-  const __m512 k0 = _mm512_load_ps(sk0), k1 = _mm512_load_ps(sk1);
+  transpose16(kt.r);
+  kt.k0 = _mm512_load_ps(sk0);
+  kt.k1 = _mm512_load_ps(sk1);
+}
+
+// Scores of G query heads (qh[0 .. G)) over the tile's first n keys, into s[g * L + j ...]
+// (masked to n), their running maxima in vmx[g].
+template <int G>
+CB_VNNI inline void score_key_tile(const KeyTile& kt, int n, const QueryInt8* qh, float* s, int64_t L, int64_t j,
+                                   __m512* vmx) {
   const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
 #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) {
@@ -812,16 +823,25 @@ CB_VNNI inline void score_tile_int8(const int8_t* first, int n, int64_t tok_stri
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int d = 0; d < 8; ++d) {
-      a0 = _mm512_dpbusd_epi32(a0, r[d], _mm512_set1_epi32(qg.words[d]));
-      a1 = _mm512_dpbusd_epi32(a1, r[8 + d], _mm512_set1_epi32(qg.words[8 + d]));
+      a0 = _mm512_dpbusd_epi32(a0, kt.r[d], _mm512_set1_epi32(qg.words[d]));
+      a1 = _mm512_dpbusd_epi32(a1, kt.r[8 + d], _mm512_set1_epi32(qg.words[8 + d]));
     }
     const __m512 w0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(a0, _mm512_set1_epi32(qg.corr[0])));
     const __m512 w1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(a1, _mm512_set1_epi32(qg.corr[1])));
-    const __m512 sc = _mm512_fmadd_ps(w1, _mm512_mul_ps(k1, _mm512_set1_ps(qg.scale[1])),
-                                      _mm512_mul_ps(w0, _mm512_mul_ps(k0, _mm512_set1_ps(qg.scale[0]))));
+    const __m512 sc = _mm512_fmadd_ps(w1, _mm512_mul_ps(kt.k1, _mm512_set1_ps(qg.scale[1])),
+                                      _mm512_mul_ps(w0, _mm512_mul_ps(kt.k0, _mm512_set1_ps(qg.scale[0]))));
     _mm512_mask_storeu_ps(s + g * L + j, m, sc);
     vmx[g] = _mm512_mask_max_ps(vmx[g], m, vmx[g], sc);
   }
+}
+
+// Scores of G query heads over n <= 16 keys whose rows start at `first` (see score_key_tile).
+template <int G>
+CB_VNNI inline void score_tile_int8(const int8_t* first, int n, int64_t tok_stride, const QueryInt8* qh, float* s,
+                                    int64_t L, int64_t j, __m512* vmx) {
+  KeyTile kt;
+  load_key_tile(first, n, tok_stride, kt);
+  score_key_tile<G>(kt, n, qh, s, L, j, vmx);
 }
 
 // head_dim 64 with AVX-512 (where the CPU has it): the G query heads sharing a kv head together,
@@ -936,6 +956,28 @@ CB_AVX512 inline void values_rows(const C* first, int64_t n, int64_t tok_stride,
   }
 }
 
+// values_rows for two tokens' heads at once (weights from s0 and s1): each row widened once.
+template <int G>
+CB_AVX512 inline void values_rows2(const int8_t* first, int64_t n, int64_t tok_stride, const float* s0,
+                                   const float* s1, int64_t L, int64_t j, __m512 (*a0)[4], __m512 (*a1)[4]) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int8_t* vr = first + t * tok_stride;
+    const __m512 v0 = row16(vr, 0), v1 = row16(vr, 1), v2 = row16(vr, 2), v3 = row16(vr, 3);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(s0[g * L + j + t]), r = _mm512_set1_ps(s1[g * L + j + t]);
+      a0[g][0] = _mm512_fmadd_ps(p, v0, a0[g][0]);
+      a0[g][1] = _mm512_fmadd_ps(p, v1, a0[g][1]);
+      a0[g][2] = _mm512_fmadd_ps(p, v2, a0[g][2]);
+      a0[g][3] = _mm512_fmadd_ps(p, v3, a0[g][3]);
+      a1[g][0] = _mm512_fmadd_ps(r, v0, a1[g][0]);
+      a1[g][1] = _mm512_fmadd_ps(r, v1, a1[g][1]);
+      a1[g][2] = _mm512_fmadd_ps(r, v2, a1[g][2]);
+      a1[g][3] = _mm512_fmadd_ps(r, v3, a1[g][3]);
+    }
+  }
+}
+
 template <typename C, int G>
 CB_AVX512 void decode_group64(const float* q, const C* kc, const C* vc, const int64_t* table, int64_t L,
                               int64_t bs, int64_t tok_stride, int64_t blk_stride, float scale, float* out,
@@ -1040,6 +1082,83 @@ CB_VNNI void decode_row_int8_64(const float* q, const int8_t* kc, const int8_t* 
       _mm512_storeu_ps(out + h * D + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(st + h * D + 16 * i), _mm512_set1_ps(inv[h])));
 }
 
+// Prefill chunks over an int8 pool with VNNI: up to kPrefillGroup consecutive tokens of a chunk
+// (causal lengths L0, L0 + 1, ...) with one kv head's G query heads, together. A token of a chunk
+// at depth attends over the same past as its neighbours, which decode_group64 rereads, transposes
+// and widens once a token; here each 16-key tile is loaded and transposed once for the group and
+// each V row widened once for each pair of tokens. Every token's scores, softmax and accumulation
+// are decode_group64's operations in its order (a key's score is its own lane whatever else the
+// tile holds; a pair's accumulators each take their own token's rows in order), so a token's
+// attention stays bit-identical to its decode-row form.
+constexpr int kPrefillGroup = 4;
+
+template <int G>
+CB_VNNI void prefill_group_int8_64(const float* q, int64_t q_stride, int nq, const int8_t* kc, const int8_t* vc,
+                                   const int64_t* table, int64_t L0, int64_t bs, int64_t tok_stride,
+                                   int64_t blk_stride, float scale, float* out, int64_t out_stride, float* s) {
+  constexpr int D = 64;
+  const int64_t Lmax = L0 + nq - 1;  // token i's length is L0 + i; its head g's scores at s + (i G + g) Lmax
+  QueryInt8 qh[kPrefillGroup][G];
+  __m512 vmx[kPrefillGroup][G];
+  for (int i = 0; i < nq; ++i)
+    for (int g = 0; g < G; ++g) {
+      quantize_query(q + i * q_stride + g * D, scale, qh[i][g]);
+      vmx[i][g] = _mm512_set1_ps(-INFINITY);
+    }
+  const int64_t nb = (Lmax + bs - 1) / bs;
+  for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
+    const int8_t* kb = kc + table[bi] * blk_stride;
+    if (prefetch_next(table, bi, nb, false))
+      prefetch_rows(kc + table[bi + 1] * blk_stride, std::min(bs, Lmax - (bi + 1) * bs), tok_stride);
+    const int64_t nblk = std::min(bs, Lmax - bi * bs);
+    for (int64_t t0 = 0; t0 < nblk; t0 += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, nblk - t0));
+      KeyTile kt;
+      load_key_tile(kb + t0 * tok_stride, n, tok_stride, kt);
+      for (int i = 0; i < nq; ++i) {
+        const int64_t ni = std::min<int64_t>(n, L0 + i - j);  // the keys token i sees
+        if (ni > 0) score_key_tile<G>(kt, static_cast<int>(ni), qh[i], s + i * G * Lmax, Lmax, j, vmx[i]);
+      }
+      j += n;
+    }
+  }
+  float inv[kPrefillGroup][G];
+  for (int i = 0; i < nq; ++i)
+    for (int g = 0; g < G; ++g)
+      inv[i][g] = softmax_exp(s + (i * G + g) * Lmax, L0 + i, _mm512_reduce_max_ps(vmx[i][g]));
+  for (int i = 0; i < nq; i += 2) {
+    const bool pair = i + 1 < nq;
+    const int64_t La = L0 + i;  // rows [0, La) for token i (and i + 1), then row La for token i + 1
+    const float* s0 = s + i * G * Lmax;
+    const float* s1 = s0 + G * Lmax;
+    __m512 a0[G][4], a1[G][4];
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g)
+      for (int k = 0; k < 4; ++k) a0[g][k] = a1[g][k] = _mm512_setzero_ps();
+    const int64_t nbv = (La + bs - 1) / bs;
+    for (int64_t bi = 0, j = 0; bi < nbv; ++bi) {
+      if (prefetch_next(table, bi, nbv, false))
+        prefetch_rows(vc + table[bi + 1] * blk_stride, std::min(bs, La - (bi + 1) * bs), tok_stride);
+      const int64_t n = std::min(bs, La - j);
+      if (pair)
+        values_rows2<G>(vc + table[bi] * blk_stride, n, tok_stride, s0, s1, Lmax, j, a0, a1);
+      else
+        values_rows<int8_t, G>(vc + table[bi] * blk_stride, n, tok_stride, s0, Lmax, j, a0);
+      j += n;
+    }
+    if (pair)
+      values_rows<int8_t, G>(vc + table[La / bs] * blk_stride + (La % bs) * tok_stride, 1, tok_stride, s1, Lmax, La, a1);
+    for (int k = 0; k < (pair ? 2 : 1); ++k) {
+      float* o = out + (i + k) * out_stride;
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < 4; ++c)
+          _mm512_storeu_ps(o + g * D + 16 * c,
+                           _mm512_mul_ps((k ? a1 : a0)[g][c], _mm512_set1_ps(inv[i + k][g])));
+    }
+  }
+}
+
 bool cpu_has_avx512() {
   static const bool ok = !isa_capped() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
@@ -1127,6 +1246,44 @@ void decode_whole_rows_int8(const float* qp, float* op, const int8_t* kbase, con
   });
 }
 
+// Prefill chunks of an int8 pool (VNNI, head_dim 64, G <= 8) as groups of kPrefillGroup
+// consecutive tokens x kv heads (prefill_group_int8_64), groups dealt in zigzag order as tokens
+// are in `attend`.
+void prefill_groups_int8(const float* qp, float* op, const int8_t* kbase, const int8_t* vbase, int64_t bs,
+                         const int64_t* mp, int64_t NC, const int64_t* ctp, int64_t cmaxb, int64_t H, int64_t KVH,
+                         int64_t tok_stride, int64_t blk_stride, float scale, int64_t max_len) {
+  constexpr int64_t D = 64, W = 72;
+  const int64_t G = H / KVH, width = (H + 2 * KVH) * D;
+  struct Group {
+    int64_t row, L0, chunk;
+    int nq;
+  };
+  std::vector<Group> groups;
+  for (int64_t c = 0; c < NC; ++c) {
+    const int64_t start = mp[c * 3], n = mp[c * 3 + 1], L = mp[c * 3 + 2];
+    for (int64_t t = 0; t < n; t += kPrefillGroup)
+      groups.push_back({start + t, L - n + t + 1, c, static_cast<int>(std::min<int64_t>(kPrefillGroup, n - t))});
+  }
+  const int64_t NG = static_cast<int64_t>(groups.size());
+  const int64_t grain = std::max<int64_t>(1, (1 << 17) / (max_len * D * G * kPrefillGroup));
+  at::parallel_for(0, NG * KVH, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> s;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t k = i / KVH, kvh = i % KVH;
+      const Group& gr = groups[(k % 2 == 0) ? k / 2 : NG - 1 - k / 2];  // zigzag
+      s.resize(gr.nq * G * (gr.L0 + gr.nq - 1) + 16);
+      const float* q = qp + gr.row * width + kvh * G * D;
+      float* o = op + gr.row * H * D + kvh * G * D;
+      const int64_t* table = ctp + gr.chunk * cmaxb;
+      switch (G) {
+#define CB_G(n) case n: prefill_group_int8_64<n>(q, width, gr.nq, kbase + kvh * W, vbase + kvh * W, table, gr.L0, bs, tok_stride, blk_stride, scale, o, H * D, s.data()); break;
+        CB_G(1) CB_G(2) CB_G(3) CB_G(4) CB_G(5) CB_G(6) CB_G(7) CB_G(8)
+#undef CB_G
+      }
+    }
+  });
+}
+
 // After the K/V are in the pool: decode rows, then prefill chunks, over pool rows of type C.
 template <typename C>
 void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t bs, int64_t num_decode,
@@ -1170,15 +1327,24 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
   // (this step's K/V were written above). The same kernel as decode, so a token's attention is
   // bit-identical whether it is computed in a prefill chunk of any size, as a decode step, or
   // recomputed after preemption; and no gather of the past. Tokens are dealt in zigzag order
-  // (first, last, second, ...) so the threads' contiguous shares cost about the same.
+  // (first, last, second, ...) so the threads' contiguous shares cost about the same. Int8 pools
+  // with VNNI take a few consecutive tokens an item (prefill_groups_int8), with the same results.
   const int64_t NC = chunk_meta_.defined() ? chunk_meta_.size(0) : 0;
   if (NC > 0) {
     at::Tensor meta = chunk_meta_.contiguous(), ctables = chunk_tables_.contiguous();
     const int64_t* mp = meta.data_ptr<int64_t>();
     const int64_t* ctp = ctables.data_ptr<int64_t>();
     const int64_t cmaxb = ctables.size(1);
-    std::vector<int64_t> row, len, chunk;
     int64_t max_len = 1;
+    for (int64_t c = 0; c < NC; ++c) max_len = std::max(max_len, mp[c * 3 + 2]);
+    if constexpr (std::is_same_v<C, int8_t>) {
+      if (D == 64 && G <= 8 && cpu_has_avx512() && cpu_has_vnni()) {
+        prefill_groups_int8(qp, op, kbase, vbase, bs, mp, NC, ctp, cmaxb, H, KVH, tok_stride, blk_stride, scale,
+                            max_len);
+        return;
+      }
+    }
+    std::vector<int64_t> row, len, chunk;
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t start = mp[c * 3], n = mp[c * 3 + 1], L = mp[c * 3 + 2];
       for (int64_t t = 0; t < n; ++t) {
@@ -1186,7 +1352,6 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
         len.push_back(L - n + t + 1);
         chunk.push_back(c);
       }
-      max_len = std::max(max_len, L);
     }
     const int64_t NT = static_cast<int64_t>(row.size());
     const int64_t task_grain = std::max<int64_t>(1, (1 << 17) / (max_len * D * G));
