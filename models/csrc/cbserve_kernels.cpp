@@ -13,7 +13,8 @@
 // attention: RoPE on q and k, K/V written into the paged pool, then causal attention of every
 //   token over its sequence's pool blocks, read in place by one paged kernel for decode rows and
 //   prefill chunks alike. The pool holds float32, float16 or int8 rows (int8: per 32 values one
-//   float32 scale after the row's values, as llama.cpp's q8_0); attention computes in float32.
+//   float32 scale after the row's values, as llama.cpp's q8_0); attention computes in float32
+//   (int8 pools with AVX512-VNNI: q.k as integer dot products, the query rounded as the keys).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
