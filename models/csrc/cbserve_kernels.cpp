@@ -881,6 +881,32 @@ inline void prefetch_rows(const C* first, int64_t n, int64_t tok_stride) {
   }
 }
 
+// The tiles of up to 16 keys of [0, L), block by block in order (a tile never spans two blocks),
+// with prefetch_next's prefetching: for (KeyTiles it(...); it.next();) { it.first, it.n, it.j }.
+struct KeyTiles {
+  const int8_t* kc;
+  const int64_t* table;
+  int64_t L, bs, tok_stride, blk_stride;
+  bool streamed;
+  int64_t nb = (L + bs - 1) / bs, bi = -1, t0 = 0, nblk = 0, j = 0;
+  const int8_t* first = nullptr;  // the tile's first K row
+  int n = 0;                       // its keys; the first is key j
+  bool next() {
+    j += n;
+    t0 += n;
+    if (t0 >= nblk) {
+      if (++bi >= nb) return false;
+      if (prefetch_next(table, bi, nb, streamed))
+        prefetch_rows(kc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs), tok_stride);
+      t0 = 0;
+      nblk = std::min(bs, L - bi * bs);
+    }
+    first = kc + table[bi] * blk_stride + t0 * tok_stride;
+    n = static_cast<int>(std::min<int64_t>(16, nblk - t0));
+    return true;
+  }
+};
+
 // Scores of a kv head's G query heads over keys [0, L) (head g's at s + g * L); returns nothing,
 // leaves the maxima in mx. The float path: one key at a time, a horizontal sum per head.
 template <typename C, int G>
@@ -924,18 +950,8 @@ CB_VNNI void scores_int8_64(const float* q, const int8_t* kc, const int64_t* tab
   for (int g = 0; g < G; ++g) quantize_query(q + g * 64, scale, qh[g]);
   __m512 vmx[G];
   for (int g = 0; g < G; ++g) vmx[g] = _mm512_set1_ps(-INFINITY);
-  const int64_t nb = (L + bs - 1) / bs;
-  for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
-    const int8_t* kb = kc + table[bi] * blk_stride;
-    if (prefetch_next(table, bi, nb, streamed))
-      prefetch_rows(kc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs), tok_stride);
-    const int64_t nblk = std::min(bs, L - bi * bs);
-    for (int64_t t0 = 0; t0 < nblk; t0 += 16) {
-      const int n = static_cast<int>(std::min<int64_t>(16, nblk - t0));
-      score_tile_int8<G>(kb + t0 * tok_stride, n, tok_stride, qh, s, L, j, vmx);
-      j += n;
-    }
-  }
+  for (KeyTiles it{kc, table, L, bs, tok_stride, blk_stride, streamed}; it.next();)
+    score_tile_int8<G>(it.first, it.n, tok_stride, qh, s, L, it.j, vmx);
   for (int g = 0; g < G; ++g) mx[g] = _mm512_reduce_max_ps(vmx[g]);
 }
 
@@ -1106,21 +1122,12 @@ CB_VNNI void prefill_group_int8_64(const float* q, int64_t q_stride, int nq, con
       quantize_query(q + i * q_stride + g * D, scale, qh[i][g]);
       vmx[i][g] = _mm512_set1_ps(-INFINITY);
     }
-  const int64_t nb = (Lmax + bs - 1) / bs;
-  for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
-    const int8_t* kb = kc + table[bi] * blk_stride;
-    if (prefetch_next(table, bi, nb, false))
-      prefetch_rows(kc + table[bi + 1] * blk_stride, std::min(bs, Lmax - (bi + 1) * bs), tok_stride);
-    const int64_t nblk = std::min(bs, Lmax - bi * bs);
-    for (int64_t t0 = 0; t0 < nblk; t0 += 16) {
-      const int n = static_cast<int>(std::min<int64_t>(16, nblk - t0));
-      KeyTile kt;
-      load_key_tile(kb + t0 * tok_stride, n, tok_stride, kt);
-      for (int i = 0; i < nq; ++i) {
-        const int64_t ni = std::min<int64_t>(n, L0 + i - j);  // the keys token i sees
-        if (ni > 0) score_key_tile<G>(kt, static_cast<int>(ni), qh[i], s + i * G * Lmax, Lmax, j, vmx[i]);
-      }
-      j += n;
+  for (KeyTiles it{kc, table, Lmax, bs, tok_stride, blk_stride, false}; it.next();) {
+    KeyTile kt;
+    load_key_tile(it.first, it.n, tok_stride, kt);
+    for (int i = 0; i < nq; ++i) {
+      const int64_t ni = std::min<int64_t>(it.n, L0 + i - it.j);  // the keys token i sees
+      if (ni > 0) score_key_tile<G>(kt, static_cast<int>(ni), qh[i], s + i * G * Lmax, Lmax, it.j, vmx[i]);
     }
   }
   float inv[kPrefillGroup][G];
