@@ -350,6 +350,16 @@ CB_VNNI void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t K, bo
   }
 }
 
+// The weights are one stream a step (panels in order, blocks in order), read once, and the
+// hardware prefetchers stay too close behind it: prefetching each block's lines 4 KB ahead into
+// L2 made all of SmolLM2's projections 0.93-0.999x the time at 1 row (median ~0.95 over four
+// interleaved runs), 0.85x at 8 rows, 0.94-0.98x at 32 (in-process A/B). `ratio`: the stream's
+// bytes a block over this array's (the scales move 4 KB / ratio ahead, in step with the weights).
+inline void prefetch_ahead(const void* p, int bytes, int ratio = 1) {
+  const char* c = static_cast<const char*>(p) + 4096 / ratio;
+  for (int l = 0; l < bytes; l += 64) _mm_prefetch(c + l, _MM_HINT_T1);
+}
+
 // MR rows (from row r0) x one panel's 16 outputs; c: MR x 16 results.
 template <int MR, int KIND>
 CB_VNNI inline void int8_tile(const Int8Rows& x, int64_t r0, const uint8_t* w, const at::Half* d,
@@ -365,6 +375,11 @@ CB_VNNI inline void int8_tile(const Int8Rows& x, int64_t r0, const uint8_t* w, c
     const uint8_t* xb = x.q + r0 * x.K + b * QB;
     if constexpr (KIND == Q4_1X) {
       const uint8_t* wb = w + b * 256;
+      prefetch_ahead(wb, 256);
+      if (b % 2 == 0) {  // 32 bytes of d and of m a block: a line every other block
+        prefetch_ahead(d + b * NR, 64, 8);
+        prefetch_ahead(static_cast<const at::Half*>(aux) + b * NR, 64, 8);
+      }
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
         const __m512i v = _mm512_loadu_si512(wb + 64 * g);
@@ -389,6 +404,9 @@ CB_VNNI inline void int8_tile(const Int8Rows& x, int64_t r0, const uint8_t* w, c
       }
     } else {  // Q8_0X
       const uint8_t* wb = w + b * 512;
+      prefetch_ahead(wb, 512);
+      prefetch_ahead(static_cast<const int32_t*>(aux) + b * NR, 64, 8);
+      if (b % 2 == 0) prefetch_ahead(d + b * NR, 64, 16);
 #pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
         const __m512i v = _mm512_loadu_si512(wb + 64 * g);
