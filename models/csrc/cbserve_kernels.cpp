@@ -899,13 +899,21 @@ inline void prefetch_rows(const C* first, int64_t n, int64_t tok_stride) {
   }
 }
 
+// The next block's rows of every kv head (see prefetch_next).
+inline void prefetch_bytes(const void* first, int64_t bytes) {
+  const char* p = static_cast<const char*>(first);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+}
+
 // The tiles of up to 16 keys of [0, L), block by block in order (a tile never spans two blocks),
-// with prefetch_next's prefetching: for (KeyTiles it(...); it.next();) { it.first, it.n, it.j }.
+// with prefetch_next's prefetching of this kv head's rows, or with `whole_rows` of each token's
+// first `whole_rows` bytes (every kv head): for (KeyTiles it{...}; it.next();) { it.first, it.n, it.j }.
 struct KeyTiles {
   const int8_t* kc;
   const int64_t* table;
   int64_t L, bs, tok_stride, blk_stride;
   bool streamed;
+  int64_t whole_rows = 0;
   int64_t nb = (L + bs - 1) / bs, bi = -1, t0 = 0, nblk = 0, j = 0;
   const int8_t* first = nullptr;  // the tile's first K row
   int n = 0;                       // its keys; the first is key j
@@ -914,8 +922,13 @@ struct KeyTiles {
     t0 += n;
     if (t0 >= nblk) {
       if (++bi >= nb) return false;
-      if (prefetch_next(table, bi, nb, streamed))
-        prefetch_rows(kc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs), tok_stride);
+      if (prefetch_next(table, bi, nb, streamed)) {
+        const int64_t rows = std::min(bs, L - (bi + 1) * bs);
+        if (whole_rows)
+          prefetch_bytes(kc + table[bi + 1] * blk_stride, rows * whole_rows);
+        else
+          prefetch_rows(kc + table[bi + 1] * blk_stride, rows, tok_stride);
+      }
       t0 = 0;
       nblk = std::min(bs, L - bi * bs);
     }
@@ -1047,11 +1060,6 @@ CB_AVX512 void decode_group64(const float* q, const C* kc, const C* vc, const in
       _mm512_storeu_ps(out + g * D + 16 * i, _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv[g])));
 }
 
-// The next block's rows of every kv head (see prefetch_next).
-inline void prefetch_bytes(const void* first, int64_t bytes) {
-  const char* p = static_cast<const char*>(first);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
-}
 
 // A whole decode row of an int8 pool (all KVH kv heads, H = KVH * G query heads) in one pass over
 // its blocks: each 16-key tile's K rows of every kv head, then (after the softmaxes) each block's V
@@ -1077,20 +1085,12 @@ CB_VNNI void decode_row_int8_64(const float* q, const int8_t* kc, const int8_t* 
   for (int64_t h = 0; h < HH; ++h) _mm512_storeu_ps(st + 16 * h, _mm512_set1_ps(-INFINITY));
   const int64_t nb = (L + bs - 1) / bs;
   const int64_t row_bytes = KVH * W;
-  for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
-    const int8_t* kb = kc + table[bi] * blk_stride;
-    const int64_t nblk = std::min(bs, L - bi * bs);
-    if (prefetch_next(table, bi, nb, true))
-      prefetch_bytes(kc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs) * row_bytes);
-    for (int64_t t0 = 0; t0 < nblk; t0 += 16) {
-      const int n = static_cast<int>(std::min<int64_t>(16, nblk - t0));
-      for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-        __m512 vmx[G];
-        for (int g = 0; g < G; ++g) vmx[g] = _mm512_loadu_ps(st + 16 * (kvh * G + g));
-        score_tile_int8<G>(kb + t0 * tok_stride + kvh * W, n, tok_stride, &qh[kvh * G], s + kvh * G * L, L, j, vmx);
-        for (int g = 0; g < G; ++g) _mm512_storeu_ps(st + 16 * (kvh * G + g), vmx[g]);
-      }
-      j += n;
+  for (KeyTiles it{kc, table, L, bs, tok_stride, blk_stride, true, row_bytes}; it.next();) {
+    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+      __m512 vmx[G];
+      for (int g = 0; g < G; ++g) vmx[g] = _mm512_loadu_ps(st + 16 * (kvh * G + g));
+      score_tile_int8<G>(it.first + kvh * W, it.n, tok_stride, &qh[kvh * G], s + kvh * G * L, L, it.j, vmx);
+      for (int g = 0; g < G; ++g) _mm512_storeu_ps(st + 16 * (kvh * G + g), vmx[g]);
     }
   }
   float inv[64];
