@@ -290,6 +290,54 @@ def test_fused_attention_matches_paged_attention(pool_dtype, D):  # noqa: N803
         assert torch.equal(cache[1], _to_pool(ref_cache[1], torch.int8))
 
 
+def test_int8_rounding_ties_extremes_and_denormals_in_pool_rows_and_queries():
+    """The int8 pool's writer and the VNNI query quantizer round half to even, clamp to +-127 and
+    keep zeros at 0 even where a denormal scale makes the inverse infinite; a chunk's attention
+    over such rows is still the reference's (the rows and queries rounded as torch rounds them)."""
+    h, kvh, d, bs, t = 9, 3, 64, 16, 4
+    torch.manual_seed(11)
+    qkv = torch.randn(t, (h + 2 * kvh) * d)
+    ties = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 3.5] + [0.0] * 22)
+    k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
+    v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
+    for x in (k, v):
+        x[0, 0, :32] = ties  # scale exactly 1: every .5 is a tie
+        x[1, 1, 32:] = torch.linspace(-1e30, 1e30, 32)  # huge values
+        x[2, 2, :32] = 0.0
+        x[2, 2, :4] = torch.tensor([1e-40, -1e-40, 0.0, 2e-40])  # a denormal group
+    qkv[1, :32] = ties * 0.01  # a query head with ties after its own scaling
+    cos, sin = torch.ones(t, d // 2), torch.zeros(t, d // 2)
+    table = torch.tensor([[2]])
+    pools = [torch.zeros(4, bs, kvh, d + d // 8, dtype=torch.int8) for _ in range(2)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(2 * bs, 2 * bs + t),
+        num_decode_tokens=0,
+        decode_block_tables=None,
+        decode_context_lens=None,
+        prefills=[PrefillChunk(0, t, t, table[0])],
+    )
+    got = torch.ops.cbserve.attention(
+        qkv.clone(), cos, sin, pools[0], pools[1], meta.slot_mapping, 0,
+        torch.empty(0, 1, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
+        meta.chunk_meta(), meta.chunk_tables(), h, kvh, d, d**-0.5,
+    )  # fmt: skip
+    for pool, x in zip(pools, (k, v), strict=True):
+        rows = pool[2, :t]
+        want = _to_pool(x, torch.int8)
+        normal = torch.ones(t, kvh, dtype=torch.bool)
+        normal[2, 2] = False
+        assert torch.equal(rows[normal], want[normal])
+        assert rows[0, 0, :10].tolist() == [127, 0, 2, 2, 0, -2, -2, 126, -126, 4]
+        # the denormal group: scale > 0, its inverse infinite: signs at full scale, zeros stay 0
+        assert rows[2, 2, :32].tolist() == [127, -127, 0, 127] + [0] * 28
+        assert torch.equal(rows[2, 2, 32:], want[2, 2, 32:])
+    if kernels.has_int8_dot():  # where queries are rounded too, the reference must round them
+        q = _query_as_the_kernel_reads_it(qkv[:, : h * d].view(t, h, d), torch.int8, d**-0.5)
+        ref_k, ref_v = _from_pool(pools[0], d), _from_pool(pools[1], d)
+        want = paged_attention(q, ref_k[2, :t].clone(), ref_v[2, :t].clone(), (ref_k, ref_v), meta, d**-0.5)
+        torch.testing.assert_close(got, want.reshape(t, h * d), rtol=1e-4, atol=1e-4)
+
+
 # -- the whole model ----------------------------------------------------------------------------
 
 

@@ -685,16 +685,52 @@ inline void store_row(C* dst, const float* x, int64_t D) {
   for (; i + 8 <= D; i += 8) store8(dst + i, _mm256_loadu_ps(x + i));
   for (; i < D; ++i) dst[i] = static_cast<C>(x[i]);
 }
+// 32 float32 values times `inv`, clamped to [-127, 127] and rounded to int8 (nearest, ties to even:
+// _mm256_cvtps_epi32 under the default rounding mode, as std::nearbyint), into dst[0 .. 32); returns
+// their sum. AVX2, so every CPU the kernels run on writes the same bytes.
+inline int32_t round_block32(const float* x, float inv, int8_t* dst) {
+  const __m256 vi = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) {
+    // Clamped before rounding, so an overflow (inf) cannot wrap; NaN (0 times the infinite inverse
+    // of a denormal scale) becomes 0, as the scalar cast gave.
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), vi);
+    const __m256 c = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+    q[i] = _mm256_cvtps_epi32(_mm256_and_ps(c, _mm256_cmp_ps(v, v, _CMP_ORD_Q)));
+  }
+  // packs interleave 128-bit lanes: bytes come out as dwords 0 4 1 5 2 6 3 7 of the wanted order
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  return _mm_cvtsi128_si32(t);
+}
+
+// max |x| over 32 values (a NaN is passed over, as std::max(amax, NaN) does); `finite`: all are.
+inline float absmax32(const float* x, bool* finite) {
+  const __m256 sign = _mm256_set1_ps(-0.f), inf = _mm256_set1_ps(INFINITY);
+  __m256 m = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  for (int i = 0; i < 4; ++i) {
+    const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * i));
+    m = _mm256_max_ps(a, m);  // maxps returns its second operand when either is NaN
+    ok = _mm256_and_ps(ok, _mm256_cmp_ps(a, inf, _CMP_LT_OQ));
+  }
+  if (finite) *finite = _mm256_movemask_ps(ok) == 0xFF;
+  __m128 r = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_max_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
 // int8: symmetric per 32 values, scale = max|x| / 127, q = x * (1 / scale) rounded to nearest even.
 template <>
 inline void store_row<int8_t>(int8_t* dst, const float* x, int64_t D) {
   for (int64_t g = 0; g < D; g += 32) {
-    float amax = 0.f;
-    for (int64_t i = g; i < g + 32; ++i) amax = std::max(amax, std::fabs(x[i]));
-    const float scale = amax / 127.f;
-    const float inv = scale > 0.f ? 1.f / scale : 0.f;
-    for (int64_t i = g; i < g + 32; ++i)
-      dst[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] * inv), -127.f, 127.f));
+    const float scale = absmax32(x + g, nullptr) / 127.f;
+    round_block32(x + g, scale > 0.f ? 1.f / scale : 0.f, dst + g);
     std::memcpy(dst + D + 4 * (g / 32), &scale, sizeof scale);
   }
 }
@@ -755,27 +791,18 @@ struct QueryInt8 {
 
 // q: one head's 64 values (roped); `softmax_scale` folded in before quantizing.
 inline void quantize_query(const float* q, float softmax_scale, QueryInt8& out) {
-  int8_t bytes[64];
+  alignas(32) float x[64];
+  const __m256 vs = _mm256_set1_ps(softmax_scale);
+  for (int i = 0; i < 64; i += 8) _mm256_store_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(q + i), vs));
+  int8_t* bytes = reinterpret_cast<int8_t*>(out.words);
   for (int h = 0; h < 2; ++h) {
-    float x[32], amax = 0.f;
-    bool finite = true;
-    for (int i = 0; i < 32; ++i) {
-      x[i] = q[32 * h + i] * softmax_scale;
-      finite = finite && std::isfinite(x[i]);
-      amax = std::max(amax, std::fabs(x[i]));
-    }
+    bool finite;
+    const float amax = absmax32(x + 32 * h, &finite);
     // A non-finite query (a broken model) gives NaN scores, as the float path would.
     out.scale[h] = finite ? amax / 127.f : NAN;
     const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
-    int32_t sum = 0;
-    for (int i = 0; i < 32; ++i) {
-      const int v = static_cast<int>(std::clamp(std::nearbyint(x[i] * inv), -127.f, 127.f));
-      bytes[32 * h + i] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    out.corr[h] = 128 * sum;
+    out.corr[h] = 128 * round_block32(x + 32 * h, inv, bytes + 32 * h);
   }
-  std::memcpy(out.words, bytes, sizeof bytes);
 }
 
 // 16 rows of 16 dwords -> vector d holding dword d of the 16 rows.
