@@ -334,7 +334,9 @@ def test_int8_rounding_ties_extremes_and_denormals_in_pool_rows_and_queries():
     if kernels.has_int8_dot():  # where queries are rounded too, the reference must round them
         q = _query_as_the_kernel_reads_it(qkv[:, : h * d].view(t, h, d), torch.int8, d**-0.5)
         ref_k, ref_v = _from_pool(pools[0], d), _from_pool(pools[1], d)
-        want = paged_attention(q, ref_k[2, :t].clone(), ref_v[2, :t].clone(), (ref_k, ref_v), meta, d**-0.5)
+        want = paged_attention(
+            q, ref_k[2, :t].clone(), ref_v[2, :t].clone(), (ref_k, ref_v), meta, d**-0.5
+        )
         torch.testing.assert_close(got, want.reshape(t, h * d), rtol=1e-4, atol=1e-4)
 
 
