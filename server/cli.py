@@ -101,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GIB",
         help="KV cache budget in GiB; the pool's pages are reserved up front and touched as "
         "used, and the prefix cache keeps freed blocks until the pool cycles, so a busy "
-        "server's RSS ends up ~this much above the model's (default: %(default)s: 34,900 "
-        "tokens of SmolLM2 with its float16 cache)",
+        "server's RSS ends up ~this much above the model's (default: %(default)s: 62,100 "
+        "tokens of SmolLM2 with the int8 cache `auto` picks on AVX512-VNNI CPUs, 34,900 with "
+        "float16)",
     )
     m.add_argument(
         "--num-kv-blocks",
