@@ -161,6 +161,11 @@ def _greedy_tokens(logits: torch.Tensor, states: Sequence[RequestState]) -> list
     placeholders, which the draws replace."""
     if not any(s.params.greedy for s in states):
         return [0] * len(states)
+    return argmax_rows(logits)
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """torch.argmax(logits, -1) as a list, through the project's kernel where it is built."""
     if logits.dtype == torch.float32 and kernels.available():
         return torch.ops.cbserve.argmax_rows(logits).tolist()
     return logits.argmax(dim=-1).tolist()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sampling import argmax_rows
 from models import AttentionMetadata, LlamaForCausalLM, PrefillChunk
 from tools.conditions import conditions
 from tools.model_args import add_model_args, load_from_args
@@ -84,7 +85,8 @@ def decode_step(
         prefills=[],
     )
     hidden = model(torch.tensor(tokens), pos, pool.caches, meta)
-    return model.compute_logits(hidden).argmax(-1).tolist()
+    # the engine's greedy argmax (its kernel), so the step's profile shows what a served step spends
+    return argmax_rows(model.compute_logits(hidden))
 
 
 def matmul_gflops(n: int = 2048, reps: int = 10) -> float:
