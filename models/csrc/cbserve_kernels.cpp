@@ -1298,7 +1298,7 @@ void decode_whole_rows_int8(const float* qp, float* op, const int8_t* kbase, con
     std::vector<QueryInt8> qh;
     for (int64_t b = b0; b < b1; ++b) {
       if (b + 1 < b1)  // the next row's first K block (first blocks: see prefetch_next)
-        prefetch_bytes(kbase + tp[(b + 1) * maxb] * blk_stride, std::min(bs, lp[b + 1]) * KVH * 72);
+        prefetch_bytes(kbase + tp[(b + 1) * maxb] * blk_stride, std::min(bs, lp[b + 1]) * tok_stride);
       s.resize(H * lp[b] + 16);
       const float* q = qp + b * width;
       float* o = op + b * H * 64;
