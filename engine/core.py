@@ -29,7 +29,12 @@ from engine.scheduler import Scheduler
 from engine.step_budget import StepBudget
 from models.base import CausalLM, LoadedModel
 
-DEFAULT_KV_CACHE_GIB = 1.0
+# A pool sized without a budget holds every slot's full context, capped at both of these: a busy
+# server touches the whole pool (the prefix cache hands out every free block in turn), so the cap
+# is what its RSS grows by. 40,960 tokens (five 8k contexts) is what binds for compact caches (an
+# int8 pool: 0.5 GiB of SmolLM2), 0.75 GiB for the rest (34,900 float16 tokens of SmolLM2).
+DEFAULT_KV_CACHE_GIB = 0.75
+DEFAULT_KV_CACHE_TOKENS = 40_960
 
 
 def engine_config(config: EngineConfig | None, options: dict[str, object]) -> EngineConfig:
@@ -239,12 +244,15 @@ class StaticBatchEngine(EngineBase):
 
     def _blocks_from_budget(self, config: EngineConfig) -> int:
         """Size the pool from a memory budget; without one, enough for every slot to reach the
-        full context, capped at DEFAULT_KV_CACHE_GIB."""
+        full context, capped at DEFAULT_KV_CACHE_GIB and DEFAULT_KV_CACHE_TOKENS."""
         per_block = self.model_config.kv_bytes_per_token * config.block_size
         if config.kv_cache_memory_gib is not None:
             return max(2, int(config.kv_cache_memory_gib * 2**30 // per_block))
         want = config.max_batch_size * math.ceil(self.max_model_len / config.block_size) + 1
-        cap = int(DEFAULT_KV_CACHE_GIB * 2**30 // per_block)
+        cap = min(
+            int(DEFAULT_KV_CACHE_GIB * 2**30 // per_block),
+            DEFAULT_KV_CACHE_TOKENS // config.block_size + 1,
+        )
         return max(2, min(want, cap))
 
     # -- queueing --------------------------------------------------------------------------------

@@ -97,13 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--kv-cache-memory",
         type=float,
-        default=0.75,
+        default=None,
         metavar="GIB",
         help="KV cache budget in GiB; the pool's pages are reserved up front and touched as "
         "used, and the prefix cache keeps freed blocks until the pool cycles, so a busy "
-        "server's RSS ends up ~this much above the model's (default: %(default)s: 62,100 "
-        "tokens of SmolLM2 with the int8 cache `auto` picks on AVX512-VNNI CPUs, 34,900 with "
-        "float16)",
+        "server's RSS ends up ~this much above the model's (default: every slot's full "
+        "context, capped at 0.75 GiB and at 40,960 tokens: 0.5 GiB of SmolLM2 with the int8 "
+        "cache `auto` picks on AVX512-VNNI CPUs, 0.75 GiB = 34,900 tokens with float16)",
     )
     m.add_argument(
         "--num-kv-blocks",

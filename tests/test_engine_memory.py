@@ -138,3 +138,19 @@ def test_block_manager_allocation_is_all_or_nothing():
     assert 0 not in a.block_ids  # block 0 is reserved
     bm.free(a)
     assert bm.num_free_blocks == 4 and a.block_ids == []
+
+
+def test_a_pool_sized_without_a_budget_is_capped_in_bytes_and_in_tokens(model):
+    """Without a budget the pool holds every slot's full context up to 0.75 GiB and 40,960 tokens
+    (a busy server ends up touching all of it: the cap is what its RSS grows by)."""
+    from engine.core import DEFAULT_KV_CACHE_GIB, DEFAULT_KV_CACHE_TOKENS
+
+    per_token = ContinuousBatchEngine(model, num_blocks=2).model_config.kv_bytes_per_token
+    small = ContinuousBatchEngine(model, max_batch_size=2)  # two full contexts: under both caps
+    context = small.max_model_len
+    assert small.block_manager.num_blocks == 2 * -(-context // 16) + 1
+    many = ContinuousBatchEngine(model, max_batch_size=4096)  # far over both caps
+    cap_tokens = min(DEFAULT_KV_CACHE_TOKENS, int(DEFAULT_KV_CACHE_GIB * 2**30 // per_token))
+    assert 4096 * context > cap_tokens
+    assert many.block_manager.num_blocks * 16 <= cap_tokens + 16
+    assert many.block_manager.num_blocks * 16 >= cap_tokens - 16
