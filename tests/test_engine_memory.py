@@ -145,9 +145,8 @@ def test_a_pool_sized_without_a_budget_is_capped_in_bytes_and_in_tokens(model):
     (a busy server ends up touching all of it: the cap is what its RSS grows by)."""
     from engine.core import DEFAULT_KV_CACHE_GIB, DEFAULT_KV_CACHE_TOKENS
 
-    per_token = ContinuousBatchEngine(model, num_blocks=2).model_config.kv_bytes_per_token
     small = ContinuousBatchEngine(model, max_batch_size=2)  # two full contexts: under both caps
-    context = small.max_model_len
+    per_token, context = small.model_config.kv_bytes_per_token, small.max_model_len
     assert small.block_manager.num_blocks == 2 * -(-context // 16) + 1
     many = ContinuousBatchEngine(model, max_batch_size=4096)  # far over both caps
     cap_tokens = min(DEFAULT_KV_CACHE_TOKENS, int(DEFAULT_KV_CACHE_GIB * 2**30 // per_token))

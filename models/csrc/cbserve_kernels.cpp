@@ -1096,7 +1096,6 @@ CB_AVX512 void decode_group64(const float* q, const C* kc, const C* vc, const in
       _mm512_storeu_ps(out + g * D + 16 * i, _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv[g])));
 }
 
-
 // A whole decode row of an int8 pool (all KVH kv heads, H = KVH * G query heads) in one pass over
 // its blocks: each 16-key tile's K rows of every kv head, then (after the softmaxes) each block's V
 // rows of every kv head. A token's kv heads are adjacent in the pool (216 bytes at SmolLM2's 3 x
@@ -1111,7 +1110,7 @@ CB_VNNI void decode_row_int8_64(const float* q, const int8_t* kc, const int8_t* 
                                 int64_t bs, int64_t KVH, int64_t tok_stride, int64_t blk_stride, float scale,
                                 float* out, float* s, std::vector<QueryInt8>& qh, std::vector<float>& state) {
   constexpr int D = 64;
-  constexpr int64_t W = 72;  // row_width<int8_t>(64)
+  constexpr int64_t W = row_width<int8_t>(D);
   const int64_t HH = KVH * G;
   // s: each head's scores; state: each head's running maximum (16 lanes), later its accumulators
   qh.resize(HH);
@@ -1317,7 +1316,7 @@ void decode_whole_rows_int8(const float* qp, float* op, const int8_t* kbase, con
 void prefill_groups_int8(const float* qp, float* op, const int8_t* kbase, const int8_t* vbase, int64_t bs,
                          const int64_t* mp, int64_t NC, const int64_t* ctp, int64_t cmaxb, int64_t H, int64_t KVH,
                          int64_t tok_stride, int64_t blk_stride, float scale, int64_t max_len) {
-  constexpr int64_t D = 64, W = 72;
+  constexpr int64_t D = 64, W = row_width<int8_t>(D);
   const int64_t G = H / KVH, width = (H + 2 * KVH) * D;
   struct Group {
     int64_t row, L0, chunk;
