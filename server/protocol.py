@@ -34,6 +34,7 @@ from pydantic import (
 
 from engine import SamplingParams
 from server.errors import APIError
+from server.tool_protocol import ToolCallParam, ToolChoice, Tools
 
 # Limits a single HTTP request may ask for. They bound the work one call can queue and the size
 # of a response; the engine's own limits (context length, KV pool) are checked separately.
@@ -278,6 +279,9 @@ class ChatMessage(_Body):
     # Only text content: image/audio parts fail validation with a 400 naming the part.
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    # Tool calling (server.tools): an assistant turn's calls, and the call a tool turn answers.
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -294,7 +298,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int_in(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
+    # -- tool calling (server.tools) and the chat template's inputs (server.chat_template) --
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

@@ -20,7 +20,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
-import jinja2
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
@@ -33,7 +32,10 @@ from engine import (
     SamplingParams,
     StepOutput,
 )
+from engine.structured import StructuredSpec
 from models import Tokenizer
+from server.chat_output import ParsedChatFormat
+from server.chat_template import ChatTemplate
 from server.client import EngineClient
 from server.errors import APIError, ClientDisconnected
 from server.generation import Choice, Generation
@@ -63,6 +65,7 @@ from server.responses import (
     stream_body,
 )
 from server.structured import StructuredOutputs, structured_spec
+from server.tools import ToolPlan, plan_tools, tool_structured_spec
 
 log = logging.getLogger("server.requests")
 
@@ -97,8 +100,15 @@ class OpenAIServing:
         log_prompts: bool = False,
         max_concurrent_per_client: int | None = None,
         stall_timeout: float | None = None,
+        chat_template: str | None = None,
+        tool_call_parser: str = "auto",
+        reasoning_parser: str | None = None,
     ) -> None:
         self.client = client
+        # issue 25: the chat template (or --chat-template), --tool-call-parser, --reasoning-parser
+        self.chat_template = ChatTemplate(tokenizer, chat_template)
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         # A streamed response whose client reads nothing for this long is given up (aborted).
         self.stall_timeout = stall_timeout
         # Open generation requests per client identity, against `max_concurrent_per_client`.
@@ -152,17 +162,29 @@ class OpenAIServing:
         return await self._respond(gen, requests, fmt, req.stream, http)
 
     async def chat(self, req: ChatCompletionRequest, http: HTTPRequest) -> Response:
+        gen, requests, plan = await self.chat_requests(req, http)
+        fmt: ResponseFormat
+        if plan is not None or self.reasoning_parser is not None:  # issue 25 hook
+            fmt = ParsedChatFormat(gen, self.token_text, plan, self.reasoning_parser)
+        else:
+            fmt = ChatFormat(gen, self.token_text)
+        return await self._respond(gen, requests, fmt, req.stream, http)
+
+    async def chat_requests(
+        self, req: ChatCompletionRequest, http: HTTPRequest, prefix: str = "chatcmpl"
+    ) -> tuple[Generation, list[Request], ToolPlan | None]:
+        """A chat request's generation and engine requests, not yet submitted, and its tool plan
+        (also the path of /v1/responses, server.responses_api)."""
         arrival = time.monotonic()
         model = self._check_model(req.model)
-        if req.tools:
-            raise APIError(400, "tools are not supported", param="tools")
-        text = self._render_chat(req.messages, req.add_generation_prompt)
+        plan = plan_tools(req, self.tool_call_parser, self.chat_template.source)
+        text = self.chat_template.render(
+            req.messages, req.add_generation_prompt, plan, req.chat_template_kwargs
+        )
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise APIError(400, "the rendered chat prompt is empty", param="messages")
-        gen = self._generation(
-            "chatcmpl", http, arrival, model, [ids], [text], req, req.num_logprobs
-        )
+        gen = self._generation(prefix, http, arrival, model, [ids], [text], req, req.num_logprobs)
         for name in ("max_tokens", "max_completion_tokens"):
             # Each is bounded by the context on its own (the schema says so), also when the
             # other one is what counts.
@@ -180,9 +202,9 @@ class OpenAIServing:
             raise self._too_long(len(ids), 1)
         params = chat_sampling_params(req, self.vocab_size, max_tokens, self.defaults)
         self._check_lengths(gen, req.n, params[0].max_tokens)
-        requests = await self._engine_requests(gen, req, params)
-        fmt = ChatFormat(gen, self.token_text)
-        return await self._respond(gen, requests, fmt, req.stream, http)
+        spec = tool_structured_spec(plan, req)  # issue 25 hook: the tools' grammar, if any
+        requests = await self._engine_requests(gen, req, params, spec)
+        return gen, requests, plan
 
     def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         self._check_model(req.model)
@@ -208,24 +230,7 @@ class OpenAIServing:
         return self.card.name
 
     def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-        if not self.tokenizer.chat_template:
-            raise APIError(
-                400, "this model has no chat template; use /v1/completions", param="messages"
-            )
-        dicts = []
-        for m in messages:
-            d: dict[str, Any] = {"role": m.role, "content": m.text()}
-            if m.name is not None:
-                d["name"] = m.name
-            dicts.append(d)
-        try:
-            return self.tokenizer.apply_chat_template(
-                dicts, add_generation_prompt=add_generation_prompt
-            )
-        except jinja2.TemplateError as e:  # raise_exception() in a template: roles out of order
-            raise APIError(
-                400, f"the chat template rejected the messages: {e}", param="messages"
-            ) from e
+        return self.chat_template.render(messages, add_generation_prompt)  # issue 25 hook
 
     def _too_long(self, prompt_len: int, max_tokens: int) -> APIError:
         limit = self.card.max_model_len
@@ -279,12 +284,16 @@ class OpenAIServing:
                 raise self._too_long(len(ids), max_tokens)
 
     async def _engine_requests(
-        self, gen: Generation, req: SamplingFields, params: Sequence[SamplingParams]
+        self,
+        gen: Generation,
+        req: SamplingFields,
+        params: Sequence[SamplingParams],
+        tool_spec: StructuredSpec | None = None,
     ) -> list[Request]:
         """One engine request (and choice) per prompt and choice index, the choice's params, and
         its own grammar state when the request asks for structured output."""
         try:
-            spec = structured_spec(req)
+            spec = tool_spec or structured_spec(req)  # issue 25: a tools grammar replaces it
             constraints = (
                 await self.structured.constraints(spec, len(gen.prompts) * len(params))
                 if spec is not None

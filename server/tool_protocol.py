@@ -1,0 +1,81 @@
+"""The request bodies of tool calling (pydantic, at the HTTP boundary): function tools, the
+`tool_choice` field, and the tool calls an assistant message carries back.
+
+Owns what `tools`, `tool_choice` and a message's `tool_calls` may look like on the wire (OpenAI's
+chat shapes). What they mean (which tool may be called, the prompt, the grammar, the 400s that
+need more than one field) is `server.tools`'. `server.protocol` imports these types into its
+chat request; this module imports nothing of the server, so that it can.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+# OpenAI's rule for function names: what a template, a prompt and a grammar literal can carry.
+FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+MAX_TOOLS = 128  # OpenAI's limit on tools in one request
+
+
+def _valid_unicode(value: str) -> str:
+    # As server.protocol.Text: a lone surrogate is valid JSON but cannot become UTF-8.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"contains invalid Unicode (a lone surrogate at position {e.start})"
+        ) from None
+    return value
+
+
+_Text = Annotated[str, AfterValidator(_valid_unicode)]
+FunctionName = Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
+
+
+class _Body(BaseModel):
+    # As server.protocol's request bodies: strict types, unknown fields ignored.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class FunctionDefinition(_Body):
+    name: FunctionName
+    description: _Text | None = None
+    # A JSON Schema for the arguments object; absent: any object. Checked by server.tools.
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionRef(_Body):
+    name: FunctionName
+
+
+class NamedToolChoice(_Body):
+    """`{"type": "function", "function": {"name": ...}}`: call this function."""
+
+    type: Literal["function"]
+    function: FunctionRef
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ToolCallFunction(_Body):
+    name: _Text
+    arguments: _Text  # a JSON text, as the model wrote it
+
+
+class ToolCallParam(_Body):
+    """A call in an assistant message of the conversation so far."""
+
+    id: _Text = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+Tools = Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)]

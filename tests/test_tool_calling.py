@@ -1,0 +1,314 @@
+"""Tool calling on /v1/chat/completions with real clients against real servers: the OpenAI SDK
+(whole and streamed, deltas accumulated), LangChain's tool loop on SmolLM2, sampled calls that
+must validate against their schemas (jsonschema is the oracle), and the 400s for bad tools."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.conftest import LiveServer, run_server
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    },
+}
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a word up.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "word": {"type": "string", "maxLength": 8},
+                "n": {"type": "integer", "minimum": 1, "maximum": 9},
+            },
+            "required": ["word", "n"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, LOOKUP]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_lm) -> Iterator[LiveServer]:
+    options = {"max_batch_size": 16, "kv_cache_memory_gib": 0.25}
+    with run_server(smollm2_lm, engine_options=options) as live:
+        yield live
+
+
+def sdk(live: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.v1, api_key="unused", max_retries=0, timeout=120)
+
+
+def assert_valid_calls(message, names: set[str], at_most: int | None = None) -> None:
+    calls = message.tool_calls or []
+    assert calls, f"no tool call in {message}"
+    if at_most is not None:
+        assert len(calls) <= at_most
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_required_tool_call_from_smollm2_parses_and_validates(smol, smollm2_lm):
+    out = sdk(smol).chat.completions.create(
+        model=smollm2_lm.name,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=80,
+        temperature=0,
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert_valid_calls(choice.message, {"get_weather", "lookup"})
+
+
+def test_streamed_tool_call_deltas_accumulate_to_the_whole_response(smol, smollm2_lm):
+    args = dict(
+        model=smollm2_lm.name,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=80,
+        temperature=0,
+    )
+    client = sdk(smol)
+    whole = client.chat.completions.create(**args).choices[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    first_delta_of: dict[int, object] = {}
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for d in choice.delta.tool_calls or []:
+                first_delta_of.setdefault(d.index, d)
+                entry = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+    assert finish == whole.finish_reason == "tool_calls"
+    # OpenAI's shape: the first delta of a call carries its id, type and name.
+    assert all(d.id and d.type == "function" and d.function.name for d in first_delta_of.values())
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls
+    ]
+    assert whole.message.tool_calls[0].function.name == "get_weather"
+
+
+def test_parallel_tool_calls_false_allows_one_call(server, tiny_lm):
+    out = sdk(server).chat.completions.create(
+        model=tiny_lm.name,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=200,
+        temperature=1,
+        seed=3,
+        n=4,
+    )
+    for choice in out.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert_valid_calls(choice.message, {"get_weather", "lookup"}, at_most=1)
+
+
+async def _sampled_calls(live: LiveServer, model: str, max_tokens: int) -> None:
+    client = openai.AsyncOpenAI(base_url=live.v1, api_key="unused", max_retries=0, timeout=300)
+    choices = ["required", {"type": "function", "function": {"name": "lookup"}}]
+
+    async def one(i: int):
+        choice = choices[i % 2]
+        out = await client.chat.completions.create(
+            model=model,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=choice,
+            temperature=1.0,
+            seed=1000 + i,
+            max_tokens=max_tokens,
+            parallel_tool_calls=i % 5 == 0,
+        )
+        return choice, out.choices[0]
+
+    results = await asyncio.gather(*(one(i) for i in range(50)))
+    for choice, c in results:
+        assert c.finish_reason == "tool_calls", c
+        names = {"lookup"} if isinstance(choice, dict) else {"get_weather", "lookup"}
+        assert_valid_calls(c.message, names, at_most=None if choice == "required" else 1)
+
+
+def test_fifty_sampled_required_and_named_calls_from_tinygpt_validate(tiny_lm):
+    # Random weights at temperature 1: only the grammar makes these calls well formed. All 50
+    # in one batch: a random model writes many parallel calls, and waves of 8 take long.
+    with run_server(tiny_lm, engine_options={"max_batch_size": 50}) as live:
+        asyncio.run(_sampled_calls(live, tiny_lm.name, max_tokens=900))
+
+
+def test_fifty_sampled_required_and_named_calls_from_smollm2_validate(smol, smollm2_lm):
+    asyncio.run(_sampled_calls(smol, smollm2_lm.name, max_tokens=400))
+
+
+def test_langchain_tool_loop_calls_then_answers_from_the_tool_result(smol, smollm2_lm):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        return f"It is sunny and 21 degrees in {city}."
+
+    llm = ChatOpenAI(
+        base_url=smol.v1,
+        api_key="unused",
+        model=smollm2_lm.name,
+        temperature=0,
+        max_tokens=60,
+        max_retries=0,
+    )
+    messages = [HumanMessage("What is the weather in Paris? Use the tool.")]
+    ai = llm.bind_tools([get_weather], tool_choice="required").invoke(messages)
+    assert len(ai.tool_calls) >= 1
+    call = ai.tool_calls[0]
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+    messages.append(ai)
+    for c in ai.tool_calls:
+        messages.append(ToolMessage(get_weather.invoke(c["args"]), tool_call_id=c["id"]))
+    final = llm.bind_tools([get_weather], tool_choice="none").invoke(messages)
+    assert not final.tool_calls
+    assert isinstance(final.content, str) and final.content.strip()
+    assert final.response_metadata["finish_reason"] in ("stop", "length")
+
+
+def test_auto_in_generic_mode_answers_or_calls_and_either_parses(smol, smollm2_lm):
+    out = sdk(smol).chat.completions.create(
+        model=smollm2_lm.name,
+        messages=[{"role": "user", "content": "Say hello."}],
+        tools=TOOLS,
+        max_tokens=30,
+        temperature=1,
+        seed=5,
+        n=4,
+    )
+    for c in out.choices:
+        if c.message.tool_calls:
+            assert c.finish_reason == "tool_calls"
+            assert_valid_calls(c.message, {"get_weather", "lookup"})
+        else:
+            assert c.message.content and not c.message.content.startswith("<")
+
+
+def _post(live: LiveServer, body: dict) -> httpx.Response:
+    return httpx.post(live.url("/v1/chat/completions"), json=body, timeout=60)
+
+
+CALLED = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "arguments": '{"city": "Paris", "unit": "celsius"}',
+            },
+        }
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}},
+                        },
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+        (
+            {
+                "messages": [
+                    *ASK,
+                    CALLED,
+                    {"role": "tool", "content": "x", "tool_call_id": "call_9"},
+                ]
+            },
+            "messages[2].tool_call_id",
+        ),
+        ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "messages[1].tool_call_id"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, None),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+    ],
+)
+def test_bad_tools_are_400s_naming_the_field(server, change, param):
+    r = _post(server, {"messages": ASK, "max_tokens": 4, **change})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param, error
+    else:
+        assert "name" in error["message"] or "tools" in (error["param"] or ""), error
+
+
+def test_a_tool_result_turn_is_accepted_after_its_call(server):
+    body = {
+        "messages": [*ASK, CALLED, {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}],
+        "tools": TOOLS,
+        "max_tokens": 4,
+    }
+    r = _post(server, body)
+    assert r.status_code == 200, r.text
