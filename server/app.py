@@ -35,6 +35,7 @@ from server.protocol import (
     ModelCard,
     TokenizeRequest,
 )
+from server.responses_api import ResponsesRequest, create_response
 from server.serving import OpenAIServing
 from server.web import web_routes
 
@@ -43,7 +44,15 @@ log = logging.getLogger("server.app")
 # Paths that need the API key when one is set. /health and /metrics stay open (probes, scrapers).
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 _COUNTED_PATHS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health"}
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+    }
 )
 
 
@@ -182,6 +191,10 @@ def _routes() -> APIRouter:
         body: ChatCompletionRequest, request: Request, serving: ServingDep
     ) -> Response:
         return await serving.chat(body, request)
+
+    @router.post("/v1/responses")  # issue 25: the Responses API (server.responses_api)
+    async def responses(body: ResponsesRequest, request: Request, serving: ServingDep) -> Response:
+        return await create_response(serving, body, request)
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest, serving: ServingDep) -> Response:

@@ -70,13 +70,14 @@ _REASONS = {
 _ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
     "/v1/completions": (400, 401, 404, 413, 429, 503),
     "/v1/chat/completions": (400, 401, 404, 413, 429, 503),
+    "/v1/responses": (400, 401, 404, 413, 429, 503),
     "/tokenize": (400, 401, 404, 413),
     "/detokenize": (400, 401, 404, 413),
     "/v1/models": (401,),
     "/v1/models/{model_id}": (401, 404),
     "/health": (503,),
 }
-_STREAMING = ("/v1/completions", "/v1/chat/completions")
+_STREAMING = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 # Each event's data is a chunk object or an error object, and the last is `[DONE]`: no one
 # schema fits every event, so none is given.
 _SSE = {"schema": {"description": "Server-sent events: chunks, then data: [DONE]"}}
@@ -155,11 +156,7 @@ def _limits(schemas: dict[str, Any], card: ModelCard, vocab_size: int) -> None:
         for member in prop.get("anyOf", []):
             if member.get("type") == "array":
                 _token_id(member.get("items", {}), vocab_size)
-    # Accepted for compatibility but unsupported unless empty: tools (chat), suffix (completions).
-    chat_tools = schemas.get("ChatCompletionRequest", {}).get("properties", {}).get("tools", {})
-    for member in chat_tools.get("anyOf", []):
-        if member.get("type") == "array":
-            member["maxItems"] = 0
+    # Accepted for compatibility but unsupported unless empty: suffix (completions).
     suffix = schemas.get("CompletionRequest", {}).get("properties", {}).get("suffix")
     if suffix is not None:
         suffix["anyOf"] = [m for m in suffix.get("anyOf", []) if m.get("type") == "null"]

@@ -176,6 +176,9 @@ class ToolCallStream:
                 if rest.startswith(g):
                     self.pos = i + len(g)
                     return
+            if final and self.calls and any(g.startswith(rest) for g in self.glue):
+                self.pos = len(self.buf)  # a closing tag cut off by max_tokens: not content
+                return
             if not rest:
                 self.pos = i
                 return

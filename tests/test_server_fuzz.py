@@ -54,6 +54,16 @@ json_values = st.recursive(
 token_ids = st.lists(st.integers(-2, 300), max_size=5)
 
 
+# A function tool whose arguments are short: TinyGPT fills them within a few tokens.
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "f",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
+    },
+}
+NAMED = {"type": "function", "function": {"name": "f"}}
+
 # Values a well-behaved client sends: most bodies built from these alone are accepted (200).
 words = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=8)
 valid_ids = st.lists(st.integers(0, 259), min_size=1, max_size=5)  # TinyGPT's vocabulary: 260
@@ -92,6 +102,21 @@ VALID_CHAT = {
         max_size=2,
     ),
     "max_completion_tokens": st.integers(1, 6),
+    "tools": st.just([TOOL]),
+    "tool_choice": st.sampled_from(["none", "auto", "required", NAMED]),
+    "parallel_tool_calls": st.booleans(),
+}
+VALID_RESPONSES = {
+    "model": VALID_COMMON["model"],
+    "input": words
+    | st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": words}), min_size=1),
+    "instructions": words,
+    "max_output_tokens": st.integers(1, 6),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "stream": st.booleans(),
+    "tools": st.just([{"type": "function", **TOOL["function"]}]),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "name": "f"}]),
 }
 VALID_TOKENIZE = {"model": VALID_COMMON["model"], "prompt": words}
 
@@ -149,7 +174,36 @@ CHAT = {
     "max_completion_tokens": field(st.integers(-1, 80)),
     "logprobs": field(st.booleans()),
     "top_logprobs": field(st.integers(-1, 25)),
+    "tools": field(st.lists(json_values, max_size=1) | st.just([TOOL])),
+    "tool_choice": field(st.sampled_from(["none", "auto", "required", NAMED]) | text),
+    "parallel_tool_calls": field(st.booleans()),
+    "chat_template_kwargs": field(st.dictionaries(text, json_values, max_size=2)),
+}
+item = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": field(st.sampled_from(["message", "function_call", "function_call_output"])),
+        "role": field(st.sampled_from(["user", "assistant", "developer"])),
+        "content": field(text),
+        "call_id": field(text),
+        "name": field(st.just("f") | text),
+        "arguments": field(st.just("{}") | text),
+        "output": field(text),
+    },
+)
+RESPONSES = {
+    "model": COMMON["model"],
+    "input": field(text | st.lists(item, max_size=3)),
+    "instructions": field(text),
+    "max_output_tokens": field(st.integers(-1, 80)),
+    "temperature": field(numbers),
+    "top_p": field(numbers),
+    "stream": field(st.booleans()),
+    "store": field(st.booleans()),
+    "previous_response_id": field(text),
     "tools": field(st.lists(json_values, max_size=1)),
+    "tool_choice": field(text),
+    "text": field(st.fixed_dictionaries({"format": json_values})),
 }
 TOKENIZE = {
     "model": COMMON["model"],
@@ -207,6 +261,15 @@ def check_response(path: str, body: bytes, r) -> None:
         assert error["code"] is None or isinstance(error["code"], str)
         return
     assert r.status_code == 200, r.text[:500]
+    if path == "/v1/responses":
+        if r.headers["content-type"].startswith("text/event-stream"):
+            events = [e for e in r.text.split("\n\n") if e]
+            kinds = [json.loads(e.split("data: ", 1)[1])["type"] for e in events]
+            assert kinds[0] == "response.created", kinds
+            assert kinds[-1] in ("response.completed", "response.incomplete", "error"), kinds
+        else:
+            assert r.json()["object"] == "response"
+        return
     if r.headers["content-type"].startswith("text/event-stream"):
         events = [e for e in r.text.split("\n\n") if e]
         assert events[-1] == "data: [DONE]", r.text[-500:]
@@ -240,3 +303,9 @@ def test_fuzzed_chat_completions_never_5xx(client, body):
 @given(body=bodies(VALID_TOKENIZE, "prompt", TOKENIZE))
 def test_fuzzed_tokenize_never_5xx(client, body):
     check_response("/tokenize", body, post(client, "/tokenize", body))
+
+
+@FUZZ
+@given(body=bodies(VALID_RESPONSES, "input", RESPONSES))
+def test_fuzzed_responses_never_5xx(client, body):
+    check_response("/v1/responses", body, post(client, "/v1/responses", body))
