@@ -28,6 +28,7 @@ from server.client import EngineClient
 from server.errors import APIError, add_error_handlers, error_body
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.openapi import install_openapi
+from server.options import add_cors
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -59,6 +60,12 @@ _COUNTED_PATHS = frozenset(
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     api_key: str | None = None
+    # -- issue 25 (server.options) --
+    api_keys: tuple[str, ...] = ()  # more accepted keys (--api-key repeated, --api-key-file)
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers
+    chat_template: str | None = None  # the template text that replaces the model's
+    tool_call_parser: str = "auto"
+    reasoning_parser: str | None = None
     max_body_bytes: int = 4 * 2**20
     log_prompts: bool = False
     shutdown_timeout: float = 7.0  # how long the lifespan waits for the engine to stop
@@ -87,6 +94,9 @@ def create_app(
         log_prompts=settings.log_prompts,
         max_concurrent_per_client=settings.max_concurrent_per_client,
         stall_timeout=settings.stall_timeout,
+        chat_template=settings.chat_template,
+        tool_call_parser=settings.tool_call_parser,
+        reasoning_parser=settings.reasoning_parser,
     )
 
     @asynccontextmanager
@@ -112,8 +122,10 @@ def create_app(
     add_error_handlers(app)
     # Starlette runs the last added middleware first: count -> authenticate -> limit the body.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    keys = tuple(k for k in (settings.api_key, *settings.api_keys) if k)
+    app.add_middleware(APIKeyMiddleware, api_keys=keys)
     app.add_middleware(RequestCounterMiddleware, metrics=metrics)
+    add_cors(app, settings.allowed_origins)  # outermost: preflights skip the key check
     app.include_router(_routes())
     if settings.web_ui:
         app.include_router(web_routes())
@@ -224,15 +236,16 @@ async def _no_receive() -> Message:  # pragma: no cover - JSONResponse never rea
 
 
 class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer <api_key>` (only when a key is configured)."""
+    """401 unless `Authorization: Bearer <key>` with one of the keys (only when keys are
+    configured)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
         self.app = app
-        self.key = api_key.encode() if api_key else None
+        self.keys = tuple(k.encode() for k in api_keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
-            self.key is None
+            not self.keys
             or scope["type"] != "http"
             or not scope["path"].startswith(_PROTECTED_PREFIXES)
         ):
@@ -243,7 +256,10 @@ class APIKeyMiddleware:
             if name == b"authorization":
                 auth = value.decode("latin-1")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.key):
+        given = token.strip().encode()
+        # Every key compared (no early exit): the time taken does not say which one matched.
+        matched = [hmac.compare_digest(given, key) for key in self.keys]
+        if scheme.lower() == "bearer" and any(matched):
             await self.app(scope, receive, send)
             return
         await _send_error(

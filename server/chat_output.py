@@ -22,7 +22,6 @@ from server.responses import ChatFormat, TokenText
 from server.tool_calls import ToolCallStream, _partial_suffix
 from server.tools import ToolPlan
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
 _OPEN, _CLOSE = "<think>", "</think>"
 
 
@@ -51,11 +50,17 @@ class ReasoningSplit:
                 i = self.buf.find(_CLOSE)
                 if i >= 0:
                     reasoning.append(self.buf[:i])
-                    self.buf, self.state = self.buf[i + len(_CLOSE) :].lstrip("\n"), "content"
+                    self.buf, self.state = self.buf[i + len(_CLOSE) :], "after"
                     continue
                 hold = 0 if final else _partial_suffix(self.buf, (_CLOSE, _OPEN))
                 reasoning.append(self.buf[: len(self.buf) - hold])
                 self.buf = self.buf[len(self.buf) - hold :]
+                break
+            elif self.state == "after":  # the newlines after </think> are neither
+                self.buf = self.buf.lstrip("\n")
+                if self.buf:
+                    self.state = "content"
+                    continue
                 break
             else:
                 content.append(self.buf)

@@ -13,12 +13,12 @@ import argparse
 import contextlib
 import gc
 import logging
-import os
 import signal
 import sys
 from typing import TYPE_CHECKING
 
 from engine.registry import engine_names
+from server.options import add_options, env_api_keys, settings_fields
 
 if TYPE_CHECKING:
     from engine import EngineConfig
@@ -174,9 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     s.add_argument(
         "--api-key",
-        default=os.environ.get("CBSERVE_API_KEY"),
-        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (env CBSERVE_API_KEY)",
+        action="append",
+        default=env_api_keys(),
+        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (env "
+        "CBSERVE_API_KEY); repeat it for several keys",
     )
+    add_options(s)  # issue 25: --api-key-file, --allowed-origins, --chat-template, parsers
     s.add_argument(
         "--max-waiting",
         type=int,
@@ -371,8 +374,13 @@ def main(argv: list[str] | None = None) -> int:
         engine=driver.engine_name,
         default_sampling_params=defaults,
     )
+    try:
+        options = settings_fields(args)  # issue 25 hook: keys, CORS, template, parsers
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     settings = ServerSettings(
-        api_key=args.api_key or None,
+        **options,
         max_body_bytes=args.max_body_size,
         log_prompts=args.log_prompts,
         shutdown_timeout=args.shutdown_timeout,

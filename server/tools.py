@@ -34,7 +34,6 @@ from typing import Any, Literal
 from server.errors import APIError
 
 ToolFormat = Literal["hermes", "llama3", "mistral"]
-PARSER_CHOICES = ("auto", "hermes", "llama3", "mistral", "generic")
 # Calls one answer may hold when parallel calls are allowed: bounds what a grammar lets a model
 # ramble into (each call is complete, so the answer parses however many it writes).
 MAX_PARALLEL_CALLS = 8

@@ -86,7 +86,7 @@ def test_invalid_completion_values_get_400_naming_the_field(server: LiveServer, 
         ({"top_logprobs": 2}, None),  # without logprobs
         ({"logprobs": True, "top_logprobs": MAX_LOGPROBS + 1}, "top_logprobs"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type"),
     ],
 )
 def test_invalid_chat_values_get_400(server: LiveServer, change, param):

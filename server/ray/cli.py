@@ -113,6 +113,7 @@ def deploy_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     from engine.registry import engine_class
     from models import load_model
     from server.app import ServerSettings
+    from server.options import settings_fields
     from server.protocol import ModelCard
     from server.ray.deploy import DeploySpec
     from server.ray.replica import EngineSpec
@@ -168,7 +169,7 @@ def deploy_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         decode_replicas=args.decode_replicas,
     )
     settings = ServerSettings(
-        api_key=args.api_key or None,
+        **settings_fields(args),  # issue 25 hook (server.options); OSError/ValueError: bad flag
         max_body_bytes=args.max_body_size,
         log_prompts=args.log_prompts,
         shutdown_timeout=args.shutdown_timeout,
