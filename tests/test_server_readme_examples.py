@@ -57,6 +57,56 @@ for chunk in stream:
 print()
 """
 
+README_TOOLS = """\
+from openai import OpenAI
+
+client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+weather = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 32}},
+            "required": ["city"],
+        },
+    },
+}
+messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+reply = client.chat.completions.create(
+    model="smollm2-135m-instruct",
+    messages=messages,
+    tools=[weather],
+    tool_choice="required",
+    parallel_tool_calls=False,
+    max_tokens=200,
+)
+call = reply.choices[0].message.tool_calls[0]
+print(call.function.name, call.function.arguments)  # get_weather {"city": "Paris"}
+messages += [
+    reply.choices[0].message,
+    {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees."},
+]
+final = client.chat.completions.create(
+    model="smollm2-135m-instruct", messages=messages, tools=[weather], max_tokens=64
+)
+print(final.choices[0].message.content or final.choices[0].message.tool_calls)
+"""
+
+README_RESPONSES = """\
+from openai import OpenAI
+
+client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+response = client.responses.create(
+    model="smollm2-135m-instruct",
+    instructions="Answer in one sentence.",
+    input="What does a CPU do?",
+    max_output_tokens=64,
+)
+print(response.output_text)
+"""
+
 
 @pytest.fixture(scope="module")
 def named_server(tiny_lm):
@@ -77,11 +127,11 @@ def run_curl(live: LiveServer, command: str) -> str:
     return done.stdout
 
 
-def run_sdk(live: LiveServer) -> str:
-    assert README_URL in README_SDK
+def run_sdk(live: LiveServer, snippet: str = README_SDK) -> str:
+    assert README_URL in snippet
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(README_SDK.replace(README_URL, live.base_url), {})
+        exec(snippet.replace(README_URL, live.base_url), {})
     return out.getvalue()
 
 
@@ -114,6 +164,17 @@ def test_readme_openai_sdk_example(named_server):
     assert printed.endswith("\n") and printed.count("\n") >= 2
 
 
+def test_readme_tool_call_example(named_server):
+    # TinyGPT's arguments are random text, but the grammar keeps them a valid call.
+    first_line = run_sdk(named_server, README_TOOLS).splitlines()[0]
+    name, arguments = first_line.split(" ", 1)
+    assert name == "get_weather" and isinstance(json.loads(arguments)["city"], str)
+
+
+def test_readme_responses_example(named_server):
+    assert run_sdk(named_server, README_RESPONSES)
+
+
 README_CLIENT = '.venv/bin/python -m clients "Give me one tip for staying healthy."'
 
 
@@ -140,6 +201,9 @@ def test_readme_examples_with_the_real_smollm2_model(smollm2_lm):
         assert streamed.strip()  # a real model says something
         printed = run_sdk(live)
         assert looks_english(printed), printed
+        call = run_sdk(live, README_TOOLS).splitlines()[0]
+        assert call.startswith("get_weather ") and "Paris" in call, call
+        assert looks_english(run_sdk(live, README_RESPONSES))
         command = README_CLIENT.replace(".venv/bin/python", sys.executable)
         answer = subprocess.run(
             [*shlex.split(command), "--base-url", live.base_url, "--max-tokens", "64"],
@@ -156,5 +220,6 @@ def test_readme_shows_exactly_these_snippets():
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    for snippet in (README_CURL_CHAT, README_CURL_STREAM, README_SDK, README_CLIENT):
+    snippets = (README_CURL_CHAT, README_CURL_STREAM, README_SDK, README_CLIENT)
+    for snippet in (*snippets, README_TOOLS, README_RESPONSES):
         assert snippet in readme
