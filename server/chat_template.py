@@ -65,6 +65,7 @@ class ChatTemplate:
                 400,
                 f"chat_template_kwargs may not set {', '.join(bad)}",
                 param="chat_template_kwargs",
+                code="invalid_chat_template_kwargs",
             )
         generic = plan.generic if plan is not None else not self.knows_tools
         dicts = [_message_dict(m, generic) for m in messages]
@@ -121,6 +122,7 @@ def check_tool_turns(messages: list[Any]) -> None:
                     400,
                     "only assistant messages carry tool_calls",
                     param=f"messages[{i}].tool_calls",
+                    code="invalid_tools",
                 )
             called.update(c.id for c in m.tool_calls)
         if m.role == "tool":
@@ -129,6 +131,7 @@ def check_tool_turns(messages: list[Any]) -> None:
                     400,
                     "a tool message needs the tool_call_id of the call it answers",
                     param=f"messages[{i}].tool_call_id",
+                    code="invalid_tools",
                 )
             if m.tool_call_id not in called:
                 raise APIError(
@@ -136,6 +139,7 @@ def check_tool_turns(messages: list[Any]) -> None:
                     f"tool_call_id {m.tool_call_id!r} matches no tool call of an earlier "
                     "assistant message",
                     param=f"messages[{i}].tool_call_id",
+                    code="invalid_tools",
                 )
 
 

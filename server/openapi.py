@@ -53,6 +53,12 @@ UNSTATED_RULE_CODES = {
     # past what schemathesis' generator can handle).
     "invalid_structured_output": "a grammar, regex or JSON schema (response_format, "
     "structured_outputs, guided_*) that does not parse or compile, or more than one of them",
+    # Tool calling (server.tools): rules between fields and inside a tool's JSON Schema.
+    "invalid_tools": "a tool's parameters schema that does not compile or is not an object, two "
+    "tools with one name, tool_choice naming a function not among the tools or given without "
+    "tools (or with response_format), a tool message that answers no earlier call",
+    "invalid_chat_template_kwargs": "chat_template_kwargs setting messages, tools, "
+    "add_generation_prompt or chat_template",
 }
 _REASONS = {
     400: "Invalid request: a bad field value, malformed JSON or bad Unicode. Rules this document "
@@ -177,6 +183,12 @@ def _limits(schemas: dict[str, Any], card: ModelCard, vocab_size: int) -> None:
             {"properties": {"type": {"enum": ["text", "json_object"]}}},
             {"required": ["json_schema"], "properties": {"json_schema": given[0]}},
         ]
+    # The Responses API is stateless (server.responses_api): no store, no previous response.
+    responses = schemas.get("ResponsesRequest", {}).get("properties", {})
+    if "store" in responses:
+        responses["store"] = {"anyOf": [{"const": False}, {"type": "null"}], "title": "Store"}
+    if "previous_response_id" in responses:
+        responses["previous_response_id"] = {"type": "null", "title": "Previous Response Id"}
     tokenize = schemas.get("TokenizeRequest")
     if tokenize is not None:  # exactly one of the two is given and not null
         tokenize["oneOf"] = [

@@ -17,7 +17,7 @@ history sends it as input items, as the Agents SDK does without a store).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
 from starlette.requests import Request as HTTPRequest
@@ -95,7 +95,7 @@ class TextConfig(_Body):
 
 class ResponsesRequest(_Body):
     model: Text | None = None
-    input: Text | list[InputItem] = Field(max_length=MAX_MESSAGES)
+    input: Text | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
     instructions: Text | None = None
     max_output_tokens: int_in(ge=1) | None = None
     temperature: float | None = Field(None, ge=0, le=2)
@@ -106,7 +106,8 @@ class ResponsesRequest(_Body):
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     stream: bool = False
-    store: bool | None = None  # only false (or absent): nothing is kept
+    # Stateless: only store false (or absent) and no previous_response_id (server.openapi says so)
+    store: bool | None = None
     previous_response_id: Text | None = None
     metadata: dict[str, Text] | None = None
     user: Text | None = None

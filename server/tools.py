@@ -91,6 +91,7 @@ def plan_tools(req: Any, option: str, template: str | None) -> ToolPlan | None:
                 400,
                 "tool_choice requires tools: give the functions it may call",
                 param="tool_choice",
+                code="invalid_tools",
             )
         return None
     if choice == "none":
@@ -101,7 +102,10 @@ def plan_tools(req: Any, option: str, template: str | None) -> ToolPlan | None:
         f = tool.function
         if f.name in seen:
             raise APIError(
-                400, f"two tools are named {f.name!r}", param=f"tools[{i}].function.name"
+                400,
+                f"two tools are named {f.name!r}",
+                param=f"tools[{i}].function.name",
+                code="invalid_tools",
             )
         seen.add(f.name)
         params = _check_parameters(f.parameters, f"tools[{i}].function.parameters")
@@ -123,6 +127,7 @@ def plan_tools(req: Any, option: str, template: str | None) -> ToolPlan | None:
                 f"tool_choice names the function {named!r}, which is not among the tools "
                 f"({', '.join(sorted(seen))})",
                 param="tool_choice.function.name",
+                code="invalid_tools",
             )
         mode = "named"
     fmt, generic = resolve_format(option, template)
@@ -142,6 +147,7 @@ def _check_parameters(params: dict[str, Any] | None, param: str) -> dict[str, An
             400,
             f"a function's parameters must be a JSON Schema of type object, not {kind!r}",
             param=param,
+            code="invalid_tools",
         )
     import llguidance  # here: the only import of it outside engine.structured's compiler
 
@@ -149,7 +155,7 @@ def _check_parameters(params: dict[str, Any] | None, param: str) -> dict[str, An
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         detail = " ".join(error.split())[:300]
-        raise APIError(400, f"invalid JSON Schema: {detail}", param=param)
+        raise APIError(400, f"invalid JSON Schema: {detail}", param=param, code="invalid_tools")
     return params
 
 
@@ -236,5 +242,6 @@ def tool_structured_spec(plan: ToolPlan | None, req: Any) -> Any:
             "response_format (or another structured-output field) cannot be combined with "
             f"tool_choice {plan.mode!r}" + (" in generic tool mode" if plan.mode == "auto" else ""),
             param="tool_choice",
+            code="invalid_tools",
         )
     return StructuredSpec("grammar", plan.grammar, "tools")

@@ -250,6 +250,59 @@ else:
             client.completions.create(model="tinygpt", prompt="x", temperature=-1)
         assert e.value.body["param"] == "temperature"
 
+    TOOL = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+                "required": ["a"],
+                "additionalProperties": False,
+            },
+        },
+    }
+
+    def test_tool_and_schema_grammars_cross_the_handle_as_specs(cluster):
+        # A compiled grammar does not pickle: the spec crosses, the replica compiles it.
+        client = openai.OpenAI(base_url=cluster.url("prefix", "/v1"), api_key="none")
+        messages = [{"role": "user", "content": "Call f"}]
+        for seed in range(3):
+            out = client.chat.completions.create(
+                model="tinygpt",
+                messages=messages,
+                tools=[TOOL],
+                tool_choice="required",
+                parallel_tool_calls=False,
+                max_tokens=150,
+                temperature=1,
+                seed=seed,
+            )
+            assert out.choices[0].finish_reason == "tool_calls"
+            args = json.loads(out.choices[0].message.tool_calls[0].function.arguments)
+            assert isinstance(args["a"], int) and 0 <= args["a"] <= 99 and set(args) == {"a"}
+        schema = {
+            "type": "object",
+            "properties": {"b": {"type": "boolean"}},
+            "required": ["b"],
+            "additionalProperties": False,
+        }
+        out = client.responses.create(
+            model="tinygpt",
+            input="json",
+            max_output_tokens=40,
+            temperature=1,
+            text={"format": {"type": "json_schema", "name": "b", "schema": schema}},
+        )
+        assert isinstance(json.loads(out.output_text)["b"], bool)
+        # The disaggregated tiers cannot carry a grammar's state: a clear 400, not a hang.
+        r = httpx.post(
+            cluster.url("disagg", "/v1/chat/completions"),
+            json={"messages": messages, "tools": [TOOL], "tool_choice": "required"},
+            timeout=60,
+        )
+        assert r.status_code == 400 and "disaggregated" in r.json()["error"]["message"]
+
     def test_client_disconnect_aborts_the_request_on_its_replica(cluster):
         before = sum(p["aborted_on_cancel"] for p in probe("prefix").values())
         body = {

@@ -76,6 +76,9 @@ class _Group:
 
 
 class RayEngineClient(EngineClient):
+    # issue 25: requests carry grammar specs, compiled on the replica (server.remote_grammar)
+    grammar_placement: str | None = "replica"
+
     def __init__(
         self,
         handle: Any,

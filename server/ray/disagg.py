@@ -160,6 +160,9 @@ class _Decoding:
 class DisaggregatedClient(RayEngineClient):
     """The ingress's `EngineClient` over a prefill and a decode deployment (see the module doc)."""
 
+    # issue 25: a grammar's state cannot follow the request to the decode tier (yet): a 400
+    grammar_placement = None
+
     def __init__(self, prefill_handle: Any, decode_handle: Any, **options: Any) -> None:
         super().__init__(prefill_handle, **options)
         self._decode = decode_handle

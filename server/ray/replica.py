@@ -13,6 +13,7 @@ Serve replaces the replica. `__del__` runs after Serve has drained the replica's
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -22,7 +23,9 @@ from typing import Any
 
 from engine import EngineConfig
 from engine.errors import EngineError
+from engine.structured import GrammarCompiler
 from server.ray.wire import AbortCall, Accepted, EngineCall, Probe, Refused, StepItem
+from server.remote_grammar import compile_pending, has_pending
 
 log = logging.getLogger("server.ray.replica")
 
@@ -74,6 +77,8 @@ class EngineReplica:
             num_threads=spec.num_threads,
         )
         await self.driver.start()
+        # issue 25: grammars arrive as specs and are compiled here (server.remote_grammar)
+        self.grammars = GrammarCompiler(lm.tokenizer)
         self.served = 0
         self.aborted_on_cancel = 0
         log.info("engine replica %s ready: %s, %s engine", self.replica, lm.name, self.engine.name)
@@ -86,6 +91,8 @@ class EngineReplica:
         now = time.monotonic()  # the ingress's clock is another process's (or machine's)
         requests = [dataclasses.replace(r, arrival_time=now) for r in call.requests]
         try:
+            if has_pending(requests):  # issue 25 hook: compile the grammars sent as specs
+                requests = await asyncio.to_thread(compile_pending, requests, self.grammars)
             stream = await self.driver.submit(requests)
         except EngineError as e:
             yield Refused.of(e)
