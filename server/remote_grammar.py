@@ -19,8 +19,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from engine import Request
+from engine import InvalidRequestError, Request
 from engine.structured import GrammarCompiler, StructuredSpec
 
 
@@ -55,3 +56,21 @@ def compile_pending(requests: Sequence[Request], compiler: GrammarCompiler) -> l
         else r
         for r in requests
     ]
+
+
+async def grammar_constraints(
+    structured: Any, client: Any, spec: StructuredSpec, count: int
+) -> list[Any]:
+    """`count` constraints for `spec` as `client` takes them: compiled here by `structured`
+    (`server.structured.StructuredOutputs`), or checked here and sent as specs."""
+    placement = getattr(client, "grammar_placement", "local")
+    if placement is None:
+        raise InvalidRequestError(
+            "structured output and tool grammars are not supported by this deployment "
+            "(disaggregated prefill and decode tiers)",
+            spec.param,
+        )
+    if placement == "replica":
+        await structured.constraints(spec, 1)  # a bad spec is a 400 here, not on the replica
+        return [GrammarToCompile(spec) for _ in range(count)]
+    return await structured.constraints(spec, count)

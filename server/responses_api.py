@@ -2,13 +2,9 @@
 
 Owns the Responses request body (`ResponsesRequest`), its translation to a chat request
 (`to_chat`: `instructions` and input items to messages, function tools, `tool_choice`,
-`text.format`, `max_output_tokens`), and the response: output items (a `message` with
-`output_text`, `function_call`s) built by `ResponsesBuilder` from the same updates and parsers
-as chat (`server.chat_output`), streamed as the Responses event sequence (`response.created`,
-`response.in_progress`, `response.output_item.added`, `response.content_part.added`,
-`response.output_text.delta` ... `response.function_call_arguments.delta` ...,
-`response.output_item.done`, `response.completed` or `response.incomplete`) or returned whole
-(the same builder, its events dropped).
+`text.format`, `max_output_tokens`), and `create_response`: the chat path's generation, its
+updates fed to `server.responses_output.ResponsesBuilder`, streamed as the Responses event
+sequence or returned whole (the same builder, its events dropped).
 
 Nothing is stored: `store: true` and `previous_response_id` are 400s (a client that wants
 history sends it as input items, as the Agents SDK does without a store).
@@ -23,7 +19,6 @@ from pydantic import Field, ValidationError
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
-from server.chat_output import _ChoiceParsers
 from server.errors import APIError, api_error
 from server.generation import Generation
 from server.protocol import (
@@ -34,9 +29,9 @@ from server.protocol import (
     _Body,
     int_in,
 )
-from server.responses import SSEResponse, dumps
+from server.responses import SSEResponse
+from server.responses_output import ResponsesBuilder
 from server.tool_protocol import FunctionName
-from server.tools import ToolPlan
 
 
 class InputText(_Body):
@@ -188,222 +183,11 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         raise APIError(400, f"{err['msg']}", param=".".join(str(p) for p in err["loc"])) from e
 
 
-class ResponsesBuilder:
-    """A Responses object and its stream events, from one choice's text deltas."""
-
-    def __init__(self, req: ResponsesRequest, gen: Generation, plan: ToolPlan | None) -> None:
-        self.req = req
-        self.gen = gen
-        self.id = "resp_" + gen.id.split("-", 1)[-1]
-        self.parsers = _ChoiceParsers(plan, None)
-        self.output: list[dict[str, Any]] = []
-        self.seq = 0
-        self.message: dict[str, Any] | None = None  # the open message item
-        self.calls: dict[int, dict[str, Any]] = {}  # tool-call index -> its item
-        self.status = "in_progress"
-        self.incomplete: dict[str, str] | None = None
-
-    def _event(self, kind: str, **fields: Any) -> str:
-        body = {"type": kind, "sequence_number": self.seq, **fields}
-        self.seq += 1
-        return f"event: {kind}\ndata: {dumps(body)}\n\n"
-
-    def response(self) -> dict[str, Any]:
-        r = self.req
-        fmt = r.text.format if r.text is not None and r.text.format is not None else None
-        return {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.gen.created,
-            "status": self.status,
-            "error": None,
-            "incomplete_details": self.incomplete,
-            "instructions": r.instructions,
-            "max_output_tokens": r.max_output_tokens,
-            "model": self.gen.model,
-            "output": self.output,
-            "parallel_tool_calls": r.parallel_tool_calls,
-            "previous_response_id": None,
-            "store": False,
-            "temperature": r.temperature,
-            "top_p": r.top_p,
-            "text": {
-                "format": fmt.model_dump(by_alias=True, exclude_none=True)
-                if fmt is not None
-                else {"type": "text"}
-            },
-            "tool_choice": (
-                r.tool_choice.model_dump()
-                if isinstance(r.tool_choice, NamedFunction)
-                else r.tool_choice or "auto"
-            ),
-            "tools": [t.model_dump(exclude_none=True) for t in r.tools or []],
-            "truncation": "disabled",
-            "metadata": r.metadata or {},
-            "user": r.user,
-            "usage": self._usage() if self.status != "in_progress" else None,
-        }
-
-    def _usage(self) -> dict[str, Any]:
-        u = self.gen.usage()
-        return {
-            "input_tokens": u["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
-            "output_tokens": u["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": u["total_tokens"],
-        }
-
-    def start(self) -> list[str]:
-        return [
-            self._event("response.created", response=self.response()),
-            self._event("response.in_progress", response=self.response()),
-        ]
-
-    def feed(self, delta: str, finished: bool) -> list[str]:
-        events: list[str] = []
-        _, content, calls = self.parsers.feed(delta, finished)
-        if content:
-            events += self._text(content)
-        for d in calls:
-            events += self._call_delta(d)
-        return events
-
-    def finish(self, finish_reason: str | None) -> list[str]:
-        events = self._close_message()
-        for index in sorted(self.calls):
-            item = self.calls.pop(index)
-            item["status"] = "completed"
-            n = self.output.index(item)
-            events.append(
-                self._event(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=n,
-                    name=item["name"],
-                    arguments=item["arguments"],
-                )
-            )
-            events.append(self._event("response.output_item.done", output_index=n, item=item))
-        if finish_reason in ("length", "abort"):
-            self.status = "incomplete"
-            reason = "max_output_tokens" if finish_reason == "length" else "interrupted"
-            self.incomplete = {"reason": reason}
-        else:
-            self.status = "completed"
-        kind = "response.completed" if self.status == "completed" else "response.incomplete"
-        events.append(self._event(kind, response=self.response()))
-        return events
-
-    def _text(self, text: str) -> list[str]:
-        events = []
-        if self.message is None:
-            self.message = {
-                "id": f"msg_{self.gen.id.split('-', 1)[-1]}_{len(self.output)}",
-                "type": "message",
-                "status": "in_progress",
-                "role": "assistant",
-                "content": [],
-            }
-            self.output.append(self.message)
-            n = len(self.output) - 1
-            events.append(
-                self._event(
-                    "response.output_item.added",
-                    output_index=n,
-                    item={**self.message, "content": []},
-                )
-            )
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            self.message["content"].append(part)
-            events.append(
-                self._event(
-                    "response.content_part.added",
-                    item_id=self.message["id"],
-                    output_index=n,
-                    content_index=0,
-                    part=dict(part),
-                )
-            )
-        n = self.output.index(self.message)
-        self.message["content"][0]["text"] += text
-        events.append(
-            self._event(
-                "response.output_text.delta",
-                item_id=self.message["id"],
-                output_index=n,
-                content_index=0,
-                delta=text,
-                logprobs=[],
-            )
-        )
-        return events
-
-    def _close_message(self) -> list[str]:
-        m = self.message
-        if m is None:
-            return []
-        self.message = None
-        n = self.output.index(m)
-        part = m["content"][0]
-        m["status"] = "completed"
-        return [
-            self._event(
-                "response.output_text.done",
-                item_id=m["id"],
-                output_index=n,
-                content_index=0,
-                text=part["text"],
-                logprobs=[],
-            ),
-            self._event(
-                "response.content_part.done",
-                item_id=m["id"],
-                output_index=n,
-                content_index=0,
-                part=part,
-            ),
-            self._event("response.output_item.done", output_index=n, item=m),
-        ]
-
-    def _call_delta(self, d: dict[str, Any]) -> list[str]:
-        events = self._close_message()
-        item = self.calls.get(d["index"])
-        fragment = d["function"].get("arguments", "")
-        if item is None:
-            item = {
-                "id": "fc_" + d["id"].removeprefix("call_"),
-                "type": "function_call",
-                "status": "in_progress",
-                "call_id": d["id"],
-                "name": d["function"]["name"],
-                "arguments": "",
-            }
-            self.calls[d["index"]] = item
-            self.output.append(item)
-            events.append(
-                self._event(
-                    "response.output_item.added", output_index=len(self.output) - 1, item=dict(item)
-                )
-            )
-        if fragment:
-            item["arguments"] += fragment
-            events.append(
-                self._event(
-                    "response.function_call_arguments.delta",
-                    item_id=item["id"],
-                    output_index=self.output.index(item),
-                    delta=fragment,
-                )
-            )
-        return events
-
-
 async def create_response(serving: Any, req: ResponsesRequest, http: HTTPRequest) -> Response:
     """The route's work: `serving` is the app's `server.serving.OpenAIServing`."""
     chat = to_chat(req)
     gen, requests, plan = await serving.chat_requests(chat, http, prefix="resp")
-    builder = ResponsesBuilder(req, gen, plan)
+    builder = ResponsesBuilder(req, gen, plan, serving.reasoning_parser)
     if req.stream:
         await serving._submit(gen, requests)
         return SSEResponse(

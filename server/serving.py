@@ -53,7 +53,7 @@ from server.protocol import (
     check_token_ids,
     completion_sampling_params,
 )
-from server.remote_grammar import GrammarToCompile
+from server.remote_grammar import grammar_constraints
 from server.responses import (
     ChatFormat,
     CompletionFormat,
@@ -296,7 +296,10 @@ class OpenAIServing:
         try:
             spec = tool_spec or structured_spec(req)  # issue 25: a tools grammar replaces it
             constraints = (
-                await self._constraints(spec, len(gen.prompts) * len(params))
+                # issue 25, item 6: compiled here, or sent as specs to a replica
+                await grammar_constraints(
+                    self.structured, self.client, spec, len(gen.prompts) * len(params)
+                )
                 if spec is not None
                 else None
             )
@@ -328,21 +331,6 @@ class OpenAIServing:
                     )
                 )
         return requests
-
-    async def _constraints(self, spec: StructuredSpec, count: int) -> list[Any]:
-        """issue 25, item 6 (server.remote_grammar): grammars compiled here, or checked here
-        and sent as specs for the replica to compile."""
-        placement = getattr(self.client, "grammar_placement", "local")
-        if placement is None:
-            raise InvalidRequestError(
-                "structured output and tool grammars are not supported by this deployment "
-                "(disaggregated prefill and decode tiers)",
-                spec.param,
-            )
-        if placement == "replica":
-            await self.structured.constraints(spec, 1)  # a bad spec is a 400 here
-            return [GrammarToCompile(spec) for _ in range(count)]
-        return await self.structured.constraints(spec, count)
 
     async def _respond(
         self,

@@ -163,3 +163,13 @@ def test_reasoning_parser_returns_the_text_before_think_end_as_reasoning(tiny_lm
             if c.choices
         )
         assert streamed == text
+        # The Responses API gives it as a reasoning item.
+        r = client.responses.create(
+            model=tiny_lm.name,
+            input="hi",
+            max_output_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert [o.type for o in r.output] == ["reasoning"]
+        assert r.output[0].content[0].text == text
