@@ -23,6 +23,7 @@ from engine.block_manager import BlockManager
 from engine.errors import DuplicateRequestError, InvalidRequestError, RequestTooLongError
 from engine.interface import EngineConfig, EngineStats
 from engine.model_runner import ModelRunner, run_full_sequence
+from engine.policy import make_policy
 from engine.request import Request, RequestState, RequestStatus, StepOutput, TokenLogprob
 from engine.sampling import sample
 from engine.scheduler import Scheduler
@@ -235,7 +236,7 @@ class StaticBatchEngine(EngineBase):
             config.max_batch_size,
             config.token_budget,
             static=self._static,
-            policy=config.scheduling,
+            policy=make_policy(config.scheduling),
         )
         self.runner = ModelRunner(self.model, num_blocks, config.block_size)
         self.step_budget = None

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from engine.policy import SchedulingPolicy
 from engine.request import Request, StepOutput
 
 
@@ -115,8 +116,8 @@ class EngineConfig:
     # While requests decode, size each step's budget so the step takes about this long
     # (`engine.step_budget`); None: the fixed `token_budget` every step.
     target_step_ms: float | None = None
-    # Who goes first: "fcfs", "priority" or "fair" (engine.scheduler explains them).
-    scheduling: str = "fcfs"
+    # Who goes first: "fcfs", "priority" or "fair" (engine.policy explains them).
+    scheduling: SchedulingPolicy = SchedulingPolicy.FCFS
     # The disaggregated engine's pools; None: the shared value above.
     prefill_max_batch_size: int | None = None
     prefill_num_blocks: int | None = None
@@ -150,12 +151,17 @@ class EngineConfig:
             isinstance(target, int | float) and math.isfinite(target) and target > 0
         )
         _check(ok, "target_step_ms", "must be > 0 or None", target)
-        _check(
-            self.scheduling in ("fcfs", "priority", "fair"),
-            "scheduling",
-            "must be fcfs, priority or fair",
-            self.scheduling,
-        )
+        try:  # a name as a string is taken too
+            object.__setattr__(self, "scheduling", SchedulingPolicy(self.scheduling))
+        except ValueError:
+            names = ", ".join(p.value for p in SchedulingPolicy)
+            _check(False, "scheduling", f"must be one of {names}", self.scheduling)
+        # Every running request decodes each step. (A pool's own config, `prefill_pool()`,
+        # checks its own slots.)
+        budget = self.max_num_batched_tokens
+        ok = budget is None or budget >= self.max_batch_size
+        why = f"must be >= max_batch_size ({self.max_batch_size})"
+        _check(ok, "max_num_batched_tokens", why, budget)
         caching = self.enable_prefix_caching
         ok = caching is None or isinstance(caching, bool)
         _check(ok, "enable_prefix_caching", "must be True, False or None", caching)
