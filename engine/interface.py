@@ -101,7 +101,7 @@ class EngineConfig:
 
     The KV pool is `num_blocks` blocks if given, else sized from `kv_cache_memory_gib`, else
     enough for every slot to reach the full context (capped at 0.75 GiB and 40,960 tokens,
-    `engine.core.DEFAULT_KV_CACHE_GIB` / `DEFAULT_KV_CACHE_TOKENS`). The disaggregated engine
+    `engine.batch.DEFAULT_KV_CACHE_GIB` / `DEFAULT_KV_CACHE_TOKENS`). The disaggregated engine
     sizes its two pools from the `prefill_*` / `decode_*` fields, each falling back to the shared
     one (`max_batch_size` is the decode pool's slots; the token budget is the prefill pool's).
     """

@@ -45,7 +45,7 @@ from engine import EngineDeadError
 from server.client import OutputStream
 from server.ray.client import RayEngineClient, _Group, call_of_its_own
 from server.ray.replica import EngineReplica, EngineSpec
-from server.ray.tiers import DecodeEngine, Handoff, PrefillEngine
+from engine.tiers import DecodeEngine, Handoff, PrefillEngine
 from server.ray.wire import (
     Accepted,
     DecodeCall,
