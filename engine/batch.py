@@ -2,7 +2,7 @@
 
 `BatchEngine` runs requests over a paged KV cache: block manager, scheduler, model runner,
 sampler, stop rules. Its `BatchMode` says only *when* a request may join and leave the batch
-(the seed's point: continuous batching changes that, nothing else):
+(the book chapter's point: continuous batching changes that, nothing else):
 
 - `CONTINUOUS` (iteration-level, as in Orca): each step retires finished requests, admits waiting
   ones into the freed slots, and runs one forward over prefill chunks and decode tokens together.

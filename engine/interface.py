@@ -2,7 +2,8 @@
 
 The server's driver, the in-process tools and the tests are typed against `Engine` and nothing
 else: an engine takes requests in token ids (`add_request`), ends them early (`abort`), and
-advances every live request by one `step`, which returns that step's `StepOutput`s. It is
+advances every live request by one `step`, which returns that step's `StepOutput`s; `pause` and
+`resume` hold a request back while its reader is behind (backpressure). It is
 synchronous and single-threaded; the driver calls it from one thread at a time.
 
 `EngineConfig` holds the sizing every engine shares (slots, KV blocks or a memory budget, the
@@ -73,6 +74,15 @@ class Engine(Protocol):
     def abort(self, request_id: str) -> bool:
         """End a live request now and free its memory; its terminal output ("abort") comes with
         the next step. True if it was live. Idempotent."""
+        ...
+
+    def pause(self, request_id: str) -> None:
+        """Stop scheduling a live request (its reader is behind); it keeps its place, and its
+        memory until someone else needs it. Idempotent; unknown ids are ignored."""
+        ...
+
+    def resume(self, request_id: str) -> None:
+        """Schedule a paused request again. Idempotent; unknown ids are ignored."""
         ...
 
     def step(self) -> list[StepOutput]:
