@@ -55,21 +55,23 @@ class BatchEngine(EngineBase):
     `BatchEngine(model, max_batch_size=8, mode=BatchMode.STATIC)`.
     """
 
-    name = BatchMode.CONTINUOUS.value
+    mode = BatchMode.CONTINUOUS  # the default; `mode=` picks the other
+    name = mode.value
 
     def __init__(
         self,
         model: CausalLM | LoadedModel,
         config: EngineConfig | None = None,
         *,
-        mode: BatchMode = BatchMode.CONTINUOUS,
+        mode: BatchMode | None = None,
         **options: object,
     ) -> None:
         config = engine_config(config, options)
         super().__init__(model, config)
-        self.mode = mode
-        self.name = mode.value
-        static = mode is BatchMode.STATIC
+        if mode is not None:
+            self.mode = mode
+        self.name = self.mode.value
+        static = self.mode is BatchMode.STATIC
         self.requests: dict[str, RequestState] = {}
         num_blocks = config.num_blocks
         if num_blocks is None:
@@ -220,26 +222,12 @@ class BatchEngine(EngineBase):
 class ContinuousBatchEngine(BatchEngine):
     """`BatchEngine` in continuous mode: `ContinuousBatchEngine(model, max_batch_size=8)`."""
 
-    name = BatchMode.CONTINUOUS.value
-
-    def __init__(
-        self,
-        model: CausalLM | LoadedModel,
-        config: EngineConfig | None = None,
-        **options: object,
-    ) -> None:
-        super().__init__(model, config, mode=BatchMode.CONTINUOUS, **options)
+    mode = BatchMode.CONTINUOUS
+    name = mode.value
 
 
 class StaticBatchEngine(BatchEngine):
     """`BatchEngine` in static mode: `StaticBatchEngine(model, max_batch_size=8)`."""
 
-    name = BatchMode.STATIC.value
-
-    def __init__(
-        self,
-        model: CausalLM | LoadedModel,
-        config: EngineConfig | None = None,
-        **options: object,
-    ) -> None:
-        super().__init__(model, config, mode=BatchMode.STATIC, **options)
+    mode = BatchMode.STATIC
+    name = mode.value

@@ -124,15 +124,17 @@ class PriorityPolicy(Policy):
         aged = int((now - req.arrival_time) // self.aging_seconds)
         return (req.priority - max(aged, 0), req.arrival_time)
 
-    def _candidates(self, sched: Scheduler, skip: Collection[str | None]) -> list[RequestState]:
-        return [s for s in sched.waiting if not s.paused and s.request.client_id not in skip]
-
     def next_waiting(
         self, sched: Scheduler, skip: Collection[str | None] = ()
     ) -> RequestState | None:
-        now = self.clock()
-        candidates = self._candidates(sched, skip)
-        return min(candidates, key=lambda s: self.rank(s, now)) if candidates else None
+        candidates = [s for s in sched.waiting if not s.paused and s.request.client_id not in skip]
+        if not candidates:
+            return None
+        return min(candidates, key=self._admission_key(sched, self.clock()))
+
+    def _admission_key(self, sched: Scheduler, now: float) -> Callable[[RequestState], tuple]:
+        """Sort key of the waiting requests, the lowest admitted first."""
+        return lambda s: self.rank(s, now)
 
     def victim(self, running: Sequence[RequestState]) -> RequestState:
         now = self.clock()
@@ -143,7 +145,13 @@ class PriorityPolicy(Policy):
         live = [s for s in sched.running if not s.finished]
         if head is None or not live:
             return None
-        now = self.clock()
+        return self._displaced(sched, head, live, self.clock())
+
+    def _displaced(
+        self, sched: Scheduler, head: RequestState, live: list[RequestState], now: float
+    ) -> RequestState | None:
+        """The running request `head` takes a slot from: the worst-ranked, if `head` outranks
+        it."""
         victim = max(live, key=lambda s: self.rank(s, now))
         return victim if self.rank(head, now)[0] < self.rank(victim, now)[0] else None
 
@@ -196,15 +204,10 @@ class FairPolicy(PriorityPolicy):
         super().__init__(aging_seconds, clock)
         self._last_newcomer_step = False
 
-    def next_waiting(
-        self, sched: Scheduler, skip: Collection[str | None] = ()
-    ) -> RequestState | None:
-        now = self.clock()
-        candidates = self._candidates(sched, skip)
-        if not candidates:
-            return None
+    def _admission_key(self, sched: Scheduler, now: float) -> Callable[[RequestState], tuple]:
+        # The client holding the fewest slots first.
         held = running_per_client(sched)
-        return min(candidates, key=lambda s: (held[s.request.client_id], self.rank(s, now)))
+        return lambda s: (held[s.request.client_id], self.rank(s, now))
 
     def victim(self, running: Sequence[RequestState]) -> RequestState:
         # The newest request of the client holding the most slots.
@@ -214,16 +217,15 @@ class FairPolicy(PriorityPolicy):
         group = [s for s in running if s.request.client_id == top]
         return max(group, key=lambda s: self.rank(s, now))
 
-    def displace(self, sched: Scheduler) -> RequestState | None:
-        head = self.next_waiting(sched)
-        live = [s for s in sched.running if not s.finished]
-        if head is None or not live:
-            return None
+    def _displaced(
+        self, sched: Scheduler, head: RequestState, live: list[RequestState], now: float
+    ) -> RequestState | None:
+        """The newest request of the client holding the most slots, if that is at least two
+        more than `head`'s client holds."""
         held = running_per_client(sched)
         top = max(held, key=lambda c: held[c])
         if held[top] < held[head.request.client_id] + 2:
             return None
-        now = self.clock()
         return max((s for s in live if s.request.client_id == top), key=lambda s: self.rank(s, now))
 
     def shares(self, sched: Scheduler, budget: int) -> FairShares:
