@@ -14,10 +14,17 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "ContinuousBatchEngine": "engine.core",
+    "BatchEngine": "engine.batch",
+    "BatchMode": "engine.batch",
+    "ContinuousBatchEngine": "engine.batch",
+    "StaticBatchEngine": "engine.batch",
     "EngineBase": "engine.core",
     "NaiveEngine": "engine.core",
-    "StaticBatchEngine": "engine.core",
+    "DisaggregatedEngine": "engine.disaggregated",
+    "PooledEngine": "engine.pooled",
+    "DecodeEngine": "engine.tiers",
+    "PrefillEngine": "engine.tiers",
+    "SchedulingPolicy": "engine.policy",
     "Engine": "engine.interface",
     "EngineConfig": "engine.interface",
     "EngineStats": "engine.interface",

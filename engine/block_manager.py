@@ -86,10 +86,6 @@ class PrefixCacheCounters:
     hit_tokens: int = 0
     evictions: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
 
 class BlockManager:
     def __init__(
@@ -168,6 +164,11 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def count_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        """Record a request's first admission: its prompt was looked up, this much was a hit."""
+        self.counters.queried_tokens += num_prompt_tokens
+        self.counters.hit_tokens += num_hit_tokens
+
     def cache_full_blocks(self, state: RequestState) -> None:
         """Name every block of the request that is now full of computed tokens."""
         if not self.enable_prefix_caching:
@@ -223,10 +224,8 @@ class BlockManager:
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0, f"block {block} freed twice"
             if self.ref_counts[block] == 0:
-                if block in self._key_of_block:
-                    self._free[block] = None
-                else:
+                self._free[block] = None
+                if block not in self._key_of_block:
                     # Unnamed blocks hold nothing worth keeping: hand them out first.
-                    self._free[block] = None
                     self._free.move_to_end(block, last=False)
         state.block_ids = []

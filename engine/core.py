@@ -1,10 +1,9 @@
-"""The engines: continuous batching, its static-batching baseline, and the naive oracle.
+"""What every engine shares (`EngineBase`: validation, stop rules, aborts, pause, outputs), and
+the naive oracle.
 
-`StaticBatchEngine` and `ContinuousBatchEngine` share everything (block manager, model runner,
-sampler, stop rules) and differ only in the scheduler's admission and retirement rule: the seed's
-point that continuous batching changes *when* a sequence joins and leaves, nothing else.
 `NaiveEngine` serves one request at a time with no KV cache, recomputing the whole sequence for
-every token: slow on purpose, it is the correctness oracle.
+every token: slow on purpose, it is the correctness oracle. The batching engines are
+`engine.batch`'s; engines made of pools of them, `engine.pooled`'s.
 
 All engines are synchronous and single-threaded: the server's driver calls `add_request`, `abort`
 and `step` from one thread at a time.
@@ -12,29 +11,18 @@ and `step` from one thread at a time.
 
 from __future__ import annotations
 
-import math
-import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
 
-from engine.block_manager import BlockManager
 from engine.errors import DuplicateRequestError, InvalidRequestError, RequestTooLongError
 from engine.interface import EngineConfig, EngineStats
-from engine.model_runner import ModelRunner, run_full_sequence
+from engine.model_runner import run_full_sequence
 from engine.request import Request, RequestState, RequestStatus, StepOutput, TokenLogprob
 from engine.sampling import sample
-from engine.scheduler import Scheduler
-from engine.step_budget import StepBudget
 from models.base import CausalLM, LoadedModel
-
-# A pool sized without a budget holds every slot's full context, capped at both of these: a busy
-# server touches the whole pool (the prefix cache hands out every free block in turn), so the cap
-# is what its RSS grows by. 40,960 tokens (five 8k contexts) is what binds for compact caches (an
-# int8 pool: 0.5 GiB of SmolLM2), 0.75 GiB for the rest (34,900 float16 tokens of SmolLM2).
-DEFAULT_KV_CACHE_GIB = 0.75
-DEFAULT_KV_CACHE_TOKENS = 40_960
 
 
 def engine_config(config: EngineConfig | None, options: dict[str, object]) -> EngineConfig:
@@ -60,10 +48,14 @@ class EngineBase:
     """Request bookkeeping every engine shares: validation, stop rules, aborts, outputs.
 
     Implements `engine.interface.Engine`. A subclass says where a request waits and how a step
-    runs through four hooks: `_check_fits`, `_enqueue`, `_dequeue` and `_step`.
+    runs through four hooks: `_check_fits`, `_enqueue` (record it in `requests` and queue it),
+    `_dequeue` (take it out of both) and `_step`.
     """
 
     name = "base"
+    # Live requests by id: a dict of the engine's own, or (an engine made of pools) a view of
+    # its pools' (`engine.pooled`).
+    requests: Mapping[str, RequestState]
 
     def __init__(self, model: CausalLM | LoadedModel, config: EngineConfig) -> None:
         self.model = _unwrap(model)
@@ -73,7 +65,6 @@ class EngineBase:
         limit = self.model_config.max_position_embeddings
         # Prompt plus output tokens a request may reach (the Engine protocol's max_model_len).
         self.max_model_len = min(config.max_model_len or limit, limit)
-        self.requests: dict[str, RequestState] = {}
         self._pending: list[StepOutput] = []  # terminal outputs of aborts, sent with the next step
         self.total_slot_steps = 0
         self.wasted_slot_steps = 0
@@ -102,29 +93,16 @@ class EngineBase:
                 f"{n_prompt} prompt tokens + {request.params.max_tokens} max_tokens = {total} were requested"
             )
         self._check_fits(request, total)
-        state = RequestState(request, self.eos_token_ids)
-        self.requests[request.request_id] = state
-        self._enqueue(state)
+        self._enqueue(RequestState(request, self.eos_token_ids))
 
     def abort(self, request_id: str) -> bool:
         """End a request now and free its blocks. True if it was live; idempotent."""
-        state = self.requests.pop(request_id, None)
+        state = self.requests.get(request_id)
         if state is None:
             return False
         self._dequeue(state)
         state.status = RequestStatus.FINISHED_ABORTED
-        self._pending.append(
-            StepOutput(
-                request_id,
-                [],
-                True,
-                "abort",
-                None,
-                state.num_prompt_tokens,
-                state.num_cached_tokens,
-                state.first_scheduled_time,
-            )
-        )
+        self._pending.append(state.output([]))
         return True
 
     def has_work(self) -> bool:
@@ -158,7 +136,8 @@ class EngineBase:
     # -- shared by subclasses --------------------------------------------------------------------
 
     def _append_token(self, state: RequestState, token: int, lp: TokenLogprob | None) -> StepOutput:
-        """Record a sampled token, apply the stop rules, and describe it as a StepOutput."""
+        """Record a sampled token, apply the stop rules, and describe it as a StepOutput. (An
+        engine that samples keeps its own `requests` dict: a finished request leaves it here.)"""
         state.token_ids.append(token)
         p = state.params
         grammar_done = False
@@ -171,17 +150,8 @@ class EngineBase:
         elif state.num_output_tokens >= p.max_tokens or state.num_tokens >= self.max_model_len:
             state.status = RequestStatus.FINISHED_LENGTH
         if state.finished:
-            del self.requests[state.request_id]
-        return StepOutput(
-            state.request_id,
-            [token],
-            state.finished,
-            state.finish_reason,
-            None if lp is None else [lp],
-            state.num_prompt_tokens,
-            state.num_cached_tokens,
-            state.first_scheduled_time,
-        )
+            del self.requests[state.request_id]  # type: ignore[attr-defined]
+        return state.output([token], None if lp is None else [lp])
 
     # -- hooks -----------------------------------------------------------------------------------
 
@@ -198,187 +168,6 @@ class EngineBase:
         raise NotImplementedError
 
 
-class StaticBatchEngine(EngineBase):
-    """Static batching: a batch forms only when the previous one has entirely finished.
-
-    Finished members keep their slot and are still computed until the whole batch is done;
-    `wasted_slot_steps` counts those rows.
-
-    Built from an `EngineConfig`, or from its fields as keywords:
-    `StaticBatchEngine(model, max_batch_size=8)`.
-    """
-
-    name = "static-batch"
-    _static = True
-    _default_prefix_caching = False
-
-    def __init__(
-        self,
-        model: CausalLM | LoadedModel,
-        config: EngineConfig | None = None,
-        **options: object,
-    ) -> None:
-        config = engine_config(config, options)
-        super().__init__(model, config)
-        num_blocks = config.num_blocks
-        if num_blocks is None:
-            num_blocks = self._blocks_from_budget(config)
-        caching = config.enable_prefix_caching
-        if caching is None:
-            caching = self._default_prefix_caching
-        self.max_batch_size = config.max_batch_size
-        self.block_manager = BlockManager(
-            num_blocks, config.block_size, caching, model_identity=self.model_config.name
-        )
-        self.scheduler = Scheduler(
-            self.block_manager,
-            config.max_batch_size,
-            config.token_budget,
-            static=self._static,
-            policy=config.scheduling,
-        )
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size)
-        self.step_budget = None
-        if config.target_step_ms is not None and not self._static:
-            self.step_budget = StepBudget(config.target_step_ms / 1000, config.token_budget)
-
-    def _blocks_from_budget(self, config: EngineConfig) -> int:
-        """Size the pool from a memory budget; without one, enough for every slot to reach the
-        full context, capped at DEFAULT_KV_CACHE_GIB and DEFAULT_KV_CACHE_TOKENS."""
-        per_block = self.model_config.kv_bytes_per_token * config.block_size
-        if config.kv_cache_memory_gib is not None:
-            return max(2, int(config.kv_cache_memory_gib * 2**30 // per_block))
-        want = config.max_batch_size * math.ceil(self.max_model_len / config.block_size) + 1
-        cap = min(
-            int(DEFAULT_KV_CACHE_GIB * 2**30 // per_block),
-            DEFAULT_KV_CACHE_TOKENS // config.block_size + 1,
-        )
-        return max(2, min(want, cap))
-
-    # -- queueing --------------------------------------------------------------------------------
-
-    def check_fits(self, num_tokens: int) -> None:
-        """Raise RequestTooLongError if a request of `num_tokens` tokens could never fit the pool."""
-        bm = self.block_manager
-        need, usable = bm.blocks_for(num_tokens), bm.num_usable_blocks
-        if need > usable:
-            raise RequestTooLongError(
-                f"{num_tokens} tokens (prompt + max_tokens) need {need} KV blocks but the pool "
-                f"has {usable}"
-            )
-
-    def _check_fits(self, request: Request, total_tokens: int) -> None:
-        self.check_fits(total_tokens)
-
-    def _enqueue(self, state: RequestState) -> None:
-        self.scheduler.add(state)
-
-    def _dequeue(self, state: RequestState) -> None:
-        self.scheduler.remove(state)
-
-    # -- a request built or computed by another engine (a composite engine's pool) ---------------
-
-    def enqueue(self, state: RequestState) -> None:
-        """Queue a request state another engine built and validated (it owns the abort path:
-        `remove` takes the state out again without a terminal output)."""
-        self.requests[state.request_id] = state
-        self._enqueue(state)
-
-    def remove(self, state: RequestState) -> None:
-        """Take a request out wherever it is and free its blocks; no output is produced."""
-        del self.requests[state.request_id]
-        self._dequeue(state)
-
-    def detach(self, state: RequestState) -> None:
-        """Hand a running, unfinished request out of this engine with its blocks, which keep its
-        K/V until `release` frees them (after the K/V has been read out)."""
-        del self.requests[state.request_id]
-        self.scheduler.detach(state)
-
-    def release(self, state: RequestState) -> None:
-        """Free the blocks a detached request still holds in this pool."""
-        self.block_manager.free(state)
-
-    def can_admit(self, num_tokens: int) -> bool:
-        """Whether `admit_running` would take a request of `num_tokens` tokens now."""
-        bm = self.block_manager
-        return self.scheduler.has_free_slot and bm.blocks_for(num_tokens) <= bm.num_free_blocks
-
-    def admit_running(self, state: RequestState) -> None:
-        """Take in a request whose first `num_computed_tokens` tokens were computed elsewhere:
-        allocate blocks for all its tokens and join it to the running batch (check `can_admit`
-        first). Its K/V must be written into `state.block_ids` before the next step."""
-        allocated = self.block_manager.allocate(state, state.num_tokens)
-        assert allocated, "admit_running without can_admit"
-        self.scheduler.admit_running(state)
-        self.requests[state.request_id] = state
-
-    # -- one step ----------------------------------------------------------------------------------
-
-    def _step(self) -> list[StepOutput]:
-        sb = self.step_budget
-        if sb is not None:
-            decoding = sum(
-                not s.finished and s.num_tokens - s.num_computed_tokens <= 1
-                for s in self.scheduler.running
-            )
-            self.scheduler.max_num_batched_tokens = sb.budget(decoding)
-        sched = self.scheduler.schedule()
-        if not sched.rows:
-            return []
-        self.total_slot_steps += len(sched.rows)
-        self.wasted_slot_steps += sum(r.wasted for r in sched.rows)
-        t0 = time.perf_counter()
-        logits, sampling = self.runner.execute(sched.rows)
-        if sb is not None:
-            rows = [r.num_new_tokens for r in sched.rows]
-            decodes = sum(n == 1 for n in rows)
-            sb.observe(decodes, sum(rows) - decodes, time.perf_counter() - t0)
-        self.scheduler.commit(sched)
-        if not sampling:
-            return []
-        states = [r.state for r in sampling]
-        tokens, logprobs = sample(logits, states)
-        outputs = [
-            self._append_token(s, t, lp) for s, t, lp in zip(states, tokens, logprobs, strict=True)
-        ]
-        # Retire now, not at the start of the next step: continuous batching frees a finished
-        # request's blocks at once (also when no next step comes); static holds them until the
-        # batch is done (the scheduler's retire decides).
-        self.scheduler.retire()
-        return outputs
-
-    def stats(self) -> EngineStats:
-        bm, sch = self.block_manager, self.scheduler
-        return EngineStats(
-            num_running=sum(not s.finished for s in sch.running),
-            num_waiting=len(sch.waiting),
-            num_free_blocks=bm.num_free_blocks,
-            num_total_blocks=bm.num_usable_blocks,
-            num_preemptions=sch.num_preemptions,
-            prefix_cache_queries=bm.counters.queried_tokens,
-            prefix_cache_hits=bm.counters.hit_tokens,
-            prefix_cache_evictions=bm.counters.evictions,
-            total_slot_steps=self.total_slot_steps,
-            wasted_slot_steps=self.wasted_slot_steps,
-            num_slots=sch.max_batch_size,
-            num_paused=sum(s.paused for s in self.requests.values()),
-        )
-
-
-class ContinuousBatchEngine(StaticBatchEngine):
-    """Continuous (iteration-level) batching, as in Orca.
-
-    Each step retires finished requests, admits waiting ones into the freed slots, and runs one
-    forward over prefill chunks and decode tokens together. Nothing about how tokens are computed
-    differs from the static engine; only when a request may join and leave.
-    """
-
-    name = "continuous-batch"
-    _static = False
-    _default_prefix_caching = True
-
-
 class NaiveEngine(EngineBase):
     """One request at a time, no KV cache, full recompute for every token: the oracle.
 
@@ -393,12 +182,15 @@ class NaiveEngine(EngineBase):
         **options: object,
     ) -> None:
         super().__init__(model, engine_config(config, options))
+        self.requests: dict[str, RequestState] = {}
         self.queue: deque[RequestState] = deque()
 
     def _enqueue(self, state: RequestState) -> None:
+        self.requests[state.request_id] = state
         self.queue.append(state)
 
     def _dequeue(self, state: RequestState) -> None:
+        del self.requests[state.request_id]
         self.queue.remove(state)
 
     def _step(self) -> list[StepOutput]:

@@ -31,13 +31,13 @@ others from decoding.
 from __future__ import annotations
 
 import enum
-from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from engine.core import ContinuousBatchEngine, EngineBase, engine_config
-from engine.errors import RequestTooLongError
+from engine.batch import ContinuousBatchEngine
+from engine.core import engine_config
 from engine.interface import EngineConfig, EngineStats
 from engine.kv_connector import KVConnector
+from engine.pooled import PooledEngine
 from engine.request import Request, RequestState, StepOutput
 from models.base import CausalLM, LoadedModel
 
@@ -58,16 +58,15 @@ class DisaggregatedStats(EngineStats):
     transferred_bytes: int
 
 
-class DisaggregatedEngine(EngineBase):
+class DisaggregatedEngine(PooledEngine):
     """A prefill pool and a decode pool, each with its own KV blocks, joined by a KV connector.
 
     Pools are sized by `EngineConfig.prefill_pool()` and `decode_pool()`: `max_batch_size` (decode
     slots), `prefill_max_batch_size` (prompts prefilling at once, default the same),
     `max_num_batched_tokens` (the prefill token budget per step), and per pool `*_num_blocks` or
     `*_kv_cache_memory_gib` (each pool sized on its own, as two machines would be);
-    `num_blocks` / `kv_cache_memory_gib` set both. The pools are driven only through the
-    continuous engine's public hand-off operations (`enqueue`, `remove`, `detach`, `release`,
-    `can_admit`, `admit_running`).
+    `num_blocks` / `kv_cache_memory_gib` set both. The pools are driven only through the batch
+    engine's hand-off API; requests in transfer are this engine's `held` ones.
     """
 
     name = "disaggregated"
@@ -81,12 +80,12 @@ class DisaggregatedEngine(EngineBase):
         **options: object,
     ) -> None:
         config = engine_config(config, options)
-        super().__init__(model, config)
+        prefill = ContinuousBatchEngine(model, config.prefill_pool())
+        decode = ContinuousBatchEngine(prefill.model, config.decode_pool())
+        super().__init__(model, config, (prefill, decode))
+        self.prefill, self.decode = prefill, decode
         self.max_batch_size = config.max_batch_size
-        self.prefill = ContinuousBatchEngine(self.model, config.prefill_pool())
-        self.decode = ContinuousBatchEngine(self.model, config.decode_pool())
         self.connector = connector or KVConnector()
-        self._in_transfer: deque[RequestState] = deque()  # oldest first
 
     @property
     def transfers(self) -> int:
@@ -98,87 +97,58 @@ class DisaggregatedEngine(EngineBase):
 
     def phase(self, request_id: str) -> Phase | None:
         """Where a live request is; None once it has finished or was never added."""
-        state = self.requests.get(request_id)
-        if state is None:
-            return None
         if request_id in self.prefill.requests:
+            state = self.prefill.requests[request_id]
             return Phase.PREFILLING if state in self.prefill.scheduler.running else Phase.WAITING
         if request_id in self.decode.requests:
             return Phase.DECODING
-        return Phase.TRANSFER
+        if request_id in self.held:
+            return Phase.TRANSFER
+        return None
 
     # -- queueing: a request belongs to exactly one pool, or to the transfer queue --------------
 
     def _check_fits(self, request: Request, total_tokens: int) -> None:
-        bm = self.prefill.block_manager
-        need = bm.blocks_for(len(request.prompt_token_ids))
-        if need > bm.num_usable_blocks:
-            raise RequestTooLongError(
-                f"a {len(request.prompt_token_ids)}-token prompt needs {need} KV blocks but the "
-                f"prefill pool has {bm.num_usable_blocks}"
-            )
-        self.decode.check_fits(total_tokens)
+        self._check_split_fits(request, total_tokens, self.prefill, self.decode)
 
     def _enqueue(self, state: RequestState) -> None:
         self.prefill.enqueue(state)
 
-    def _dequeue(self, state: RequestState) -> None:
-        if state.request_id in self.prefill.requests:
-            self.prefill.remove(state)
-        elif state.request_id in self.decode.requests:
-            self.decode.remove(state)
-        else:
-            self._in_transfer.remove(state)
-            self.prefill.release(state)
+    def _drop_held(self, state: RequestState) -> None:
+        self.prefill.release(state)  # its K/V still sits in prefill blocks
 
     # -- one step ----------------------------------------------------------------------------------
 
     def _step(self) -> list[StepOutput]:
-        self._hand_off()
-        outputs = self.decode.step()
+        self._admit_held(self.decode, self.connector, self._send)
         # Backpressure (see the module docstring): prefill only what the decode pool can take
         # at the next step, or one request ready for the next slot that frees.
         dec = self.decode.scheduler
         room = dec.max_batch_size - len(dec.running) - len(dec.waiting)
-        if len(self._in_transfer) < max(1, room):
-            outputs += self.prefill.step()
+        pools = (self.decode, self.prefill) if len(self.held) < max(1, room) else (self.decode,)
+        outputs = self._step_pools(*pools)
         # A request that has sampled its first token leaves the prefill pool (which would
         # otherwise decode it there) but keeps its blocks until the decode pool takes it.
-        sampled = [s for s in self.prefill.scheduler.running if s.num_output_tokens]
-        for state in sampled:
+        for state in [s for s in self.prefill.scheduler.running if s.num_output_tokens]:
             self.prefill.detach(state)
-            self._in_transfer.append(state)
-        for out in outputs:
-            if out.finished:
-                del self.requests[out.request_id]
-        self.total_slot_steps = self.prefill.total_slot_steps + self.decode.total_slot_steps
-        self.wasted_slot_steps = self.prefill.wasted_slot_steps + self.decode.wasted_slot_steps
+            self.held[state.request_id] = state
         return outputs
 
-    def _hand_off(self) -> None:
-        """Move prefilled requests into the decode pool, oldest first, while it has room."""
-        # Requests the decode pool preempted go first: they were there before any newcomer.
-        while self._in_transfer and not self.decode.scheduler.waiting:
-            state = self._in_transfer[0]
-            # Room for the sampled token too, so its first decode step needs no new block.
-            if not self.decode.can_admit(state.num_tokens):
-                return
-            self._in_transfer.popleft()
-            num_blocks = len(state.block_ids)
-            payload = self.connector.send(
-                self.prefill.runner, state.block_ids, state.num_computed_tokens
-            )
-            self.prefill.release(state)
-            self.decode.admit_running(state)
-            self.connector.receive(payload, self.decode.runner, state.block_ids[:num_blocks])
+    def _send(self, state: RequestState) -> bytes:
+        """A prefilled request's K/V out of the prefill pool, whose blocks are then freed (named
+        ones stay in its prefix cache)."""
+        payload = self.connector.send(
+            self.prefill.runner, state.block_ids, state.num_computed_tokens
+        )
+        self.prefill.release(state)
+        return payload
 
     def stats(self) -> DisaggregatedStats:
-        p, d = self.prefill.stats(), self.decode.stats()
-        summed = {f.name: getattr(p, f.name) + getattr(d, f.name) for f in fields(EngineStats)}
-        summed["num_running"] += len(self._in_transfer)
+        summed = self._merged_stats()
+        summed["num_running"] += len(self.held)
         return DisaggregatedStats(
             **summed,
-            num_in_transfer=len(self._in_transfer),
+            num_in_transfer=len(self.held),
             transfers=self.connector.transfers,
             transferred_bytes=self.connector.transferred_bytes,
         )

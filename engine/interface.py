@@ -2,7 +2,8 @@
 
 The server's driver, the in-process tools and the tests are typed against `Engine` and nothing
 else: an engine takes requests in token ids (`add_request`), ends them early (`abort`), and
-advances every live request by one `step`, which returns that step's `StepOutput`s. It is
+advances every live request by one `step`, which returns that step's `StepOutput`s; `pause` and
+`resume` hold a request back while its reader is behind (backpressure). It is
 synchronous and single-threaded; the driver calls it from one thread at a time.
 
 `EngineConfig` holds the sizing every engine shares (slots, KV blocks or a memory budget, the
@@ -16,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from engine.policy import SchedulingPolicy
 from engine.request import Request, StepOutput
 
 
@@ -74,6 +76,15 @@ class Engine(Protocol):
         the next step. True if it was live. Idempotent."""
         ...
 
+    def pause(self, request_id: str) -> None:
+        """Stop scheduling a live request (its reader is behind); it keeps its place, and its
+        memory until someone else needs it. Idempotent; unknown ids are ignored."""
+        ...
+
+    def resume(self, request_id: str) -> None:
+        """Schedule a paused request again. Idempotent; unknown ids are ignored."""
+        ...
+
     def step(self) -> list[StepOutput]:
         """Advance every scheduled request by one iteration; what each produced."""
         ...
@@ -100,7 +111,7 @@ class EngineConfig:
 
     The KV pool is `num_blocks` blocks if given, else sized from `kv_cache_memory_gib`, else
     enough for every slot to reach the full context (capped at 0.75 GiB and 40,960 tokens,
-    `engine.core.DEFAULT_KV_CACHE_GIB` / `DEFAULT_KV_CACHE_TOKENS`). The disaggregated engine
+    `engine.batch.DEFAULT_KV_CACHE_GIB` / `DEFAULT_KV_CACHE_TOKENS`). The disaggregated engine
     sizes its two pools from the `prefill_*` / `decode_*` fields, each falling back to the shared
     one (`max_batch_size` is the decode pool's slots; the token budget is the prefill pool's).
     """
@@ -115,8 +126,8 @@ class EngineConfig:
     # While requests decode, size each step's budget so the step takes about this long
     # (`engine.step_budget`); None: the fixed `token_budget` every step.
     target_step_ms: float | None = None
-    # Who goes first: "fcfs", "priority" or "fair" (engine.scheduler explains them).
-    scheduling: str = "fcfs"
+    # Who goes first: "fcfs", "priority" or "fair" (engine.policy explains them).
+    scheduling: SchedulingPolicy = SchedulingPolicy.FCFS
     # The disaggregated engine's pools; None: the shared value above.
     prefill_max_batch_size: int | None = None
     prefill_num_blocks: int | None = None
@@ -150,12 +161,17 @@ class EngineConfig:
             isinstance(target, int | float) and math.isfinite(target) and target > 0
         )
         _check(ok, "target_step_ms", "must be > 0 or None", target)
-        _check(
-            self.scheduling in ("fcfs", "priority", "fair"),
-            "scheduling",
-            "must be fcfs, priority or fair",
-            self.scheduling,
-        )
+        try:  # a name as a string is taken too
+            object.__setattr__(self, "scheduling", SchedulingPolicy(self.scheduling))
+        except ValueError:
+            names = ", ".join(p.value for p in SchedulingPolicy)
+            _check(False, "scheduling", f"must be one of {names}", self.scheduling)
+        # Every running request decodes each step. (A pool's own config, `prefill_pool()`,
+        # checks its own slots.)
+        budget = self.max_num_batched_tokens
+        ok = budget is None or budget >= self.max_batch_size
+        why = f"must be >= max_batch_size ({self.max_batch_size})"
+        _check(ok, "max_num_batched_tokens", why, budget)
         caching = self.enable_prefix_caching
         ok = caching is None or isinstance(caching, bool)
         _check(ok, "enable_prefix_caching", "must be True, False or None", caching)

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 # whose constructor takes (model, config: EngineConfig | None = None, **config fields), plus a
 # line here.
 ENGINES: dict[str, str] = {
-    "continuous": "engine.core:ContinuousBatchEngine",
-    "static": "engine.core:StaticBatchEngine",
+    "continuous": "engine.batch:ContinuousBatchEngine",
+    "static": "engine.batch:StaticBatchEngine",
     "naive": "engine.core:NaiveEngine",
     "disaggregated": "engine.disaggregated:DisaggregatedEngine",
 }

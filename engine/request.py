@@ -162,9 +162,10 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StepOutput:
-    """What one step produced for one request: new token ids, and whether it has finished."""
+    """What one step produced for one request: new token ids, and whether it has finished.
+    Built by keywords; an engine builds it from the request's state (`RequestState.output`)."""
 
     request_id: str
     token_ids: list[int]
@@ -250,6 +251,21 @@ class RequestState:
     @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
+
+    def output(
+        self, token_ids: list[int], logprobs: list[TokenLogprob] | None = None
+    ) -> StepOutput:
+        """This step's output for the request: `token_ids` new, and where it stands now."""
+        return StepOutput(
+            request_id=self.request_id,
+            token_ids=token_ids,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            logprobs=logprobs,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            first_scheduled_time=self.first_scheduled_time,
+        )
 
     def __repr__(self) -> str:
         return (

@@ -1,7 +1,7 @@
-"""Per-request records and the metrics computed from them, as DESIGN.md defines them.
+"""Per-request records and the metrics computed from them, defined below.
 
 Owns the numbers and nothing else: `RequestRecord` (what the runner observed for one request) and
-pure functions over records. Definitions match the seed's and vLLM benchmark_serving's:
+pure functions over records. Definitions match the book chapter's and vLLM benchmark_serving's:
 
 - TTFT = first streamed token - send time
 - ITL  = gaps between consecutive streamed tokens (pooled over requests for the distribution)

@@ -1,8 +1,8 @@
 """Presenting results: the printed block, the conditions line, JSON files, tables and plots.
 
 Owns every output format and no measurement. The printed block uses vLLM benchmark_serving's
-labels so numbers can be read side by side with its output; the conditions line follows the seed's
-("Conditions: <model> (<n> params), <cores>x <arch> CPU, torch <v>, <trace>, arrival rate <r>/s,
+labels so numbers can be read side by side with its output; the conditions line follows the book
+chapter's ("Conditions: <model> (<n> params), <cores>x <arch> CPU, torch <v>, <trace>, arrival rate <r>/s,
 measured <date>"); JSON files hold the summary and every per-request record so any figure can be
 recomputed later; plots put one line per engine (label) against arrival rate.
 """

@@ -61,7 +61,8 @@ Trace = tuple[TraceRequest, ...]
 
 @dataclass(frozen=True, slots=True)
 class TraceSpec:
-    """Everything that determines a trace. The defaults are the seed's workload."""
+    """Everything that determines a trace. The defaults are the book chapter's workload
+    (Poisson arrivals at 4/s, prompts of 32-96 tokens, outputs of 16-48, seed 7)."""
 
     num_requests: int = 100
     rate: float = 4.0

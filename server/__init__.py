@@ -1,8 +1,9 @@
-"""The HTTP edge: an OpenAI-compatible FastAPI app over the engine (see DESIGN.md, "The server").
+"""The HTTP edge: an OpenAI-compatible FastAPI app over the engine (docs/architecture.md says
+which module owns what).
 
 `create_app(tokenizer, card, engine_client, settings)` builds the app; `EngineClient` is the seam
-to the engine and `AsyncEngineDriver` its in-process implementation; `python -m server` runs it. Names are imported lazily so that `python -m server
---help` does not wait for torch.
+to the engine and `AsyncEngineDriver` its in-process implementation; `python -m server` runs it.
+Names are imported lazily, so importing the package alone loads no torch.
 """
 
 from __future__ import annotations

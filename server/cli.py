@@ -4,7 +4,9 @@ The model's weights stay in this process with the engine; the app gets only the 
 `ModelCard`.
 
 Owns the command line and process-level setup (logging, torch threads, graceful shutdown through
-uvicorn). Heavy imports wait until after argument parsing so `--help` is instant.
+uvicorn). The app's heavy imports wait until after argument parsing; the parser itself imports the
+modules that define the names its flags offer (scheduling policies, quantization schemes, KV
+dtypes), which loads torch.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # The names the flags offer are defined once, by the modules that use them.
+    from engine.policy import SchedulingPolicy
+    from models.loader import KV_DTYPES
+    from models.quant import ACTIVATIONS, SCHEMES
+
     p = argparse.ArgumentParser(
         prog="python -m server",
         description="OpenAI-compatible LLM server with continuous batching on CPU torch.",
@@ -123,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--scheduling",
-        choices=("fcfs", "priority", "fair"),
-        default="fcfs",
+        choices=[policy.value for policy in SchedulingPolicy],
+        default=SchedulingPolicy.FCFS.value,
         help="who runs first: fcfs (arrival order), priority (the request's `priority`, lower "
         "first, with aging) or fair (clients share batch slots and each step's tokens evenly; a "
         "client is its X-Client-Id header, else its API key, else its address) "
@@ -144,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--quantization",
-        choices=("auto", "none", "q8_0", "q4_1"),
+        choices=SCHEMES,
         default="auto",
         help="projection and head weights in the CPU kernels. auto: a GGUF file's own "
         "Q4_0/Q4_1/Q8_0 blocks as they are, float weights otherwise; none: float (a GGUF file "
@@ -152,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--kv-cache-dtype",
-        choices=("auto", "float32", "float16", "int8"),
+        choices=("auto", *KV_DTYPES),
         default="auto",
         help="KV pool storage. auto: int8 where the projections run int8 activations "
         "(quantized weights, AVX512-VNNI), else float16 with quantized weights (as llama.cpp), "
@@ -161,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--activation-dtype",
-        choices=("auto", "int8", "float32"),
+        choices=ACTIVATIONS,
         default="auto",
         help="what quantized projections multiply. int8: each row's activations quantized per "
         "32 inputs and multiplied with AVX512-VNNI integer dot products (as llama.cpp does; "

@@ -1,13 +1,14 @@
 """`AsyncEngineDriver`: the in-process `server.client.EngineClient`, over an `engine.Engine`.
 
 The engine belongs to one dedicated thread, the engine thread, which steps it back to back while
-there is work. The event loop never touches the engine: `submit`, `abort` and backpressure put
-their changes in an inbox (a lock-guarded list), and the engine thread applies them between two
-steps. After each step the engine thread hands the step's outputs to the loop in one
+there is work. The event loop never touches the engine: `submit`, `abort`, backpressure and `stop`
+put commands in an inbox (one lock-guarded queue: add, abort, pause, resume, stop), and the engine
+thread applies them between two steps, in the order they were sent (so an abort always finds its
+request's add before it). After each step the engine thread hands the step's outputs to the loop in one
 `call_soon_threadsafe` callback, which delivers them to their streams, and goes straight on to
 the next step. It does not wait for the loop: handing each step to a worker and awaiting it cost
 two thread wake-ups and whatever the loop was doing at that moment on every step, ~0.8 ms of a
-~6 ms single-stream step (14%, measured in the sixth session). With no work the thread sleeps on
+~6 ms single-stream step (14%; docs/benchmarks.md). With no work the thread sleeps on
 a condition that the next submit, abort or resume notifies: no polling.
 
 What the loop reads of the engine, it reads from snapshots the engine thread sends along with
@@ -40,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import logging
 import sys
 import threading
@@ -53,8 +55,6 @@ import torch
 from engine import Engine, EngineDeadError, EngineStats, QueueFullError, Request, StepOutput
 from server.client import EngineClient, EngineObserver, Health, OutputStream
 
-__all__ = ["AsyncEngineDriver", "QueueFullError"]
-
 log = logging.getLogger("server.driver")
 
 DEFAULT_GIL_SWITCH_INTERVAL = 0.0005  # seconds; CPython's default is 0.005
@@ -63,10 +63,22 @@ ENGINE_THREAD_NAME = "engine-step"
 
 @dataclass(slots=True, eq=False)  # compared by identity
 class _PendingAdd:
-    requests: list[Request]  # shortened by an abort while the add waits in the inbox
+    requests: list[Request]
     stream: OutputStream
     accepted: asyncio.Future[None]  # touched on the loop thread only
-    count: int  # requests at submit: what the acceptance takes off the unacknowledged count
+
+
+class _Op(enum.Enum):
+    """What an inbox command asks of the engine thread."""
+
+    ADD = "add"  # a _PendingAdd: add its requests, all or none
+    ABORT = "abort"  # a request id
+    PAUSE = "pause"  # request ids (backpressure: the reader is behind)
+    RESUME = "resume"  # request ids (the reader caught up)
+    STOP = "stop"  # nothing: stop once the engine has nothing left to report
+
+
+_Command = tuple[_Op, Any]
 
 
 class AsyncEngineDriver(EngineClient):
@@ -106,11 +118,10 @@ class AsyncEngineDriver(EngineClient):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._exited: asyncio.Future[None] | None = None
-        # The inbox, guarded by the condition's lock: the loop appends, the engine thread takes.
+        # The inbox, guarded by the condition's lock: the loop appends, the engine thread takes
+        # and applies in order.
         self._cv = threading.Condition()
-        self._adds: list[_PendingAdd] = []
-        self._aborts: list[str] = []
-        self._pressure: list[tuple[tuple[str, ...], bool]] = []
+        self._inbox: list[_Command] = []
         self._stopping = False
         # Written by the engine thread, read by health().
         self._step_started: float | None = None
@@ -151,8 +162,10 @@ class AsyncEngineDriver(EngineClient):
             stream.fail(shutting_down)
         with self._cv:
             self._stopping = True
-            self._adds.clear()  # never handed to the engine
-            self._aborts.extend(self._streams)
+            # Groups not yet handed to the engine never will be; what it has is aborted.
+            self._inbox = [c for c in self._inbox if c[0] is not _Op.ADD]
+            self._inbox += [(_Op.ABORT, request_id) for request_id in self._streams]
+            self._inbox.append((_Op.STOP, None))
             self._cv.notify()
         self._fail_unacked(shutting_down)
         self._streams.clear()
@@ -187,16 +200,12 @@ class AsyncEngineDriver(EngineClient):
             max_buffered=self.max_buffered_outputs,
             on_pressure=self._on_pressure,
         )
-        add = _PendingAdd(
-            list(requests), stream, asyncio.get_running_loop().create_future(), len(requests)
-        )
+        add = _PendingAdd(list(requests), stream, asyncio.get_running_loop().create_future())
         for r in requests:
             self._streams[r.request_id] = stream
             self._arrivals[r.request_id] = r.arrival_time
         self._unacked.append(add)
-        with self._cv:
-            self._adds.append(add)
-            self._cv.notify()
+        self._send(_Op.ADD, add)
         try:
             await add.accepted
         except asyncio.CancelledError:
@@ -212,20 +221,21 @@ class AsyncEngineDriver(EngineClient):
         if stream is None:
             return  # finished, aborted already, or never submitted
         stream.close(request_id)
-        with self._cv:
-            for add in self._adds:  # not yet taken by the engine thread: just drop it
-                if any(r.request_id == request_id for r in add.requests):
-                    add.requests = [r for r in add.requests if r.request_id != request_id]
-                    return
-            self._aborts.append(request_id)
-            self._cv.notify()
+        self._send(_Op.ABORT, request_id)
 
     def _on_pressure(self, stream: OutputStream, pause: bool) -> None:
         """The stream's reader fell behind (pause) or caught up (resume): tell the engine at its
-        next window. An engine without pause/resume just keeps generating."""
+        next window. A pause need not wake an idle engine thread: it has nothing to pause."""
+        ids = tuple(stream.open_request_ids)
+        if pause:
+            self._send(_Op.PAUSE, ids, wake=False)
+        else:
+            self._send(_Op.RESUME, ids)
+
+    def _send(self, op: _Op, arg: Any, wake: bool = True) -> None:
         with self._cv:
-            self._pressure.append((tuple(stream.open_request_ids), pause))
-            if not pause:
+            self._inbox.append((op, arg))
+            if wake:
                 self._cv.notify()
 
     def health(self) -> Health:
@@ -243,7 +253,7 @@ class AsyncEngineDriver(EngineClient):
         # The engine thread's latest snapshot, plus what the engine has not acknowledged yet.
         if not self._unacked:
             return self._stats
-        pending = sum(add.count for add in self._unacked)
+        pending = sum(len(add.requests) for add in self._unacked)
         return dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + pending)
 
     # -- the engine thread -----------------------------------------------------------------------------
@@ -252,20 +262,20 @@ class AsyncEngineDriver(EngineClient):
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
         engine = self.engine
+        stopped = False
         try:
             while True:
                 with self._cv:
-                    while not (self._adds or self._aborts or self._pressure):
+                    while not self._inbox:
                         if engine.has_work():
                             break
-                        if self._stopping:
+                        if stopped:
                             return
                         self._cv.wait()
-                    adds, self._adds = self._adds, []
-                    aborts, self._aborts = self._aborts, []
-                    pressure, self._pressure = self._pressure, []
-                if adds or aborts or pressure:
-                    accepted = self._apply(adds, aborts, pressure)
+                    commands, self._inbox = self._inbox, []
+                if commands:
+                    accepted, stop = self._apply(commands)
+                    stopped = stopped or stop
                     self._post(self._on_accepted, accepted, engine.stats())
                 if not engine.has_work():
                     continue
@@ -282,35 +292,40 @@ class AsyncEngineDriver(EngineClient):
             self._post(self._on_exit)
 
     def _apply(
-        self,
-        adds: list[_PendingAdd],
-        aborts: list[str],
-        pressure: list[tuple[tuple[str, ...], bool]],
-    ) -> list[tuple[_PendingAdd, Exception | None]]:
-        """Hand the inbox to the engine (engine thread). Adds first, so an abort that follows
-        its own add in the same window finds the request."""
+        self, commands: list[_Command]
+    ) -> tuple[list[tuple[_PendingAdd, Exception | None]], bool]:
+        """Hand the inbox to the engine, in order (engine thread). What each add came to, and
+        whether a stop came."""
         engine = self.engine
         accepted: list[tuple[_PendingAdd, Exception | None]] = []
-        for add in adds:
-            added: list[str] = []
-            try:
-                for r in add.requests:
-                    engine.add_request(r)
-                    added.append(r.request_id)
-            except Exception as e:  # all or nothing: undo the group's earlier members
-                for request_id in added:
-                    engine.abort(request_id)
-                accepted.append((add, e))
-                continue
-            accepted.append((add, None))
-        for request_ids, pause in pressure:
-            act = getattr(engine, "pause" if pause else "resume", None)
-            if act is not None:
-                for request_id in request_ids:
-                    act(request_id)
-        for request_id in aborts:
-            engine.abort(request_id)
-        return accepted
+        stop = False
+        for op, arg in commands:
+            if op is _Op.ADD:
+                accepted.append((arg, self._add(arg)))
+            elif op is _Op.ABORT:
+                engine.abort(arg)
+            elif op is _Op.PAUSE:
+                for request_id in arg:
+                    engine.pause(request_id)
+            elif op is _Op.RESUME:
+                for request_id in arg:
+                    engine.resume(request_id)
+            else:
+                stop = True
+        return accepted, stop
+
+    def _add(self, add: _PendingAdd) -> Exception | None:
+        """Add a group's requests, all or none (engine thread); the refusal, if any."""
+        added: list[str] = []
+        try:
+            for r in add.requests:
+                self.engine.add_request(r)
+                added.append(r.request_id)
+        except Exception as e:  # undo the group's earlier members
+            for request_id in added:
+                self.engine.abort(request_id)
+            return e
+        return None
 
     def _post(self, callback: Callable[..., None], *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is left to tell
@@ -378,7 +393,7 @@ class AsyncEngineDriver(EngineClient):
         self._streams.clear()
         self._arrivals.clear()
         with self._cv:
-            self._adds.clear()
+            self._inbox = [c for c in self._inbox if c[0] is not _Op.ADD]
         self._fail_unacked(dead)
 
     def _fail_unacked(self, error: EngineDeadError) -> None:

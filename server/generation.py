@@ -39,6 +39,7 @@ class Choice:
 
     def __init__(
         self,
+        *,
         index: int,
         request_id: str,
         prompt_index: int,
@@ -110,9 +111,11 @@ class Choice:
         return delta
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Generation:
-    """One HTTP generation request: its engine requests, choices and usage."""
+    """One HTTP generation request: its engine requests, choices and usage. Built whole (its
+    choices included); what changes afterwards is the run's state: `stream`, `status`, `done`,
+    `counted`."""
 
     id: str
     model: str
@@ -121,15 +124,18 @@ class Generation:
     prompts: list[list[int]]
     prompt_texts: list[str]
     choices: list[Choice]
+    client_id: str | None = None  # who asked (X-Client-Id or API key), for fair sharing
     include_usage: bool = False
     echo: bool = False
     logprobs: int | None = None  # top-N, None when not requested
+    by_request: dict[str, Choice] = field(init=False)
     stream: OutputStream | None = None
-    by_request: dict[str, Choice] = field(default_factory=dict)
     status: str = "ok"
     done: bool = False
-    client_id: str | None = None  # who asked (X-Client-Id or API key), for fair sharing
     counted: bool = False  # holds one of its client's concurrent-request places
+
+    def __post_init__(self) -> None:
+        self.by_request = {c.request_id: c for c in self.choices}
 
     def usage(self) -> dict:
         prompt = sum(len(p) for p in self.prompts)

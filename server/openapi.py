@@ -166,7 +166,7 @@ def _limits(schemas: dict[str, Any], card: ModelCard, vocab_size: int) -> None:
     suffix = schemas.get("CompletionRequest", {}).get("properties", {}).get("suffix")
     if suffix is not None:
         suffix["anyOf"] = [m for m in suffix.get("anyOf", []) if m.get("type") == "null"]
-    # logit_bias keys are token ids written in decimal (server.protocol.TOKEN_ID_KEY), its
+    # logit_bias keys are token ids written in decimal (server.sampling_params.TOKEN_ID_KEY), its
     # values biases in [-100, 100] (OpenAI's range; engine.SamplingParams checks it).
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         bias = schemas.get(name, {}).get("properties", {}).get("logit_bias", {})

@@ -1,10 +1,8 @@
 """The OpenAI wire protocol at the HTTP boundary: pydantic request models, the limits they
-enforce, their mapping to `engine.SamplingParams`, and `ModelCard` (what the API says about the
-served model).
+enforce, and `ModelCard` (what the API says about the served model).
 
 Owns what a request body may contain and its shape-level limits (how many choices, prompts, stop
-strings, logprobs), and how its fields become sampling parameters (`completion_sampling_params`,
-`chat_sampling_params`: a new sampling field is a field here plus a line in `_sampling_params`).
+strings, logprobs). How its fields become sampling parameters is `server.sampling_params`'.
 Value checks the engine already makes (temperature >= 0, top_p in (0, 1], ...) are left to
 `SamplingParams`, whose `InvalidRequestError` names the field; `server.errors` makes it a 400.
 Responses are plain dicts built in `server.responses` (one `json.dumps` per SSE chunk is the hot
@@ -15,10 +13,8 @@ Unknown fields are ignored, as vLLM and OpenAI's own server do, so newer SDKs ke
 
 from __future__ import annotations
 
-import math
-import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -32,8 +28,6 @@ from pydantic import (
     model_validator,
 )
 
-from engine import SamplingParams
-from server.errors import APIError
 from server.tool_protocol import ToolCallParam, ToolChoice, Tools
 
 # Limits a single HTTP request may ask for. They bound the work one call can queue and the size
@@ -48,7 +42,6 @@ MAX_SEED = 2**53 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
-TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key
 MAX_LOGPROBS = 20  # completions `logprobs` and chat `top_logprobs`
 MAX_LOGIT_BIAS = 300
 MAX_MESSAGES = 1024
@@ -57,9 +50,6 @@ MAX_MESSAGES = 1024
 # infinities, so only a sane band is allowed; OpenAI's penalties are in [-2, 2].
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
-# Below this a temperature is greedy (as vLLM's _SAMPLING_EPS): dividing logits by 1e-38 overflows
-# to inf and the draw degenerates to token 0. SamplingParams.greedy uses the same bound.
-GREEDY_TEMPERATURE = 1e-5
 
 
 def _valid_unicode(value: str) -> str:
@@ -356,129 +346,3 @@ class ModelCard:
     @property
     def name(self) -> str:
         return self.names[0]
-
-
-# -- request fields -> SamplingParams -------------------------------------------------------------
-
-
-def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise APIError(
-            400,
-            f"{param} contains token id {bad}, outside the vocabulary [0, {vocab_size})",
-            param=param,
-        )
-
-
-# OpenAI's defaults, for fields neither the request nor the model's defaults set.
-OPENAI_DEFAULTS: dict[str, float] = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-}
-
-
-def sent(req: BaseModel, name: str) -> bool:
-    """Whether the client gave `name` a value (an explicit null counts as not given)."""
-    return name in req.model_fields_set and getattr(req, name) is not None
-
-
-def completion_sampling_params(
-    req: CompletionRequest, vocab_size: int, defaults: Mapping[str, Any] | None = None
-) -> list[SamplingParams]:
-    """One `SamplingParams` per choice of each prompt (choice j samples with seed + j).
-    `defaults` (the model card's `default_sampling_params`) fill the fields the client did not
-    send; request fields always win."""
-    defaults = defaults or {}
-    max_tokens = req.max_output_tokens()
-    if not sent(req, "max_tokens") and "max_tokens" in defaults:
-        max_tokens = defaults["max_tokens"]
-    return _sampling_params(req, max_tokens, req.logprobs, vocab_size, defaults)
-
-
-def chat_sampling_params(
-    req: ChatCompletionRequest,
-    vocab_size: int,
-    max_tokens: int,
-    defaults: Mapping[str, Any] | None = None,
-) -> list[SamplingParams]:
-    """As `completion_sampling_params`; `max_tokens` is `req.max_output_tokens(...)`, which
-    needs the prompt's length (a default max_tokens only lowers it)."""
-    defaults = defaults or {}
-    if not (sent(req, "max_tokens") or sent(req, "max_completion_tokens")):
-        max_tokens = min(max_tokens, defaults.get("max_tokens", max_tokens))
-    return _sampling_params(req, max_tokens, req.num_logprobs, vocab_size, defaults)
-
-
-def _sampling_params(
-    req: SamplingFields,
-    max_tokens: int,
-    logprobs: int | None,
-    vocab_size: int,
-    defaults: Mapping[str, Any],
-) -> list[SamplingParams]:
-    bias: list[tuple[int, float]] = []
-    for key, value in (req.logit_bias or {}).items():
-        # Exactly what the OpenAPI document's pattern allows: a decimal number without sign,
-        # spaces, underscores, leading zeros or non-ASCII digits (all of which int() takes).
-        if TOKEN_ID_KEY.fullmatch(key) is None:
-            raise APIError(
-                400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
-            )
-        tok = int(key)
-        if not 0 <= tok < vocab_size:
-            raise APIError(
-                400, f"logit_bias token id {tok} is outside the vocabulary", param="logit_bias"
-            )
-        if not math.isfinite(value):
-            raise APIError(400, "logit_bias values must be finite", param="logit_bias")
-        bias.append((tok, float(value)))
-    stop_ids = tuple(req.stop_token_ids or ())
-    check_token_ids(stop_ids, vocab_size, "stop_token_ids")
-    if req.min_tokens > max_tokens:
-        # As vLLM: a 400, not a silent cap. With its own code, because no JSON Schema keyword can
-        # bound one field by another (server.openapi.UNSTATED_RULE_CODES).
-        raise APIError(
-            400,
-            f"min_tokens ({req.min_tokens}) must be less than or equal to max_tokens "
-            f"({max_tokens})",
-            param="min_tokens",
-            code="min_tokens_exceeds_max_tokens",
-        )
-
-    def given(name: str) -> Any:
-        # The request's value, else the model's default, else OpenAI's.
-        if sent(req, name):
-            return getattr(req, name)
-        return defaults.get(name, OPENAI_DEFAULTS.get(name))
-
-    top_k = given("top_k")
-    temperature = given("temperature")
-
-    # Choice j of every prompt samples with seed + j (as vLLM does for n > 1): reproducible,
-    # and the n choices differ from one another. SamplingParams checks the values.
-    return [
-        SamplingParams(
-            max_tokens=max_tokens,
-            # greedy below the threshold, not an overflowing division
-            temperature=0.0 if temperature < GREEDY_TEMPERATURE else temperature,
-            # OpenAI / vLLM spell "off" -1 (and 0); the engine spells it None.
-            top_k=None if top_k in (None, 0, -1) else top_k,
-            top_p=given("top_p"),
-            min_p=given("min_p"),
-            repetition_penalty=given("repetition_penalty"),
-            presence_penalty=given("presence_penalty"),
-            frequency_penalty=given("frequency_penalty"),
-            stop_token_ids=stop_ids,
-            ignore_eos=req.ignore_eos,
-            min_tokens=req.min_tokens,
-            logprobs=logprobs,
-            seed=None if req.seed is None else req.seed + j,
-            logit_bias=tuple(bias),
-        )
-        for j in range(req.n)
-    ]

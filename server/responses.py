@@ -3,7 +3,9 @@
 One streaming loop (`stream_body`) and one full-body builder (`full_body`) serve both endpoints;
 what differs between them (object names, a choice's shape, what is sent before the first token,
 logprobs in OpenAI's two shapes) is a `ResponseFormat`: `CompletionFormat` or `ChatFormat`.
-Also here: SSE framing, `SSEResponse`, and token text for logprobs (`TokenText`).
+Also here: SSE framing, `SSEResponse`, one write per engine step (`per_step`), a full body's
+wait that a client's disconnect cancels (`until_disconnect`), and token text for logprobs
+(`TokenText`).
 """
 
 from __future__ import annotations
@@ -12,16 +14,17 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import torch
-from starlette.responses import StreamingResponse
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine import TokenLogprob
 from models import Tokenizer
-from server.errors import api_error
+from server.errors import ClientDisconnected, api_error
 from server.generation import Choice, Generation
 from server.protocol import ModelCard
 
@@ -321,3 +324,51 @@ class SSEResponse(StreamingResponse):
                 raise _Stalled() from None
 
         return bounded_send
+
+
+# -- how a response rides its connection ------------------------------------------------------------
+
+
+async def per_step(gen: Generation, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`events` joined into one write per batch of engine outputs that are ready together.
+
+    The driver hands over a step's outputs at once, so the n choices (x prompts) of one request
+    arrive together; sent one by one, each is its own trip through the ASGI send, h11 and a
+    socket write on the event loop, which the step thread's Python then waits on for the GIL
+    (a 64-choice hog made a short request's parsing and first write, and its own step, slower).
+    Joined, it is one write per step. Same bytes in the same order; an event is held only
+    while the next output is already buffered (`num_buffered`), so nothing waits for the
+    engine (after the end the stream keeps its end marker buffered: the tail is one write)."""
+    batch: list[str] = []
+    async for event in events:
+        batch.append(event)
+        if gen.stream is None or gen.stream.num_buffered == 0:
+            yield "".join(batch)
+            batch.clear()
+    if batch:
+        yield "".join(batch)
+
+
+async def until_disconnect(http: HTTPRequest, work: Awaitable[Response]) -> Response:
+    """Run a non-streamed request, cancelling it (and so aborting its choices) if the client
+    disconnects: there is no write to fail on, so listen for the disconnect message."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(http.receive))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    raise ClientDisconnected()
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

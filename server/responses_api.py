@@ -29,7 +29,7 @@ from server.protocol import (
     _Body,
     int_in,
 )
-from server.responses import SSEResponse
+from server.responses import SSEResponse, until_disconnect
 from server.responses_output import ResponsesBuilder
 from server.tool_protocol import FunctionName
 
@@ -202,7 +202,7 @@ async def create_response(serving: Any, req: ResponsesRequest, http: HTTPRequest
             pass
         return JSONResponse(builder.response())
 
-    return await serving._until_disconnect(http, whole())
+    return await until_disconnect(http, whole())
 
 
 async def _events(serving: Any, gen: Generation, builder: ResponsesBuilder) -> AsyncIterator[str]:

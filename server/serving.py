@@ -2,42 +2,39 @@
 
 `OpenAIServing` is what the routes call. It owns the path between a validated request body and
 its response: prompts and chat templates to token ids, the engine requests of a generation
-(`protocol` maps fields to `SamplingParams`), the generation loop that turns each `StepOutput`
-into text (`generation.Choice`: detokenization, stop strings, whose match aborts the request in
-the engine), per-request metrics, disconnects and the one log line per request. Bodies and SSE
-chunks are `server.responses`'; errors leave through `server.errors`. It talks to the engine only
-through an `EngineClient`.
+(`sampling_params` maps fields to `SamplingParams`), the generation loop that turns each
+`StepOutput` into text (`generation.Choice`: detokenization, stop strings, whose match aborts the
+request in the engine), per-request metrics and the one log line per request. Bodies, SSE chunks
+and disconnects are `server.responses`'; who a request comes from and how many it may have open,
+`server.tenancy`'; errors leave through `server.errors`. It talks to the engine only through an
+`EngineClient`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive
 
 from engine import (
     EngineDeadError,
     InvalidRequestError,
-    QueueFullError,
     Request,
     SamplingParams,
     StepOutput,
 )
 from engine.structured import StructuredSpec
 from models import Tokenizer
+
 from server.chat_output import ParsedChatFormat
 from server.chat_template import ChatTemplate
 from server.client import EngineClient
-from server.errors import APIError, ClientDisconnected
+from server.errors import APIError
 from server.generation import Choice, Generation
 from server.metrics import ServerMetrics
 from server.protocol import (
@@ -49,9 +46,6 @@ from server.protocol import (
     ModelCard,
     SamplingFields,
     TokenizeRequest,
-    chat_sampling_params,
-    check_token_ids,
-    completion_sampling_params,
 )
 from server.remote_grammar import grammar_constraints
 from server.responses import (
@@ -63,31 +57,20 @@ from server.responses import (
     Update,
     full_body,
     models_body,
+    per_step,
     stream_body,
+    until_disconnect,
+)
+from server.sampling_params import (
+    chat_sampling_params,
+    check_token_ids,
+    completion_sampling_params,
 )
 from server.structured import StructuredOutputs, structured_spec
+from server.tenancy import ClientSlots, client_identity
 from server.tools import ToolPlan, plan_tools, tool_structured_spec
 
 log = logging.getLogger("server.requests")
-
-CLIENT_ID_HEADER = "x-client-id"
-MAX_CLIENT_ID_CHARS = 128
-
-
-def client_identity(http: HTTPRequest) -> str | None:
-    """Who sends a request, for per-client fairness and limits: the `X-Client-Id` header, else a
-    digest of the bearer token (the key itself is never kept), else the peer's address, else
-    None. The header is trusted as given: behind a gateway that sets it, it names the tenant."""
-    given = http.headers.get(CLIENT_ID_HEADER)
-    if given:
-        return "id:" + given[:MAX_CLIENT_ID_CHARS]
-    auth = http.headers.get("authorization", "")
-    if auth.lower().startswith("bearer ") and auth[7:].strip():
-        digest = hashlib.blake2b(auth[7:].strip().encode(), digest_size=8).hexdigest()
-        return "key:" + digest
-    if http.client is not None:
-        return "ip:" + http.client.host
-    return None
 
 
 class OpenAIServing:
@@ -113,8 +96,7 @@ class OpenAIServing:
         # A streamed response whose client reads nothing for this long is given up (aborted).
         self.stall_timeout = stall_timeout
         # Open generation requests per client identity, against `max_concurrent_per_client`.
-        self.max_concurrent_per_client = max_concurrent_per_client
-        self._open_per_client: dict[str | None, int] = {}
+        self.client_slots = ClientSlots(max_concurrent_per_client)
         self.tokenizer = tokenizer
         self.card = card
         self.metrics = metrics
@@ -154,11 +136,12 @@ class OpenAIServing:
                 raise APIError(
                     400, "prompt must not be empty (it encodes to no tokens)", param="prompt"
                 )
-        gen = self._generation("cmpl", http, arrival, model, prompts, texts, req, req.logprobs)
-        gen.echo = req.echo
+        gen_id = self._new_id("cmpl", http, texts)
         params = completion_sampling_params(req, self.vocab_size, self.defaults)
-        self._check_lengths(gen, req.n, params[0].max_tokens)
-        requests = await self._engine_requests(gen, req, params)
+        self._check_lengths(prompts, req.n, params[0].max_tokens)
+        gen, requests = await self._generation(
+            gen_id, http, arrival, model, prompts, texts, req, params, req.logprobs, req.echo
+        )
         fmt = CompletionFormat(gen, self.token_text)
         return await self._respond(gen, requests, fmt, req.stream, http)
 
@@ -185,7 +168,7 @@ class OpenAIServing:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise APIError(400, "the rendered chat prompt is empty", param="messages")
-        gen = self._generation(prefix, http, arrival, model, [ids], [text], req, req.num_logprobs)
+        gen_id = self._new_id(prefix, http, [text])
         for name in ("max_tokens", "max_completion_tokens"):
             # Each is bounded by the context on its own (the schema says so), also when the
             # other one is what counts.
@@ -202,9 +185,20 @@ class OpenAIServing:
         if max_tokens < 1:  # no max_tokens given, and the prompt fills the context
             raise self._too_long(len(ids), 1)
         params = chat_sampling_params(req, self.vocab_size, max_tokens, self.defaults)
-        self._check_lengths(gen, req.n, params[0].max_tokens)
+        self._check_lengths([ids], req.n, params[0].max_tokens)
         spec = tool_structured_spec(plan, req)  # issue 25 hook: the tools' grammar, if any
-        requests = await self._engine_requests(gen, req, params, spec)
+        gen, requests = await self._generation(
+            gen_id,
+            http,
+            arrival,
+            model,
+            [ids],
+            [text],
+            req,
+            params,
+            req.num_logprobs,
+            tool_spec=spec,
+        )
         return gen, requests, plan
 
     def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
@@ -244,61 +238,48 @@ class OpenAIServing:
             code="context_length_exceeded",
         )
 
-    def _generation(
+    def _new_id(self, prefix: str, http: HTTPRequest, texts: list[str]) -> str:
+        gen_id = f"{prefix}-{uuid.uuid4().hex}"
+        http.state.request_id = gen_id  # errors from here on name it (server.errors)
+        if self.log_prompts:
+            log.info("%s prompt=%r", gen_id, texts if len(texts) > 1 else texts[0])
+        return gen_id
+
+    def _check_lengths(self, prompts: list[list[int]], n: int, max_tokens: int) -> None:
+        if len(prompts) * n > MAX_CHOICES:
+            raise APIError(
+                400,
+                f"prompts x n may be at most {MAX_CHOICES}, got {len(prompts) * n}",
+                param="n",
+                code="too_many_choices",
+            )
+        for ids in prompts:
+            if len(ids) + max_tokens > self.card.max_model_len:
+                raise self._too_long(len(ids), max_tokens)
+
+    async def _generation(
         self,
-        prefix: str,
+        gen_id: str,
         http: HTTPRequest,
         arrival: float,
         model: str,
         prompts: list[list[int]],
         texts: list[str],
         req: SamplingFields,
-        logprobs: int | None,
-    ) -> Generation:
-        gen = Generation(
-            f"{prefix}-{uuid.uuid4().hex}",
-            model,
-            int(time.time()),
-            arrival,
-            prompts,
-            texts,
-            [],
-            include_usage=req.include_usage,
-            logprobs=logprobs,
-        )
-        http.state.request_id = gen.id  # errors from here on name it (server.errors)
-        gen.client_id = client_identity(http)
-        if self.log_prompts:
-            log.info("%s prompt=%r", gen.id, texts if len(texts) > 1 else texts[0])
-        return gen
-
-    def _check_lengths(self, gen: Generation, n: int, max_tokens: int) -> None:
-        if len(gen.prompts) * n > MAX_CHOICES:
-            raise APIError(
-                400,
-                f"prompts x n may be at most {MAX_CHOICES}, got {len(gen.prompts) * n}",
-                param="n",
-                code="too_many_choices",
-            )
-        for ids in gen.prompts:
-            if len(ids) + max_tokens > self.card.max_model_len:
-                raise self._too_long(len(ids), max_tokens)
-
-    async def _engine_requests(
-        self,
-        gen: Generation,
-        req: SamplingFields,
         params: Sequence[SamplingParams],
+        logprobs: int | None,
+        echo: bool = False,
         tool_spec: StructuredSpec | None = None,
-    ) -> list[Request]:
-        """One engine request (and choice) per prompt and choice index, the choice's params, and
-        its own grammar state when the request asks for structured output."""
+    ) -> tuple[Generation, list[Request]]:
+        """The generation and its engine requests: one request (and choice) per prompt and
+        choice index, with the choice's params and its own grammar state when the request asks
+        for structured output."""
         try:
             spec = tool_spec or structured_spec(req)  # issue 25: a tools grammar replaces it
             constraints = (
                 # issue 25, item 6: compiled here, or sent as specs to a replica
                 await grammar_constraints(
-                    self.structured, self.client, spec, len(gen.prompts) * len(params)
+                    self.structured, self.client, spec, len(prompts) * len(params)
                 )
                 if spec is not None
                 else None
@@ -310,27 +291,50 @@ class OpenAIServing:
             raise APIError(400, str(e), param=e.param, code="invalid_structured_output") from e
         eos = () if req.ignore_eos else tuple(self.tokenizer.eos_token_ids)
         stop_ids = frozenset(eos) | frozenset(req.stop_token_ids or ())
-        requests = []
-        for p, ids in enumerate(gen.prompts):
+        client_id = client_identity(http)
+        choices: list[Choice] = []
+        requests: list[Request] = []
+        for p, ids in enumerate(prompts):
             for j, choice_params in enumerate(params):
                 index = p * len(params) + j
-                rid = f"{gen.id}-{index}"
-                choice = Choice(index, rid, p, self.tokenizer, ids, req.stop_strings, stop_ids)
-                gen.choices.append(choice)
-                gen.by_request[rid] = choice
+                rid = f"{gen_id}-{index}"
+                choices.append(
+                    Choice(
+                        index=index,
+                        request_id=rid,
+                        prompt_index=p,
+                        tokenizer=self.tokenizer,
+                        prompt_ids=ids,
+                        stops=req.stop_strings,
+                        stop_ids=stop_ids,
+                    )
+                )
                 requests.append(
                     Request(
                         list(ids),
                         choice_params,
                         request_id=rid,
-                        arrival_time=gen.arrival,
+                        arrival_time=arrival,
                         cache_salt=req.cache_salt,
                         priority=req.priority,
-                        client_id=gen.client_id,
+                        client_id=client_id,
                         constraint=None if constraints is None else constraints[index],
                     )
                 )
-        return requests
+        gen = Generation(
+            id=gen_id,
+            model=model,
+            created=int(time.time()),
+            arrival=arrival,
+            prompts=prompts,
+            prompt_texts=texts,
+            choices=choices,
+            client_id=client_id,
+            include_usage=req.include_usage,
+            echo=echo,
+            logprobs=logprobs,
+        )
+        return gen, requests
 
     async def _respond(
         self,
@@ -347,7 +351,7 @@ class OpenAIServing:
                 lambda: self._finish(gen),
                 stall_timeout=self.stall_timeout,
             )
-        return await self._until_disconnect(http, self._full(gen, requests, fmt))
+        return await until_disconnect(http, self._full(gen, requests, fmt))
 
     async def _full(
         self, gen: Generation, requests: list[Request], fmt: ResponseFormat
@@ -360,13 +364,7 @@ class OpenAIServing:
     async def _submit(self, gen: Generation, requests: list[Request]) -> None:
         # What the client refuses (QueueFullError, InvalidRequestError, EngineDeadError) leaves
         # through server.errors' table.
-        limit = self.max_concurrent_per_client
-        open_now = self._open_per_client.get(gen.client_id, 0)
-        if limit is not None and open_now >= limit:
-            raise QueueFullError(
-                f"this client has {open_now} requests in progress, the limit is {limit}"
-            )
-        self._open_per_client[gen.client_id] = open_now + 1
+        self.client_slots.take(gen.client_id)
         gen.counted = True
         try:
             gen.stream = await self.client.submit(requests)
@@ -425,11 +423,7 @@ class OpenAIServing:
         if not gen.counted:
             return
         gen.counted = False
-        left = self._open_per_client.get(gen.client_id, 1) - 1
-        if left > 0:
-            self._open_per_client[gen.client_id] = left
-        else:
-            self._open_per_client.pop(gen.client_id, None)
+        self.client_slots.give_back(gen.client_id)
 
     def _observe(self, gen: Generation, c: Choice, out: StepOutput) -> None:
         now = time.monotonic()
@@ -448,23 +442,6 @@ class OpenAIServing:
             c.first_time = now
         c.last_time = now
 
-    async def _until_disconnect(self, http: HTTPRequest, work: Awaitable[Response]) -> Response:
-        """Run a non-streamed request, cancelling it (and so aborting its choices) if the client
-        disconnects: there is no write to fail on, so listen for the disconnect message."""
-        task = asyncio.ensure_future(work)
-        watcher = asyncio.ensure_future(_wait_for_disconnect(http.receive))
-        try:
-            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-            watcher.cancel()
-        if task in done:
-            return task.result()
-        raise ClientDisconnected()
-
     def _log_done(self, gen: Generation) -> None:
         firsts = [c.first_time for c in gen.choices if c.first_time is not None]
         lasts = [c.last_time for c in gen.choices if c.last_time is not None]
@@ -482,30 +459,3 @@ class OpenAIServing:
             reasons,
             gen.status,
         )
-
-
-async def per_step(gen: Generation, events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """`events` joined into one write per batch of engine outputs that are ready together.
-
-    The driver hands over a step's outputs at once, so the n choices (x prompts) of one request
-    arrive together; sent one by one, each is its own trip through the ASGI send, h11 and a
-    socket write on the event loop, which the step thread's Python then waits on for the GIL
-    (a 64-choice hog made a short request's parsing and first write, and its own step, slower).
-    Joined, it is one write per step. Same bytes in the same order; an event is held only
-    while the next output is already buffered (`num_buffered`), so nothing waits for the
-    engine (after the end the stream keeps its end marker buffered: the tail is one write)."""
-    batch: list[str] = []
-    async for event in events:
-        batch.append(event)
-        if gen.stream is None or gen.stream.num_buffered == 0:
-            yield "".join(batch)
-            batch.clear()
-    if batch:
-        yield "".join(batch)
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return

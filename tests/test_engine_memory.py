@@ -143,7 +143,7 @@ def test_block_manager_allocation_is_all_or_nothing():
 def test_a_pool_sized_without_a_budget_is_capped_in_bytes_and_in_tokens(model):
     """Without a budget the pool holds every slot's full context up to 0.75 GiB and 40,960 tokens
     (a busy server ends up touching all of it: the cap is what its RSS grows by)."""
-    from engine.core import DEFAULT_KV_CACHE_GIB, DEFAULT_KV_CACHE_TOKENS
+    from engine.batch import DEFAULT_KV_CACHE_GIB, DEFAULT_KV_CACHE_TOKENS
 
     small = ContinuousBatchEngine(model, max_batch_size=2)  # two full contexts: under both caps
     per_token, context = small.model_config.kv_bytes_per_token, small.max_model_len

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, Request
-from server.ray.tiers import DecodeEngine, PrefillEngine
+from engine.tiers import DecodeEngine, PrefillEngine
 from tests.engine_utils import greedy, mixed_specs, seeded, serve_individually
 
 

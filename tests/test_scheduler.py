@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from engine.block_manager import BlockManager
+from engine.policy import make_policy
 from engine.request import Request, RequestState, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
@@ -48,7 +49,9 @@ class FakeRunner:
     ) -> None:
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         extra = {} if clock is None else {"clock": clock}
-        self.scheduler = Scheduler(self.bm, slots, budget, static=static, policy=policy, **extra)
+        self.scheduler = Scheduler(
+            self.bm, slots, budget, static=static, policy=make_policy(policy, **extra)
+        )
         self.steps: list[SchedulerOutput] = []
         self.sampled: list[list[str]] = []  # request ids that got a token, per step
 
@@ -70,7 +73,8 @@ class FakeRunner:
         return out
 
     def run(self, max_steps: int = 1000) -> None:
-        while self.scheduler.has_unfinished():
+        sched = self.scheduler
+        while sched.waiting or any(not s.finished for s in sched.running):
             self.step()
             assert len(self.steps) < max_steps
 
@@ -324,3 +328,61 @@ def test_every_policy_finishes_everything_and_frees_every_block(policy):
     assert all(s.num_output_tokens == s.params.max_tokens for s in states)
     assert max(out.num_tokens for out in fr.steps) <= 16
     assert fr.bm.num_free_blocks == fr.bm.num_usable_blocks
+
+
+# -- the policy objects on their own (engine.policy) ---------------------------------------------
+
+
+def test_fcfs_policy_takes_the_queue_order_skips_paused_and_preempts_the_newest():
+    fr = FakeRunner(slots=2)
+    policy = fr.scheduler.policy
+    a, b, c = make_state(3, 2, "a"), make_state(3, 2, "b"), make_state(3, 2, "c")
+    fr.add(a, b, c)
+    a.paused = True
+    assert policy.next_waiting(fr.scheduler) is b
+    assert policy.victim([a, b, c]) is c
+    fr.step()  # b and c run; the full batch
+    assert policy.displace(fr.scheduler) is None  # fcfs never takes a slot from a runner
+    assert policy.shares(fr.scheduler, 64).for_admission(a, 10) == 10
+
+
+def test_priority_policy_ranks_by_priority_then_age_and_displaces_only_a_worse_runner():
+    now = [50.0]
+    fr = FakeRunner(slots=1, policy="priority", clock=lambda: now[0])
+    policy = fr.scheduler.policy
+    low = make_state(3, 4, "low", priority=3, arrival=45.0)
+    high = make_state(3, 4, "high", priority=1, arrival=49.0)
+    fr.add(low, high)
+    assert policy.next_waiting(fr.scheduler) is high
+    assert policy.victim([high, low]) is low
+    fr.step()  # high runs
+    assert policy.displace(fr.scheduler) is None  # low does not outrank it
+    now[0] = 75.0  # low has waited 30 s: three levels better, priority 0 < high's 1 - 2
+    assert policy.rank(low, now[0])[0] == 0 and policy.rank(high, now[0])[0] == -1
+    vip = make_state(3, 1, "vip", priority=-5, arrival=75.0)
+    fr.add(vip)
+    assert policy.next_waiting(fr.scheduler) is vip
+    assert policy.displace(fr.scheduler) is high
+
+
+def test_fair_policy_shares_the_step_evenly_and_takes_a_slot_from_the_biggest_holder():
+    fr = FakeRunner(slots=4, budget=20, num_blocks=200, policy="fair")
+    policy = fr.scheduler.policy
+    hog = [make_state(4, 50, f"a{i}", client="A") for i in range(3)]
+    fr.add(*hog)
+    fr.step()
+    newcomer = make_state(30, 2, "b0", client="B")
+    fr.add(newcomer)
+    assert policy.next_waiting(fr.scheduler) is newcomer
+    # (asked when every slot is taken) A holds 3 slots, B none: 3 >= 0 + 2, A's newest gives
+    assert policy.displace(fr.scheduler) is hog[-1]
+    shares = policy.shares(fr.scheduler, 20)
+    # B holds no slot: this step is its own, A's requests and admissions sit it out.
+    assert not shares.run_running and shares.spent == {"A"}
+    # A's three decodes are owed 3 tokens; B the rest of the budget for its prefill.
+    assert [shares.for_running(s, 1) for s in hog] == [1, 1, 1]
+    assert shares.for_admission(newcomer, 30) == 17
+    shares.used(newcomer, 17)
+    assert shares.for_admission(newcomer, 30) is None  # B's grant is spent
+    # Never two newcomer steps in a row.
+    assert policy.shares(fr.scheduler, 20).run_running

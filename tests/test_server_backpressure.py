@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import pytest
@@ -42,6 +44,48 @@ def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:
         time.sleep(0.05)
 
 
+class EngineRecorder:
+    """What the test reads of the engine, recorded on the engine thread (after each step and each
+    pause) under a lock, so the test thread never reads state the engine thread is changing."""
+
+    def __init__(self, engine: Any) -> None:
+        self.lock = threading.Lock()
+        self.live: dict[str, tuple[int, bool]] = {}  # id -> (output tokens, paused), latest
+        self.paused_at: dict[str, int] | None = None  # output tokens when all were paused
+        self.tokens_while_paused = 0  # tokens a step gave a request after that
+        self.finish_reasons: dict[str, str | None] = {}
+        self.stats = engine.stats()
+        step, pause = engine.step, engine.pause
+
+        def recorded_step():
+            outs = step()
+            with self.lock:
+                for out in outs:
+                    if self.paused_at is not None and out.request_id in self.paused_at:
+                        self.tokens_while_paused += len(out.token_ids)
+                    if out.finished:
+                        self.finish_reasons[out.request_id] = out.finish_reason
+                self._snapshot(engine)
+            return outs
+
+        def recorded_pause(request_id: str) -> None:
+            pause(request_id)
+            with self.lock:
+                self._snapshot(engine)
+
+        engine.step, engine.pause = recorded_step, recorded_pause
+
+    def _snapshot(self, engine: Any) -> None:
+        self.live = {r: (s.num_output_tokens, s.paused) for r, s in engine.requests.items()}
+        if self.paused_at is None and self.live and all(p for _, p in self.live.values()):
+            self.paused_at = {r: n for r, (n, _) in self.live.items()}
+        self.stats = engine.stats()
+
+    def read(self, what):
+        with self.lock:
+            return what(self)
+
+
 @pytest.mark.slow
 def test_a_client_that_does_not_read_is_paused_then_aborted_with_its_blocks_freed(tiny_lm):
     body = {
@@ -52,34 +96,44 @@ def test_a_client_that_does_not_read_is_paused_then_aborted_with_its_blocks_free
         "logprobs": 20,  # ~1 kB per chunk: the socket buffers fill within a few dozen tokens
         "stream": True,
     }
+    recorder: list[EngineRecorder] = []
     with run_server(
         tiny_lm,
         driver_options={"max_buffered_outputs": 4},
         settings=ServerSettings(stall_timeout=3.0),
         sndbuf=8192,
+        before_start=lambda e: recorder.append(EngineRecorder(e)),
     ) as live:
-        engine = live.engine
+        rec = recorder[0]
         sock = open_silent_stream(live.base_url, body)
         try:
-            wait_for(lambda: len(engine.requests) == 4, what="the requests to start")
-            states = list(engine.requests.values())
-            wait_for(lambda: all(s.paused for s in states), what="the requests to be paused")
-            generated = [s.num_output_tokens for s in states]
-            assert max(generated) < body["max_tokens"]  # paused well before the end
-            # Paused means not scheduled: nothing more is generated while it stays unread.
-            time.sleep(1.0)
-            assert [s.num_output_tokens for s in states] == generated or not engine.requests
+            wait_for(lambda: rec.read(lambda r: r.paused_at), what="the requests to be paused")
+            paused_at = rec.read(lambda r: dict(r.paused_at))
+            assert len(paused_at) == 4
+            assert max(paused_at.values()) < body["max_tokens"]  # paused well before the end
+            # It serves others meanwhile: their steps pass the paused requests over.
+            other = {"prompt": "hi", "max_tokens": 8, "ignore_eos": True}
+            r = httpx.post(live.url("/v1/completions"), json=other, timeout=30)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
             # After the stall timeout the requests are aborted and every block is free.
-            wait_for(lambda: not engine.requests, timeout=30, what="the stall abort")
-            bm = engine.block_manager
-            wait_for(lambda: bm.num_free_blocks == bm.num_usable_blocks, what="blocks freed")
+            wait_for(
+                lambda: rec.read(lambda r: set(r.finish_reasons) >= set(paused_at)),
+                timeout=30,
+                what="the stall abort",
+            )
+            reasons = rec.read(lambda r: {r.finish_reasons[i] for i in paused_at})
+            assert reasons == {"abort"}
+            # Paused means not scheduled: no step gave them a token from the pause to the abort.
+            assert rec.read(lambda r: r.tokens_while_paused) == 0
+            stats = rec.read(lambda r: r.stats)
+            assert stats.num_free_blocks == stats.num_total_blocks
             # The server closed the connection: once the unread bytes are drained, EOF.
             sock.settimeout(10)
             while sock.recv(65536):
                 pass
         finally:
             sock.close()
-        # And it serves others meanwhile and after.
+        # And after.
         r = httpx.post(
             live.url("/v1/completions"), json={"prompt": "hi", "max_tokens": 3}, timeout=30
         )

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from engine import Request, RequestTooLongError, SamplingParams, make_engine
-from server.driver import AsyncEngineDriver, QueueFullError
+from engine import QueueFullError, Request, RequestTooLongError, SamplingParams, make_engine
+from server.driver import AsyncEngineDriver
 
 
 def req(rid: str, max_tokens: int = 4, prompt: list[int] | None = None) -> Request:

@@ -172,12 +172,12 @@ def test_real_tokenizer_streams_the_same_text_and_stops_like_the_full_response(s
 
 
 async def test_events_ready_together_are_one_write_and_nothing_waits_for_the_engine():
-    """server.serving.per_step: events whose outputs were buffered together (a step's n
+    """server.responses.per_step: events whose outputs were buffered together (a step's n
     choices) go out joined, in order; an event whose stream has nothing more buffered goes at
     once, and the tail after the end marker is flushed."""
     from types import SimpleNamespace
 
-    from server.serving import per_step
+    from server.responses import per_step
 
     stream = SimpleNamespace(num_buffered=0)
     gen = SimpleNamespace(stream=stream)

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-import engine.core
+import engine.batch
 from engine import ContinuousBatchEngine, Request, SamplingParams
 from engine.structured import GrammarCompiler, GrammarConstraint, StructuredSpec
 from models import ModelLoadError, load_model
@@ -80,7 +80,7 @@ timer = {"sample": 0.0, "accept": 0.0}
 
 def _instrument() -> None:
     """Time the sampler and grammar advances inside real steps (this tool only)."""
-    sample, accept = engine.core.sample, GrammarConstraint.accept
+    sample, accept = engine.batch.sample, GrammarConstraint.accept
 
     def timed_sample(*a):
         t0 = time.perf_counter()
@@ -96,7 +96,7 @@ def _instrument() -> None:
         finally:
             timer["accept"] += time.perf_counter() - t0
 
-    engine.core.sample = timed_sample
+    engine.batch.sample = timed_sample
     GrammarConstraint.accept = timed_accept
 
 

@@ -10,5 +10,7 @@ single-process server never needs Ray installed.
 
 Modules: `keys` (route keys over prompt token ids), `wire` (what crosses the handle),
 `router` (the `RequestRouter`), `replica` (the engine deployment), `client` (the ingress-side
-`EngineClient`), `deploy` (building the Serve application), `cli` (`python -m server.ray`).
+`EngineClient`), `deploy` (building the Serve application), `cli` (`python -m server.ray`),
+`disagg` (the prefill and decode deployments, whose engines are `engine.tiers`'). Only Ray lives
+here: no engine is defined in this package.
 """

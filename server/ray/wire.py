@@ -14,7 +14,7 @@ from typing import Any
 from engine import errors as engine_errors
 from engine.interface import EngineStats
 from engine.request import Request, StepOutput
-from server.ray.tiers import RequestSnapshot
+from engine.tiers import RequestSnapshot
 
 
 @dataclass(frozen=True, slots=True)

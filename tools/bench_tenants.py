@@ -1,4 +1,4 @@
-"""`python -m server.ray.bench_tenants`: a multi-tenant trace against a running server.
+"""`python -m tools.bench_tenants`: a multi-tenant trace against a running server.
 
 Each of `--tenants` tenants has its own system prompt of `--system-len` token ids; every request
 is that prompt plus a short random question, sent open-loop (Poisson, `--rate`) through the
@@ -49,7 +49,7 @@ def scrape(base_url: str) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m server.ray.bench_tenants", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m tools.bench_tenants", description=__doc__)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--label", default="run")
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
