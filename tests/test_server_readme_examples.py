@@ -165,10 +165,12 @@ def test_readme_openai_sdk_example(named_server):
 
 
 def test_readme_tool_call_example(named_server):
-    # TinyGPT's arguments are random text, but the grammar keeps them a valid call.
-    first_line = run_sdk(named_server, README_TOOLS).splitlines()[0]
+    # TinyGPT's city is random text held to the schema by the grammar; it may be cut by
+    # max_tokens (JSON escapes of random bytes are long), so only the call's shape is checked
+    # here: the slow test checks SmolLM2's whole call.
+    first_line = run_sdk(named_server, README_TOOLS).split("\n")[0]  # not splitlines: U+0085
     name, arguments = first_line.split(" ", 1)
-    assert name == "get_weather" and isinstance(json.loads(arguments)["city"], str)
+    assert name == "get_weather" and arguments.startswith('{"city": "')
 
 
 def test_readme_responses_example(named_server):
@@ -201,8 +203,8 @@ def test_readme_examples_with_the_real_smollm2_model(smollm2_lm):
         assert streamed.strip()  # a real model says something
         printed = run_sdk(live)
         assert looks_english(printed), printed
-        call = run_sdk(live, README_TOOLS).splitlines()[0]
-        assert call.startswith("get_weather ") and "Paris" in call, call
+        name, arguments = run_sdk(live, README_TOOLS).split("\n")[0].split(" ", 1)
+        assert name == "get_weather" and "Paris" in json.loads(arguments)["city"], arguments
         assert looks_english(run_sdk(live, README_RESPONSES))
         command = README_CLIENT.replace(".venv/bin/python", sys.executable)
         answer = subprocess.run(
