@@ -151,8 +151,11 @@ def _check_parameters(params: dict[str, Any] | None, param: str) -> dict[str, An
         )
     import llguidance  # here: the only import of it outside engine.structured's compiler
 
-    grammar = llguidance.grammar_from("lark", f"start: %json {json.dumps(params)}")
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    try:
+        grammar = llguidance.grammar_from("lark", f"start: %json {json.dumps(params)}")
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except (ValueError, TypeError) as e:  # what the library raises instead of reporting
+        error = str(e) or type(e).__name__
     if error:
         detail = " ".join(error.split())[:300]
         raise APIError(400, f"invalid JSON Schema: {detail}", param=param, code="invalid_tools")
