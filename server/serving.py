@@ -30,7 +30,6 @@ from engine import (
 )
 from engine.structured import StructuredSpec
 from models import Tokenizer
-
 from server.chat_output import ParsedChatFormat
 from server.chat_template import ChatTemplate
 from server.client import EngineClient
