@@ -55,7 +55,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def smol(smollm2_lm) -> Iterator[LiveServer]:
-    options = {"max_batch_size": 16, "kv_cache_memory_gib": 0.25}
+    # All 50 sampled requests in one batch (they share the prompt's blocks in the prefix cache).
+    options = {"max_batch_size": 50, "kv_cache_memory_gib": 0.25}
     with run_server(smollm2_lm, engine_options=options) as live:
         yield live
 
