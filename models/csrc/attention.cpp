@@ -1,0 +1,248 @@
+// attention: RoPE on q and k, K/V written into the paged pool, then causal attention of every
+// token over its sequence's pool blocks, read in place by one paged kernel for decode rows and
+// prefill chunks alike. The pool holds float32, float16 or int8 rows (int8: per 32 values one
+// float32 scale after the row's values, as llama.cpp's q8_0); attention computes in float32
+// (int8 pools with AVX512-VNNI: q.k as integer dot products, the query rounded as the keys).
+#include "kv_pool.h"
+#include "ops.h"
+
+namespace cbserve {
+namespace {
+
+
+// q: D floats (roped), scores of keys [0, L) of one kv head, softmax, weighted sum of values.
+// The generic path (any head_dim, any group size).
+template <typename C>
+void decode_one(const float* q, const C* kc, const C* vc, const int64_t* table, int64_t L, int64_t bs,
+                int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float* out, float* s) {
+  // scores
+  float mx = -INFINITY;
+  const int64_t nb = (L + bs - 1) / bs;
+  for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
+    const C* kb = kc + table[bi] * blk_stride;
+    for (int64_t t = 0, n = std::min(bs, L - bi * bs); t < n; ++t, ++j) {
+      const C* kr = kb + t * tok_stride;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 16 <= D; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), row8(kr, i, D), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), row8(kr, i + 8, D), a1);
+      }
+      for (; i < D; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), row8(kr, i, D), a0);
+      s[j] = hsum(_mm256_add_ps(a0, a1)) * scale;
+      mx = std::max(mx, s[j]);
+    }
+  }
+  const float inv = softmax_exp(s, L, mx);
+  // values: D <= 256
+  __m256 acc[32];
+  const int64_t nv = D / 8;
+  for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
+    const C* vb = vc + table[bi] * blk_stride;
+    for (int64_t t = 0, n = std::min(bs, L - bi * bs); t < n; ++t, ++j) {
+      const C* vr = vb + t * tok_stride;
+      const __m256 p = _mm256_set1_ps(s[j]);
+      for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(p, row8(vr, 8 * i, D), acc[i]);
+    }
+  }
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], vinv));
+}
+
+// One sequence's G query heads of kv head `kvh` (adjacent in q and out): the AVX-512 group kernel
+// for head_dim 64 and groups of up to 8, else each head through the generic path.
+template <typename C>
+void decode_heads(const float* q, int64_t G, const C* kc, const C* vc, const int64_t* table, int64_t L,
+                  int64_t bs, int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float* out,
+                  float* s, bool streamed) {
+  if (D == 64 && G <= 8 && cpu_has_avx512())
+    return decode_group_avx512<C>(G, q, kc, vc, table, L, bs, tok_stride, blk_stride, scale, out, s, streamed);
+  for (int64_t g = 0; g < G; ++g)
+    decode_one<C>(q + g * D, kc, vc, table, L, bs, tok_stride, blk_stride, D, scale, out + g * D, s);
+}
+
+template <typename C>
+void rope_and_write(float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, const float* cos,
+                    const float* sin, const int64_t* slots, C* kcache, C* vcache) {
+  const int64_t half = D / 2, width = (H + 2 * KVH) * D;
+  at::parallel_for(0, T, std::max<int64_t>(1, (1 << 15) / width), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* row = qkv + t * width;
+      const float* c = cos + t * half;
+      const float* s = sin + t * half;
+      for (int64_t h = 0; h < H + KVH; ++h) {  // q heads then k heads
+        float* x = row + h * D;
+        int64_t i = 0;
+        for (; i + 8 <= half; i += 8) {
+          __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+          __m256 vc = _mm256_loadu_ps(c + i), vs = _mm256_loadu_ps(s + i);
+          _mm256_storeu_ps(x + i, _mm256_fmsub_ps(x1, vc, _mm256_mul_ps(x2, vs)));
+          _mm256_storeu_ps(x + half + i, _mm256_fmadd_ps(x2, vc, _mm256_mul_ps(x1, vs)));
+        }
+        for (; i < half; ++i) {
+          const float x1 = x[i], x2 = x[half + i];
+          x[i] = x1 * c[i] - x2 * s[i];
+          x[half + i] = x2 * c[i] + x1 * s[i];
+        }
+      }
+      const int64_t W = row_width<C>(D);
+      const float* k = row + H * D;
+      const float* v = row + (H + KVH) * D;
+      C* kd = kcache + slots[t] * KVH * W;
+      C* vd = vcache + slots[t] * KVH * W;
+      for (int64_t h = 0; h < KVH; ++h) {
+        store_row<C>(kd + h * W, k + h * D, D);
+        store_row<C>(vd + h * W, v + h * D, D);
+      }
+    }
+  });
+}
+
+// Decode rows of an int8 pool go whole (every kv head in one pass, decode_row_int8_64) from this
+// many on, when each thread has rows enough; fewer go as (row, kv head) items, spread finer.
+// Float16 rows (128 bytes: whole cache lines, no line shared by two kv heads) gained nothing from
+// whole-row items (0-10% slower from DRAM), so they keep the (row, kv head) items.
+constexpr int64_t kRowsForWholeRowItems = 8;
+
+// After the K/V are in the pool: decode rows, then prefill chunks, over pool rows of type C.
+template <typename C>
+void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t bs, int64_t num_decode,
+            const at::Tensor& dec_tables_, const at::Tensor& dec_lens_, const at::Tensor& chunk_meta_,
+            const at::Tensor& chunk_tables_, int64_t H, int64_t KVH, int64_t D, float scale) {
+  const int64_t width = (H + 2 * KVH) * D;
+  const int64_t W = row_width<C>(D), tok_stride = KVH * W, blk_stride = bs * KVH * W;
+  const int64_t G = H / KVH;
+  if (num_decode > 0) {
+    at::Tensor tables = dec_tables_.contiguous(), lens = dec_lens_.contiguous();
+    const int64_t* tp = tables.data_ptr<int64_t>();
+    const int64_t* lp = lens.data_ptr<int64_t>();
+    const int64_t maxb = tables.size(1);
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < num_decode; ++b) max_len = std::max(max_len, lp[b]);
+    bool whole_rows = false;
+    if constexpr (std::is_same_v<C, int8_t>) {
+      whole_rows = D == 64 && G <= 8 && H <= 64 && num_decode >= kRowsForWholeRowItems && cpu_has_avx512() &&
+                   cpu_has_vnni();
+      if (whole_rows)
+        decode_whole_rows_int8(qp, op, kbase, vbase, bs, num_decode, tp, lp, maxb, H, KVH, tok_stride, blk_stride,
+                               scale);
+    }
+    if (!whole_rows) {
+      const int64_t task_grain = std::max<int64_t>(1, (1 << 17) / (max_len * D * G));
+      at::parallel_for(0, num_decode * KVH, task_grain, [&](int64_t i0, int64_t i1) {
+        std::vector<float> s;
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t b = i / KVH, kvh = i % KVH, L = lp[b];
+          s.resize(G * L + 16);
+          // The group's G query heads are adjacent in q and in out (heads kvh*G .. kvh*G+G-1).
+          const float* q = qp + b * width + kvh * G * D;
+          float* o = op + b * H * D + kvh * G * D;
+          decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, tp + b * maxb, L, bs, tok_stride, blk_stride, D,
+                          scale, o, s.data(), true);
+        }
+      });
+    }
+  }
+  // Prefill chunks: every token as a decode row over its own causal prefix, read from the pool
+  // (this step's K/V were written above). The same kernel as decode, so a token's attention is
+  // bit-identical whether it is computed in a prefill chunk of any size, as a decode step, or
+  // recomputed after preemption; and no gather of the past. Tokens are dealt in zigzag order
+  // (first, last, second, ...) so the threads' contiguous shares cost about the same. Int8 pools
+  // with VNNI take a few consecutive tokens an item (prefill_groups_int8), with the same results.
+  const int64_t NC = chunk_meta_.defined() ? chunk_meta_.size(0) : 0;
+  if (NC > 0) {
+    at::Tensor meta = chunk_meta_.contiguous(), ctables = chunk_tables_.contiguous();
+    const int64_t* mp = meta.data_ptr<int64_t>();
+    const int64_t* ctp = ctables.data_ptr<int64_t>();
+    const int64_t cmaxb = ctables.size(1);
+    int64_t max_len = 1;
+    for (int64_t c = 0; c < NC; ++c) max_len = std::max(max_len, mp[c * 3 + 2]);
+    if constexpr (std::is_same_v<C, int8_t>) {
+      if (D == 64 && G <= 8 && cpu_has_avx512() && cpu_has_vnni()) {
+        prefill_groups_int8(qp, op, kbase, vbase, bs, mp, NC, ctp, cmaxb, H, KVH, tok_stride, blk_stride, scale,
+                            max_len);
+        return;
+      }
+    }
+    std::vector<int64_t> row, len, chunk;
+    for (int64_t c = 0; c < NC; ++c) {
+      const int64_t start = mp[c * 3], n = mp[c * 3 + 1], L = mp[c * 3 + 2];
+      for (int64_t t = 0; t < n; ++t) {
+        row.push_back(start + t);
+        len.push_back(L - n + t + 1);
+        chunk.push_back(c);
+      }
+    }
+    const int64_t NT = static_cast<int64_t>(row.size());
+    const int64_t task_grain = std::max<int64_t>(1, (1 << 17) / (max_len * D * G));
+    at::parallel_for(0, NT * KVH, task_grain, [&](int64_t i0, int64_t i1) {
+      std::vector<float> s;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t k = i / KVH, kvh = i % KVH;
+        const int64_t x = (k % 2 == 0) ? k / 2 : NT - 1 - k / 2;  // zigzag
+        const int64_t r = row[x], L = len[x];
+        s.resize(G * L + 16);
+        const float* q = qp + r * width + kvh * G * D;
+        float* o = op + r * H * D + kvh * G * D;
+        decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, ctp + chunk[x] * cmaxb, L, bs, tok_stride,
+                        blk_stride, D, scale, o, s.data(), false);
+      }
+    });
+  }
+}
+
+template <typename C>
+void rope_write_attend(float* qkv, float* out, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kcache,
+                       const at::Tensor& vcache, const at::Tensor& slots, int64_t T, int64_t num_decode,
+                       const at::Tensor& dec_tables, const at::Tensor& dec_lens, const at::Tensor& chunk_meta,
+                       const at::Tensor& chunk_tables, int64_t H, int64_t KVH, int64_t D, float scale) {
+  TORCH_CHECK(kcache.size(3) == row_width<C>(D) && vcache.sizes() == kcache.sizes(),
+              "the KV pool's rows do not fit head_dim ", D);
+  C* kc = kcache.data_ptr<C>();
+  C* vc = vcache.data_ptr<C>();
+  rope_and_write<C>(qkv, T, H, KVH, D, cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(), kc, vc);
+  attend<C>(qkv, out, kc, vc, kcache.size(1), num_decode, dec_tables, dec_lens, chunk_meta, chunk_tables, H, KVH, D,
+            scale);
+}
+
+}  // namespace
+
+// chunk_meta: (C, 3) int64 rows [token_start, num_tokens, context_len]; chunk_tables (C, maxb).
+// The pools: (num_blocks, block_size, KVH, row width) of float32, float16 or int8 (`row_width`).
+at::Tensor attention(const at::Tensor& qkv_, const at::Tensor& cos_, const at::Tensor& sin_,
+                     const at::Tensor& kcache, const at::Tensor& vcache, const at::Tensor& slots_,
+                     int64_t num_decode, const at::Tensor& dec_tables, const at::Tensor& dec_lens,
+                     const at::Tensor& chunk_meta, const at::Tensor& chunk_tables, int64_t H,
+                     int64_t KVH, int64_t D, double scale_) {
+  at::Tensor qkv = qkv_.contiguous();  // roped in place: it is this op's own input buffer
+  at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous(), slots = slots_.contiguous();
+  const int64_t T = qkv.size(0);
+  const float scale = static_cast<float>(scale_);
+  TORCH_CHECK(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
+  TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(kcache.is_contiguous() && vcache.is_contiguous(), "the KV pools must be contiguous");
+  at::Tensor out = at::empty({T, H * D}, qkv.options());
+  float* qp = qkv.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  switch (kcache.scalar_type()) {
+    case at::kFloat:
+      rope_write_attend<float>(qp, op, cos, sin, kcache, vcache, slots, T, num_decode, dec_tables, dec_lens,
+                               chunk_meta, chunk_tables, H, KVH, D, scale);
+      break;
+    case at::kHalf:
+      rope_write_attend<at::Half>(qp, op, cos, sin, kcache, vcache, slots, T, num_decode, dec_tables, dec_lens,
+                                  chunk_meta, chunk_tables, H, KVH, D, scale);
+      break;
+    case at::kChar:
+      TORCH_CHECK(D % 32 == 0, "an int8 KV pool needs head_dim to be a multiple of 32");
+      rope_write_attend<int8_t>(qp, op, cos, sin, kcache, vcache, slots, T, num_decode, dec_tables, dec_lens,
+                                chunk_meta, chunk_tables, H, KVH, D, scale);
+      break;
+    default:
+      TORCH_CHECK(false, "KV pool dtype must be float32, float16 or int8, not ", kcache.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace cbserve
