@@ -101,8 +101,9 @@ void rope_and_write(float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, co
 
 // Decode rows of an int8 pool go whole (every kv head in one pass, decode_row_int8_64) from this
 // many on, when each thread has rows enough; fewer go as (row, kv head) items, spread finer.
-// Float16 rows (128 bytes: whole cache lines, no line shared by two kv heads) gained nothing from
-// whole-row items (0-10% slower from DRAM), so they keep the (row, kv head) items.
+// Float16 rows (128 bytes: whole cache lines, no line shared by two kv heads) gain nothing from
+// whole-row items (measured slower from DRAM: docs/benchmarks.md), so they keep the (row, kv head)
+// items.
 constexpr int64_t kRowsForWholeRowItems = 8;
 
 // After the K/V are in the pool: decode rows, then prefill chunks, over pool rows of type C.
@@ -210,38 +211,34 @@ void rope_write_attend(float* qkv, float* out, const at::Tensor& cos, const at::
 
 // chunk_meta: (C, 3) int64 rows [token_start, num_tokens, context_len]; chunk_tables (C, maxb).
 // The pools: (num_blocks, block_size, KVH, row width) of float32, float16 or int8 (`row_width`).
-at::Tensor attention(const at::Tensor& qkv_, const at::Tensor& cos_, const at::Tensor& sin_,
+at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos_, const at::Tensor& sin_,
                      const at::Tensor& kcache, const at::Tensor& vcache, const at::Tensor& slots_,
                      int64_t num_decode, const at::Tensor& dec_tables, const at::Tensor& dec_lens,
                      const at::Tensor& chunk_meta, const at::Tensor& chunk_tables, int64_t H,
                      int64_t KVH, int64_t D, double scale_) {
-  at::Tensor qkv = qkv_.contiguous();  // roped in place: it is this op's own input buffer
+  // qkv is roped in place (the schema declares it written): the caller's own buffer, so it must be
+  // one block of memory rather than a view the op would have to copy.
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.is_contiguous(),
+              "qkv must be a contiguous 2-D float32 tensor");
+  TORCH_CHECK(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "qkv must have (H + 2 KVH) * D columns");
+  TORCH_CHECK(kcache.is_contiguous() && vcache.is_contiguous(), "the KV pools must be contiguous");
+  TORCH_CHECK(kcache.dim() == 4 && kcache.scalar_type() == vcache.scalar_type(),
+              "the KV pools must be 4-D, of one dtype");
   at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous(), slots = slots_.contiguous();
   const int64_t T = qkv.size(0);
   const float scale = static_cast<float>(scale_);
-  TORCH_CHECK(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
-  TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of kv heads");
-  TORCH_CHECK(kcache.is_contiguous() && vcache.is_contiguous(), "the KV pools must be contiguous");
   at::Tensor out = at::empty({T, H * D}, qkv.options());
   float* qp = qkv.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  switch (kcache.scalar_type()) {
-    case at::kFloat:
-      rope_write_attend<float>(qp, op, cos, sin, kcache, vcache, slots, T, num_decode, dec_tables, dec_lens,
-                               chunk_meta, chunk_tables, H, KVH, D, scale);
-      break;
-    case at::kHalf:
-      rope_write_attend<at::Half>(qp, op, cos, sin, kcache, vcache, slots, T, num_decode, dec_tables, dec_lens,
-                                  chunk_meta, chunk_tables, H, KVH, D, scale);
-      break;
-    case at::kChar:
+  with_pool_type(kcache.scalar_type(), [&](auto c) {
+    using C = decltype(c);
+    if constexpr (std::is_same_v<C, int8_t>)
       TORCH_CHECK(D % 32 == 0, "an int8 KV pool needs head_dim to be a multiple of 32");
-      rope_write_attend<int8_t>(qp, op, cos, sin, kcache, vcache, slots, T, num_decode, dec_tables, dec_lens,
-                                chunk_meta, chunk_tables, H, KVH, D, scale);
-      break;
-    default:
-      TORCH_CHECK(false, "KV pool dtype must be float32, float16 or int8, not ", kcache.scalar_type());
-  }
+    rope_write_attend<C>(qp, op, cos, sin, kcache, vcache, slots, T, num_decode, dec_tables, dec_lens, chunk_meta,
+                         chunk_tables, H, KVH, D, scale);
+  });
   return out;
 }
 

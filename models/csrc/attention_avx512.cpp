@@ -298,11 +298,9 @@ template <typename C>
 void decode_group_avx512(int64_t G, const float* q, const C* kc, const C* vc, const int64_t* table, int64_t L,
                     int64_t bs, int64_t tok_stride, int64_t blk_stride, float scale, float* out, float* s,
                     bool streamed) {
-  switch (G) {
-#define CB_G(n) case n: decode_group64<C, n>(q, kc, vc, table, L, bs, tok_stride, blk_stride, scale, out, s, streamed); return;
-    CB_G(1) CB_G(2) CB_G(3) CB_G(4) CB_G(5) CB_G(6) CB_G(7) CB_G(8)
-#undef CB_G
-  }
+  with_count<8>(G, [&](auto g) {
+    decode_group64<C, g>(q, kc, vc, table, L, bs, tok_stride, blk_stride, scale, out, s, streamed);
+  });
 }
 template void decode_group_avx512<float>(int64_t, const float*, const float*, const float*, const int64_t*, int64_t,
                                     int64_t, int64_t, int64_t, float, float*, float*, bool);
@@ -317,9 +315,9 @@ namespace {
 // its blocks: each 16-key tile's K rows of every kv head, then (after the softmaxes) each block's V
 // rows of every kv head. A token's kv heads are adjacent in the pool (216 bytes at SmolLM2's 3 x
 // 72), so every cache line is used when it arrives. One (row, kv head) at a time instead reads 72
-// of every 216 bytes, and the other heads' items reread the rest: from DRAM (long contexts) that
-// is 15% slower at 32 rows x 1,280 keys in runs of 10 blocks; the same where the pool is
-// cache-resident or the blocks scattered. Every score and every accumulation is decode_group64's
+// of every 216 bytes, and the other heads' items reread the rest, which is slower from DRAM (long
+// contexts; docs/benchmarks.md) and no faster where the pool is cache-resident or the blocks
+// scattered. Every score and every accumulation is decode_group64's
 // operation in its order (state kept in memory between blocks is exact): the same result either
 // way, so a row's attention does not depend on how many rows share the step.
 template <int G>
@@ -454,11 +452,10 @@ void decode_whole_rows_int8(const float* qp, float* op, const int8_t* kbase, con
       s.resize(H * lp[b] + 16);
       const float* q = qp + b * width;
       float* o = op + b * H * 64;
-      switch (G) {
-#define CB_G(n) case n: decode_row_int8_64<n>(q, kbase, vbase, tp + b * maxb, lp[b], bs, KVH, tok_stride, blk_stride, scale, o, s.data(), qh, state); break;
-        CB_G(1) CB_G(2) CB_G(3) CB_G(4) CB_G(5) CB_G(6) CB_G(7) CB_G(8)
-#undef CB_G
-      }
+      with_count<8>(G, [&](auto g) {
+        decode_row_int8_64<g>(q, kbase, vbase, tp + b * maxb, lp[b], bs, KVH, tok_stride, blk_stride, scale, o,
+                              s.data(), qh, state);
+      });
     }
   });
 }
@@ -492,11 +489,10 @@ void prefill_groups_int8(const float* qp, float* op, const int8_t* kbase, const 
       const float* q = qp + gr.row * width + kvh * G * D;
       float* o = op + gr.row * H * D + kvh * G * D;
       const int64_t* table = ctp + gr.chunk * cmaxb;
-      switch (G) {
-#define CB_G(n) case n: prefill_group_int8_64<n>(q, width, gr.nq, kbase + kvh * W, vbase + kvh * W, table, gr.L0, bs, tok_stride, blk_stride, scale, o, H * D, s.data()); break;
-        CB_G(1) CB_G(2) CB_G(3) CB_G(4) CB_G(5) CB_G(6) CB_G(7) CB_G(8)
-#undef CB_G
-      }
+      with_count<8>(G, [&](auto g) {
+        prefill_group_int8_64<g>(q, width, gr.nq, kbase + kvh * W, vbase + kvh * W, table, gr.L0, bs, tok_stride,
+                                 blk_stride, scale, o, H * D, s.data());
+      });
     }
   });
 }

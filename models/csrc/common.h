@@ -85,4 +85,35 @@ inline bool cpu_has_avx512() {
   return ok;
 }
 
+// Dispatch: a kernel templated on a small count or a type, picked for a runtime value by one call
+// instead of a switch over every case.
+
+// f(std::integral_constant<int, n>{}) for the runtime count n in [1, MAX] (a larger n: MAX).
+template <int MAX, int I = 1, typename F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (I >= MAX)
+    f(std::integral_constant<int, MAX>{});
+  else if (n <= I)
+    f(std::integral_constant<int, I>{});
+  else
+    with_count<MAX, I + 1>(n, std::forward<F>(f));
+}
+
+// f(std::integral_constant<int64_t, V>{}) for the V among Vs equal to v; false when none is.
+template <int64_t... Vs, typename F>
+inline bool with_value(int64_t v, F&& f) {
+  return ((v == Vs ? (f(std::integral_constant<int64_t, Vs>{}), true) : false) || ...);
+}
+
+// f(C{}) for C the element type of a KV pool of dtype t: float, at::Half or int8_t.
+template <typename F>
+inline void with_pool_type(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: return f(float{});
+    case at::kHalf: return f(at::Half{});
+    case at::kChar: return f(int8_t{});
+    default: TORCH_CHECK(false, "KV pool dtype must be float32, float16 or int8, not ", t);
+  }
+}
+
 }  // namespace cbserve

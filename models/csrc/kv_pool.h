@@ -104,12 +104,13 @@ inline void store_row<int8_t>(int8_t* dst, const float* x, int64_t D) {
 // Prefetching, one block ahead, into L2. Decode rows read each past row once per step, from DRAM
 // at long contexts (30 layers of pools do not stay in cache between steps), and the hardware
 // prefetchers do not follow the reads: a kv head's rows are 72 or 128 bytes at a stride of all kv
-// heads' rows, each key's load its own instruction, so a K pass alone ran at ~5 GB/s a thread
-// where a plain read gets ~19. Prefetching every next block made decode attention over int8 pools
-// 1.4-1.7x faster from DRAM (float16 pools, whose rows are whole cache lines: 1.0-1.04x); T1, not
-// T0: L1's few fill buffers made T0 prefetches as slow as none. Prefill chunks re-read one past for each of their tokens, which stays in cache,
-// and there prefetching every block cost ~3%: they prefetch across the jumps between scattered
-// blocks only, which the hardware cannot foresee at all.
+// heads' rows, each key's load its own instruction, so a K pass alone reads at a fraction of a
+// plain stream's bandwidth. Prefetching every next block pays most for int8 pools (rows of 72
+// bytes straddle lines; float16 rows are whole lines and gain little). T1, not T0: L1's few fill
+// buffers make T0 prefetches as slow as none. Prefill chunks re-read one past for each of their
+// tokens, which stays in cache, and there prefetching every block costs a little: they prefetch
+// across the jumps between scattered blocks only, which the hardware cannot foresee at all.
+// (Figures: docs/benchmarks.md.)
 inline bool prefetch_next(const int64_t* table, int64_t bi, int64_t nb, bool streamed) {
   return bi + 1 < nb && (streamed || table[bi + 1] != table[bi] + 1);
 }
@@ -118,9 +119,8 @@ inline bool prefetch_next(const int64_t* table, int64_t bi, int64_t nb, bool str
 // starts on a block nothing fetched (its K pass read only K), and a whole-row item's K pass on a
 // block nothing fetched either: V's first block is prefetched when the row starts, the next row's
 // first K block when this row starts. At short contexts that first block is much of the row (5
-// blocks at 80 keys) and the pool is out of cache all the same (96 rows x 80 keys x 30 layers of
-// K/V is 50 MB): 96 decode rows x 80 keys 0.83-0.85x the time (in-process A/B), 128 x 60 keys
-// scattered 0.85x, 8 x 300 0.96x, 32 x 1,280 1.00x, per-head items (1-4 rows) 0.97-0.99x.
+// blocks at 80 keys) and the pool is out of cache all the same (a busy step's pools of every
+// layer outgrow L3), so the short-context, many-row steps gain most.
 
 // The next block's rows of this kv head (64 values: one or two cache lines each).
 template <typename C>

@@ -73,14 +73,7 @@ void dequant_blocks(Panel<KIND>& pan, int64_t b0, int64_t b1, float* w) {
 template <int MR>
 inline void micro_buf_n(int64_t mr, const float* x, int64_t ldx, const float* w, int64_t kc,
                         float* c, bool acc) {
-  switch (mr) {
-    case 1: micro_buf<1>(x, ldx, w, kc, c, acc); break;
-    case 2: micro_buf<2>(x, ldx, w, kc, c, acc); break;
-    case 3: micro_buf<3>(x, ldx, w, kc, c, acc); break;
-    case 4: micro_buf<4>(x, ldx, w, kc, c, acc); break;
-    case 5: micro_buf<5>(x, ldx, w, kc, c, acc); break;
-    default: micro_buf<6>(x, ldx, w, kc, c, acc); break;
-  }
+  with_count<MR>(mr, [&](auto n) { micro_buf<n>(x, ldx, w, kc, c, acc); });
 }
 
 template <int KIND>
@@ -107,12 +100,7 @@ void linear_kernel(const float* x, int64_t M, int64_t K, const uint8_t* qs, cons
         // rows share the step: batching must not change a single token.
         for (int64_t b0 = 0; b0 < B; b0 += KCB) {
           const int64_t b1 = std::min(B, b0 + KCB);
-          switch (M) {
-            case 1: micro_direct<1, KIND>(x, K, pan, b0, b1, c, b0 > 0); break;
-            case 2: micro_direct<2, KIND>(x, K, pan, b0, b1, c, b0 > 0); break;
-            case 3: micro_direct<3, KIND>(x, K, pan, b0, b1, c, b0 > 0); break;
-            default: micro_direct<4, KIND>(x, K, pan, b0, b1, c, b0 > 0); break;
-          }
+          with_count<DIRECT_MAX>(M, [&](auto n) { micro_direct<n, KIND>(x, K, pan, b0, b1, c, b0 > 0); });
         }
       } else {
         for (int64_t b0 = 0; b0 < B; b0 += KCB) {
@@ -163,16 +151,16 @@ at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::
   const at::Half* dp = d.defined() ? d.data_ptr<at::Half>() : nullptr;
   const at::Half* mp = m.defined() && m.scalar_type() == at::kHalf ? m.data_ptr<at::Half>() : nullptr;
   const float* xp = x.data_ptr<float>();
-  switch (kind) {
-    case F32: linear_kernel<F32>(xp, M, K, q, nullptr, nullptr, P, ep); break;
-    case Q8_0: linear_kernel<Q8_0>(xp, M, K, q, dp, nullptr, P, ep); break;
-    case Q4_1: linear_kernel<Q4_1>(xp, M, K, q, dp, mp, P, ep); break;
-    case Q8_0X:  // m holds the int32 offset corrections
-      TORCH_CHECK(m.defined() && m.scalar_type() == at::kInt, "q8_0x needs its int32 corrections");
-      linear_int8(xp, M, K, kind, q, dp, m.data_ptr<int32_t>(), P, ep);
-      break;
-    case Q4_1X: linear_int8(xp, M, K, kind, q, dp, mp, P, ep); break;
-    default: TORCH_CHECK(false, "unknown weight kind ", kind);
+  if (kind == Q8_0X) {  // m holds the int32 offset corrections
+    TORCH_CHECK(m.defined() && m.scalar_type() == at::kInt, "q8_0x needs its int32 corrections");
+    linear_int8(xp, M, K, kind, q, dp, m.data_ptr<int32_t>(), P, ep);
+  } else if (kind == Q4_1X) {
+    linear_int8(xp, M, K, kind, q, dp, mp, P, ep);
+  } else {
+    // The float-activation kinds; a kind's Panel reads only the scales it has.
+    const bool known = with_value<F32, Q8_0, Q4_1>(
+        kind, [&](auto k) { linear_kernel<decltype(k)::value>(xp, M, K, q, dp, mp, P, ep); });
+    TORCH_CHECK(known, "unknown weight kind ", kind);
   }
   return out;
 }

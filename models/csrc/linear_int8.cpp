@@ -62,8 +62,7 @@ CB_VNNI void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t K, bo
 
 // The weights are one stream a step (panels in order, blocks in order), read once, and the
 // hardware prefetchers stay too close behind it: prefetching each block's lines 4 KB ahead into
-// L2 made all of SmolLM2's projections 0.93-0.999x the time at 1 row (median ~0.95 over four
-// interleaved runs), 0.85x at 8 rows, 0.94-0.98x at 32 (in-process A/B). `ratio`: the stream's
+// L2 makes every projection faster, at 1 row and at many (docs/benchmarks.md). `ratio`: the stream's
 // bytes a block over this array's (the scales move 4 KB / ratio ahead, in step with the weights).
 inline void prefetch_ahead(const void* p, int bytes, int ratio = 1) {
   const char* c = static_cast<const char*>(p) + 4096 / ratio;
@@ -152,16 +151,7 @@ CB_VNNI void int8_panels(const Int8Rows& x, int64_t M, const uint8_t* qs, const 
                                    : static_cast<const void*>(static_cast<const int32_t*>(aux) + p * sstride);
     for (int64_t r0 = 0; r0 < M; r0 += INT8_MR) {
       const int64_t mr = std::min(INT8_MR, M - r0);
-      switch (mr) {
-        case 1: int8_tile<1, KIND>(x, r0, w, dp, ap, c); break;
-        case 2: int8_tile<2, KIND>(x, r0, w, dp, ap, c); break;
-        case 3: int8_tile<3, KIND>(x, r0, w, dp, ap, c); break;
-        case 4: int8_tile<4, KIND>(x, r0, w, dp, ap, c); break;
-        case 5: int8_tile<5, KIND>(x, r0, w, dp, ap, c); break;
-        case 6: int8_tile<6, KIND>(x, r0, w, dp, ap, c); break;
-        case 7: int8_tile<7, KIND>(x, r0, w, dp, ap, c); break;
-        default: int8_tile<8, KIND>(x, r0, w, dp, ap, c); break;
-      }
+      with_count<INT8_MR>(mr, [&](auto n) { int8_tile<n, KIND>(x, r0, w, dp, ap, c); });
       for (int64_t r = 0; r < mr; ++r) ep.apply(r0 + r, p, c + r * NR);
     }
   }
