@@ -1,11 +1,12 @@
-"""The project's CPU kernels (models/csrc/*.cpp), built once into one library and loaded as torch ops.
+"""The project's CPU kernels (models/csrc/*.cpp), built once into one library, loaded as torch ops.
 
 Owns compiling the C++ sources into a shared library, caching it, and loading it so its ops appear
-under `torch.ops.cbserve` (called through `models.ops`, which wraps every one). The sources use AVX2, FMA and F16C and is compiled for `x86-64-v3`, so
-one build runs on every x86 CPU that has those (Intel since 2013, AMD since 2015) and can be baked
-into a Docker image built elsewhere. Where it cannot run (another architecture, no C++ compiler,
-`CBSERVE_KERNELS=0`) `available()` is False and the models use their pure-torch path, which
-computes the same thing, slower.
+under `torch.ops.cbserve` (called only through `models.ops`, which wraps every one). The sources
+use AVX2, FMA and F16C and are compiled for `x86-64-v3`, so one build runs on every x86 CPU that
+has those (Intel since 2013, AMD since 2015) and can be baked into a Docker image built
+elsewhere. Where it cannot run (another architecture, no C++ compiler, `CBSERVE_KERNELS=0`)
+`available()` is False and the models use their pure-torch path, which computes the same thing,
+slower.
 
 The library is cached in `$CBSERVE_KERNEL_DIR` (default `~/.cache/cbserve/kernels`), keyed by the
 sources and headers, the compiler flags and torch's version: an upgrade rebuilds, nothing else does.
@@ -172,7 +173,9 @@ def _load() -> tuple[bool, str | None]:
 def has_int8_dot() -> bool:
     """True where the kernels run and the CPU multiplies int8 with AVX512-VNNI (the
     int8-activation layouts of `models.quant.pack`)."""
-    return available() and bool(torch.ops.cbserve.has_int8_dot())
+    from models import ops  # (ops imports this module)
+
+    return available() and ops.has_int8_dot()
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import kernels
+from models import kernels, ops
 from models.attention import AttentionMetadata, PrefillChunk, paged_attention
 from models.quant import F32, Q4_1, Q8_0, QB, QTensor, from_gguf_blocks, pack, quantize
 
@@ -27,9 +27,7 @@ KINDS = [F32, Q8_0, Q4_1]
 
 def _linear(x, packed, bias=None, residual=None, act=0):
     p = packed
-    return torch.ops.cbserve.packed_linear(
-        x, p.qs, p.d, p.m, p.kind, p.out_features, bias, residual, act
-    )
+    return ops.packed_linear(x, p.qs, p.d, p.m, p.kind, p.out_features, bias, residual, act)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -276,7 +274,7 @@ def test_fused_attention_matches_paged_attention(pool_dtype, D):  # noqa: N803
 
     cache = (_to_pool(kpool, pool_dtype), _to_pool(vpool, pool_dtype))
     m = meta()
-    got = torch.ops.cbserve.attention(
+    got = ops.attention(
         qkv.clone(), cos, sin, cache[0], cache[1], m.slot_mapping, 2,
         m.decode_block_tables, m.decode_context_lens, m.chunk_meta(), m.chunk_tables(),
         H, KVH, D, D**-0.5,
@@ -316,7 +314,7 @@ def test_int8_rounding_ties_extremes_and_denormals_in_pool_rows_and_queries():
         decode_context_lens=None,
         prefills=[PrefillChunk(0, t, t, table[0])],
     )
-    got = torch.ops.cbserve.attention(
+    got = ops.attention(
         qkv.clone(), cos, sin, pools[0], pools[1], meta.slot_mapping, 0,
         torch.empty(0, 1, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
         meta.chunk_meta(), meta.chunk_tables(), h, kvh, d, d**-0.5,
@@ -363,7 +361,7 @@ def test_a_decode_rows_attention_does_not_depend_on_how_many_rows_share_the_step
 
     def attend(idx):
         kc, vc = pool[0].clone(), pool[1].clone()
-        return torch.ops.cbserve.attention(
+        return ops.attention(
             qkv[idx].clone(), cos[idx], sin[idx], kc, vc, slots[idx], len(idx), tables[idx], lens[idx],
             *none, h, kvh, d, d**-0.5,
         )  # fmt: skip
@@ -383,7 +381,7 @@ def test_a_non_finite_query_head_gives_nan_for_that_head_only(pool_dtype):
     for bad in (float("nan"), float("inf")):
         qkv = torch.randn(1, (h + 2 * kvh) * d)
         qkv[0, 5] = bad  # query head 0
-        out = torch.ops.cbserve.attention(
+        out = ops.attention(
             qkv, torch.ones(1, d // 2), torch.zeros(1, d // 2), pool[0], pool[1], torch.tensor([20]), 1,
             torch.tensor([[1, 2]]), torch.tensor([21]), torch.empty(0, 3, dtype=torch.long),
             torch.empty(0, 1, dtype=torch.long), h, kvh, d, d**-0.5,
@@ -418,7 +416,7 @@ def test_a_tokens_attention_is_the_same_in_a_prefill_chunk_and_as_a_decode_row(D
                 meta = torch.tensor([[0, size, start + size]])
                 args = (0, none2, none1, meta, table.view(1, -1))
             outs.append(
-                torch.ops.cbserve.attention(
+                ops.attention(
                     qkv[sl].clone(),
                     cos[sl],
                     sin[sl],
@@ -505,7 +503,7 @@ def test_rms_norm_kernel_matches_torch():
     torch.manual_seed(6)
     x, w = torch.randn(9, 576) * 30, torch.randn(576)
     want = F.rms_norm(x, (576,), w, 1e-5)
-    torch.testing.assert_close(torch.ops.cbserve.rms_norm(x, w, 1e-5), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("V", [1, 7, 16, 17, 33, 1000, 49152])
@@ -520,7 +518,7 @@ def test_argmax_kernel_gives_torchs_answer_ties_infinities_and_nans_included(V):
     masked = torch.full((5, V), float("-inf"))
     masked[2, V - 1] = -1e30
     for rows in (x, ties, nans, masked, torch.zeros(5, V), x.t().contiguous().t()[:, :V]):
-        assert torch.equal(torch.ops.cbserve.argmax_rows(rows), rows.argmax(-1))
+        assert torch.equal(ops.argmax_rows(rows), rows.argmax(-1))
 
 
 _LOGITS_SCRIPT = """

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from models import kernels
+from models import kernels, ops
 
 BLOCK = 16
 
@@ -127,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         slots = t[:, (L - 1) // BLOCK] * BLOCK + (L - 1) % BLOCK  # the new token's slot
         t0 = time.perf_counter()
         for kc, vc in pools[dt]:
-            torch.ops.cbserve.attention(qkv.clone(), cos, sin, kc, vc, slots, B, t, lens, no_meta, no_tables,
-                                        H, KVH, D, D**-0.5)  # fmt: skip
+            ops.attention(qkv.clone(), cos=cos, sin=sin, k_cache=kc, v_cache=vc, slots=slots, num_decode=B,
+                          decode_tables=t, decode_lens=lens, chunk_meta=no_meta, chunk_tables=no_tables,
+                          num_heads=H, num_kv_heads=KVH, head_dim=D, scale=D**-0.5)  # fmt: skip
         return (time.perf_counter() - t0) / args.layers
 
     cases = [(dt, lay) for dt in dtypes for lay in layouts]
