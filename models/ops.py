@@ -74,6 +74,12 @@ _has_int8_dot = _unloaded["has_int8_dot"]
 _enum_values = _unloaded["enum_values"]
 
 
+def overloads() -> dict[str, torch._ops.OpOverload]:
+    """Each op's overload by name (for `torch.library.opcheck`); loads the library."""
+    _load()
+    return {name: getattr(torch.ops.cbserve, name).default for name in _NAMES}
+
+
 def packed_linear(
     x: torch.Tensor,
     qs: torch.Tensor,
