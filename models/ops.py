@@ -128,6 +128,7 @@ def attention(
     num_kv_heads: int,
     head_dim: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """RoPE, the K/V write and paged attention of one step's flat batch, in one op.
 
@@ -137,11 +138,13 @@ def attention(
     `decode_tables` (B, max_blocks) up to `decode_lens` (B,) keys, and each prefill chunk
     (`chunk_meta` rows [token_start, num_tokens, context_len], `chunk_tables` (C, max_blocks))
     causally over its sequence. Pools: (num_blocks, block_size, KVH, row width) of float32,
-    float16 or int8 (`models.config.KVLayout`). Returns (T, H * D) float32.
+    float16 or int8 (`models.config.KVLayout`). `window` > 0: a sliding window, a query at position
+    p attends to the keys at positions (p - window, p] only (decode rows and chunks alike).
+    Returns (T, H * D) float32.
     """
     return _attention(
         qkv, cos, sin, k_cache, v_cache, slots, num_decode, decode_tables, decode_lens,
-        chunk_meta, chunk_tables, num_heads, num_kv_heads, head_dim, scale,
+        chunk_meta, chunk_tables, num_heads, num_kv_heads, head_dim, scale, window,
     )  # fmt: skip
 
 
@@ -167,5 +170,5 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0],), dtype=torch.long)
 
     @torch.library.register_fake("cbserve::attention")
-    def _(qkv, cos, sin, k_cache, v_cache, slots, nd, dt, dl, cm, ct, H, KVH, D, scale):  # noqa: N803
+    def _(qkv, cos, sin, k_cache, v_cache, slots, nd, dt, dl, cm, ct, H, KVH, D, scale, window=0):  # noqa: N803
         return qkv.new_empty((qkv.shape[0], H * D))

@@ -129,5 +129,6 @@ def _attention_args(pool_dtype: torch.dtype, decode: bool, window: int = 0) -> t
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.int8])
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
-def test_attention_opcheck(pool_dtype, decode):
-    torch.library.opcheck(OP["attention"], _attention_args(pool_dtype, decode))
+@pytest.mark.parametrize("window", [0, 2])
+def test_attention_opcheck(pool_dtype, decode, window):
+    torch.library.opcheck(OP["attention"], _attention_args(pool_dtype, decode, window))

@@ -10,56 +10,94 @@ namespace cbserve {
 namespace {
 
 
-// q: D floats (roped), scores of keys [0, L) of one kv head, softmax, weighted sum of values.
-// The generic path (any head_dim, any group size).
-template <typename C>
-void decode_one(const float* q, const C* kc, const C* vc, const int64_t* table, int64_t L, int64_t bs,
-                int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float* out, float* s) {
-  // scores
-  float mx = -INFINITY;
-  const int64_t nb = (L + bs - 1) / bs;
-  for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
+// The keys a query attends to: [first_key(L, window), L) for a query at position L - 1 (a sliding
+// window of `window` keys ending at the query's own, as Gemma's local layers; 0: all of them).
+inline int64_t first_key(int64_t L, int64_t window) { return window > 0 ? std::max<int64_t>(0, L - window) : 0; }
+
+// G query heads of one kv head (q: G * D floats, roped; out likewise) over keys [j0, L): scores,
+// softmax, weighted sum of values. The generic path: any head_dim (a multiple of 8), AVX2. Each K
+// and V row is loaded and widened once for all G heads; a key's score is one dot product summed
+// in one order, and the values accumulate key by key in order, so a query's result depends only
+// on its own keys (the same in a prefill chunk as a decode row, whatever the batch). s: G * (L -
+// j0) floats of scratch.
+template <typename C, int G>
+void decode_group(const float* q, const C* kc, const C* vc, const int64_t* table, int64_t j0, int64_t L, int64_t bs,
+                  int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float* out, float* s) {
+  const int64_t n = L - j0, nb = (L + bs - 1) / bs;
+  float mx[G];
+  for (int g = 0; g < G; ++g) mx[g] = -INFINITY;
+  // scores: one pass over the K rows, G accumulators
+  for (int64_t bi = j0 / bs, j = j0; bi < nb; ++bi) {
     const C* kb = kc + table[bi] * blk_stride;
-    for (int64_t t = 0, n = std::min(bs, L - bi * bs); t < n; ++t, ++j) {
+    for (int64_t t = j - bi * bs, e = std::min(bs, L - bi * bs); t < e; ++t, ++j) {
       const C* kr = kb + t * tok_stride;
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      int64_t i = 0;
-      for (; i + 16 <= D; i += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), row8(kr, i, D), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), row8(kr, i + 8, D), a1);
+      __m256 a[G];
+      for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < D; i += 8) {
+        const __m256 k = row8(kr, i, D);
+        for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), k, a[g]);
       }
-      for (; i < D; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), row8(kr, i, D), a0);
-      s[j] = hsum(_mm256_add_ps(a0, a1)) * scale;
-      mx = std::max(mx, s[j]);
+      for (int g = 0; g < G; ++g) {
+        const float v = hsum(a[g]) * scale;
+        s[g * n + (j - j0)] = v;
+        mx[g] = std::max(mx[g], v);
+      }
     }
   }
-  const float inv = softmax_exp(s, L, mx);
-  // values: D <= 256
-  __m256 acc[32];
-  const int64_t nv = D / 8;
-  for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
+  float inv[G];
+  for (int g = 0; g < G; ++g) inv[g] = softmax_exp(s + g * n, n, mx[g]);
+  // values: TV vectors of 8 values a head a pass, so the G x TV accumulators stay in registers;
+  // each block's rows take every pass while they are in L1, the running sums kept in `out`
+  constexpr int TV = G == 1 ? 8 : G == 2 ? 4 : G <= 4 ? 2 : 1;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(out + g * D + i, _mm256_setzero_ps());
+  for (int64_t bi = j0 / bs, j = j0; bi < nb; ++bi) {
     const C* vb = vc + table[bi] * blk_stride;
-    for (int64_t t = 0, n = std::min(bs, L - bi * bs); t < n; ++t, ++j) {
-      const C* vr = vb + t * tok_stride;
-      const __m256 p = _mm256_set1_ps(s[j]);
-      for (int64_t i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(p, row8(vr, 8 * i, D), acc[i]);
+    const int64_t t0 = j - bi * bs, e = std::min(bs, L - bi * bs);
+    for (int64_t d0 = 0; d0 < D; d0 += 8 * TV) {
+      const int nv = static_cast<int>(std::min<int64_t>(TV, (D - d0) / 8));
+      __m256 acc[G][TV];
+      for (int g = 0; g < G; ++g)
+        for (int v = 0; v < TV; ++v)
+          if (v < nv) acc[g][v] = _mm256_loadu_ps(out + g * D + d0 + 8 * v);
+      for (int64_t t = t0; t < e; ++t) {
+        const C* vr = vb + t * tok_stride;
+        const float* st = s + (bi * bs + t - j0);
+        for (int v = 0; v < TV; ++v) {
+          if (v < nv) {
+            const __m256 x = row8(vr, d0 + 8 * v, D);
+            for (int g = 0; g < G; ++g) acc[g][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(st + g * n), x, acc[g][v]);
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int v = 0; v < TV; ++v)
+          if (v < nv) _mm256_storeu_ps(out + g * D + d0 + 8 * v, acc[g][v]);
     }
+    j = bi * bs + e;
   }
-  const __m256 vinv = _mm256_set1_ps(inv);
-  for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], vinv));
+  for (int g = 0; g < G; ++g) {
+    const __m256 vinv = _mm256_set1_ps(inv[g]);
+    for (int64_t i = 0; i < D; i += 8)
+      _mm256_storeu_ps(out + g * D + i, _mm256_mul_ps(_mm256_loadu_ps(out + g * D + i), vinv));
+  }
 }
 
-// One sequence's G query heads of kv head `kvh` (adjacent in q and out): the AVX-512 group kernel
-// for head_dim 64 and groups of up to 8, else each head through the generic path.
+// One sequence's G query heads of one kv head (adjacent in q and out) over keys [first_key(L,
+// window), L): the AVX-512 group kernel for head_dim 64, groups of up to 8 and every key, else
+// the generic one, up to 8 heads at a time.
 template <typename C>
 void decode_heads(const float* q, int64_t G, const C* kc, const C* vc, const int64_t* table, int64_t L,
-                  int64_t bs, int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float* out,
-                  float* s, bool streamed) {
-  if (D == 64 && G <= 8 && cpu_has_avx512())
+                  int64_t window, int64_t bs, int64_t tok_stride, int64_t blk_stride, int64_t D, float scale,
+                  float* out, float* s, bool streamed) {
+  const int64_t j0 = first_key(L, window);
+  if (j0 == 0 && D == 64 && G <= 8 && cpu_has_avx512())
     return decode_group_avx512<C>(G, q, kc, vc, table, L, bs, tok_stride, blk_stride, scale, out, s, streamed);
-  for (int64_t g = 0; g < G; ++g)
-    decode_one<C>(q + g * D, kc, vc, table, L, bs, tok_stride, blk_stride, D, scale, out + g * D, s);
+  for (int64_t g0 = 0; g0 < G; g0 += 8) {
+    with_count<8>(G - g0, [&](auto g) {
+      decode_group<C, g>(q + g0 * D, kc, vc, table, j0, L, bs, tok_stride, blk_stride, D, scale, out + g0 * D, s);
+    });
+  }
 }
 
 template <typename C>
@@ -110,7 +148,7 @@ constexpr int64_t kRowsForWholeRowItems = 8;
 template <typename C>
 void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t bs, int64_t num_decode,
             const at::Tensor& dec_tables_, const at::Tensor& dec_lens_, const at::Tensor& chunk_meta_,
-            const at::Tensor& chunk_tables_, int64_t H, int64_t KVH, int64_t D, float scale) {
+            const at::Tensor& chunk_tables_, int64_t H, int64_t KVH, int64_t D, float scale, int64_t window) {
   const int64_t width = (H + 2 * KVH) * D;
   const int64_t W = row_width<C>(D), tok_stride = KVH * W, blk_stride = bs * KVH * W;
   const int64_t G = H / KVH;
@@ -123,8 +161,9 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
     for (int64_t b = 0; b < num_decode; ++b) max_len = std::max(max_len, lp[b]);
     bool whole_rows = false;
     if constexpr (std::is_same_v<C, int8_t>) {
+      // (every key of every row: the whole-row kernel has no window)
       whole_rows = D == 64 && G <= 8 && H <= 64 && num_decode >= kRowsForWholeRowItems && cpu_has_avx512() &&
-                   cpu_has_vnni();
+                   cpu_has_vnni() && (window <= 0 || max_len <= window);
       if (whole_rows)
         decode_whole_rows_int8(qp, op, kbase, vbase, bs, num_decode, tp, lp, maxb, H, KVH, tok_stride, blk_stride,
                                scale);
@@ -139,8 +178,8 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
           // The group's G query heads are adjacent in q and in out (heads kvh*G .. kvh*G+G-1).
           const float* q = qp + b * width + kvh * G * D;
           float* o = op + b * H * D + kvh * G * D;
-          decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, tp + b * maxb, L, bs, tok_stride, blk_stride, D,
-                          scale, o, s.data(), true);
+          decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, tp + b * maxb, L, window, bs, tok_stride,
+                          blk_stride, D, scale, o, s.data(), true);
         }
       });
     }
@@ -160,7 +199,7 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
     int64_t max_len = 1;
     for (int64_t c = 0; c < NC; ++c) max_len = std::max(max_len, mp[c * 3 + 2]);
     if constexpr (std::is_same_v<C, int8_t>) {
-      if (D == 64 && G <= 8 && cpu_has_avx512() && cpu_has_vnni()) {
+      if (D == 64 && G <= 8 && cpu_has_avx512() && cpu_has_vnni() && (window <= 0 || max_len <= window)) {
         prefill_groups_int8(qp, op, kbase, vbase, bs, mp, NC, ctp, cmaxb, H, KVH, tok_stride, blk_stride, scale,
                             max_len);
         return;
@@ -186,8 +225,8 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
         s.resize(G * L + 16);
         const float* q = qp + r * width + kvh * G * D;
         float* o = op + r * H * D + kvh * G * D;
-        decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, ctp + chunk[x] * cmaxb, L, bs, tok_stride,
-                        blk_stride, D, scale, o, s.data(), false);
+        decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, ctp + chunk[x] * cmaxb, L, window, bs,
+                        tok_stride, blk_stride, D, scale, o, s.data(), false);
       }
     });
   }
@@ -197,31 +236,34 @@ template <typename C>
 void rope_write_attend(float* qkv, float* out, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kcache,
                        const at::Tensor& vcache, const at::Tensor& slots, int64_t T, int64_t num_decode,
                        const at::Tensor& dec_tables, const at::Tensor& dec_lens, const at::Tensor& chunk_meta,
-                       const at::Tensor& chunk_tables, int64_t H, int64_t KVH, int64_t D, float scale) {
+                       const at::Tensor& chunk_tables, int64_t H, int64_t KVH, int64_t D, float scale,
+                       int64_t window) {
   TORCH_CHECK(kcache.size(3) == row_width<C>(D) && vcache.sizes() == kcache.sizes(),
               "the KV pool's rows do not fit head_dim ", D);
   C* kc = kcache.data_ptr<C>();
   C* vc = vcache.data_ptr<C>();
   rope_and_write<C>(qkv, T, H, KVH, D, cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(), kc, vc);
   attend<C>(qkv, out, kc, vc, kcache.size(1), num_decode, dec_tables, dec_lens, chunk_meta, chunk_tables, H, KVH, D,
-            scale);
+            scale, window);
 }
 
 }  // namespace
 
 // chunk_meta: (C, 3) int64 rows [token_start, num_tokens, context_len]; chunk_tables (C, maxb).
+// window > 0: a query at position p attends to keys at positions (p - window, p] only.
 // The pools: (num_blocks, block_size, KVH, row width) of float32, float16 or int8 (`row_width`).
 at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos_, const at::Tensor& sin_,
                      const at::Tensor& kcache, const at::Tensor& vcache, const at::Tensor& slots_,
                      int64_t num_decode, const at::Tensor& dec_tables, const at::Tensor& dec_lens,
                      const at::Tensor& chunk_meta, const at::Tensor& chunk_tables, int64_t H,
-                     int64_t KVH, int64_t D, double scale_) {
+                     int64_t KVH, int64_t D, double scale_, int64_t window) {
   // qkv is roped in place (the schema declares it written): the caller's own buffer, so it must be
   // one block of memory rather than a view the op would have to copy.
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.is_contiguous(),
               "qkv must be a contiguous 2-D float32 tensor");
   TORCH_CHECK(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "qkv must have (H + 2 KVH) * D columns");
   TORCH_CHECK(kcache.is_contiguous() && vcache.is_contiguous(), "the KV pools must be contiguous");
   TORCH_CHECK(kcache.dim() == 4 && kcache.scalar_type() == vcache.scalar_type(),
@@ -237,7 +279,7 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos_, const at::Te
     if constexpr (std::is_same_v<C, int8_t>)
       TORCH_CHECK(D % 32 == 0, "an int8 KV pool needs head_dim to be a multiple of 32");
     rope_write_attend<C>(qp, op, cos, sin, kcache, vcache, slots, T, num_decode, dec_tables, dec_lens, chunk_meta,
-                         chunk_tables, H, KVH, D, scale);
+                         chunk_tables, H, KVH, D, scale, window);
   });
   return out;
 }

@@ -36,11 +36,12 @@ TORCH_LIBRARY(cbserve, m) {
   m.def("has_int8_dot() -> bool", [] { return cbserve::cpu_has_vnni(); });
   m.def("enum_values() -> str", &enum_values);
   // RoPE on qkv's q and k heads in place, this step's K/V written into the pools at `slots`, then
-  // paged attention of every token (decode rows, then prefill chunks); returns (T, H * D).
+  // paged attention of every token (decode rows, then prefill chunks); returns (T, H * D). window
+  // > 0: a query at position p sees the keys at positions (p - window, p] only.
   m.def(
       "attention(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
       "Tensor slots, int num_decode, Tensor dec_tables, Tensor dec_lens, Tensor chunk_meta, "
-      "Tensor chunk_tables, int H, int KVH, int D, float scale) -> Tensor");
+      "Tensor chunk_tables, int H, int KVH, int D, float scale, int window=0) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(cbserve, CPU, m) {
   m.impl("packed_linear", &cbserve::packed_linear);
