@@ -19,16 +19,21 @@ inline int64_t first_key(int64_t L, int64_t window) { return window > 0 ? std::m
 // and V row is loaded and widened once for all G heads; a key's score is one dot product summed
 // in one order, and the values accumulate key by key in order, so a query's result depends only
 // on its own keys (the same in a prefill chunk as a decode row, whatever the batch). s: G * (L -
-// j0) floats of scratch.
+// j0) floats of scratch. Blocks are prefetched one ahead as the AVX-512 kernels do (prefetch_next).
 template <typename C, int G>
 void decode_group(const float* q, const C* kc, const C* vc, const int64_t* table, int64_t j0, int64_t L, int64_t bs,
-                  int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float* out, float* s) {
+                  int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float* out, float* s,
+                  bool streamed) {
   const int64_t n = L - j0, nb = (L + bs - 1) / bs;
+  const int64_t b0 = j0 / bs;
+  prefetch_rows(vc + table[b0] * blk_stride, std::min(bs, L - b0 * bs), tok_stride, D);  // V's first block
   float mx[G];
   for (int g = 0; g < G; ++g) mx[g] = -INFINITY;
   // scores: one pass over the K rows, G accumulators
-  for (int64_t bi = j0 / bs, j = j0; bi < nb; ++bi) {
+  for (int64_t bi = b0, j = j0; bi < nb; ++bi) {
     const C* kb = kc + table[bi] * blk_stride;
+    if (prefetch_next(table, bi, nb, streamed))
+      prefetch_rows(kc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs), tok_stride, D);
     for (int64_t t = j - bi * bs, e = std::min(bs, L - bi * bs); t < e; ++t, ++j) {
       const C* kr = kb + t * tok_stride;
       __m256 a[G];
@@ -51,8 +56,10 @@ void decode_group(const float* q, const C* kc, const C* vc, const int64_t* table
   constexpr int TV = G == 1 ? 8 : G == 2 ? 4 : G <= 4 ? 2 : 1;
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(out + g * D + i, _mm256_setzero_ps());
-  for (int64_t bi = j0 / bs, j = j0; bi < nb; ++bi) {
+  for (int64_t bi = b0, j = j0; bi < nb; ++bi) {
     const C* vb = vc + table[bi] * blk_stride;
+    if (prefetch_next(table, bi, nb, streamed))
+      prefetch_rows(vc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs), tok_stride, D);
     const int64_t t0 = j - bi * bs, e = std::min(bs, L - bi * bs);
     for (int64_t d0 = 0; d0 < D; d0 += 8 * TV) {
       const int nv = static_cast<int>(std::min<int64_t>(TV, (D - d0) / 8));
@@ -95,7 +102,8 @@ void decode_heads(const float* q, int64_t G, const C* kc, const C* vc, const int
     return decode_group_avx512<C>(G, q, kc, vc, table, L, bs, tok_stride, blk_stride, scale, out, s, streamed);
   for (int64_t g0 = 0; g0 < G; g0 += 8) {
     with_count<8>(G - g0, [&](auto g) {
-      decode_group<C, g>(q + g0 * D, kc, vc, table, j0, L, bs, tok_stride, blk_stride, D, scale, out + g0 * D, s);
+      decode_group<C, g>(q + g0 * D, kc, vc, table, j0, L, bs, tok_stride, blk_stride, D, scale, out + g0 * D, s,
+                         streamed);
     });
   }
 }

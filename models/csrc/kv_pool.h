@@ -122,12 +122,13 @@ inline bool prefetch_next(const int64_t* table, int64_t bi, int64_t nb, bool str
 // blocks at 80 keys) and the pool is out of cache all the same (a busy step's pools of every
 // layer outgrow L3), so the short-context, many-row steps gain most.
 
-// The next block's rows of this kv head (64 values: one or two cache lines each).
+// The next block's rows of this kv head (D values a row: 64 by default, one or two cache lines).
 template <typename C>
-inline void prefetch_rows(const C* first, int64_t n, int64_t tok_stride) {
+inline void prefetch_rows(const C* first, int64_t n, int64_t tok_stride, int64_t D = 64) {
+  const int64_t bytes = row_width<C>(D) * static_cast<int64_t>(sizeof(C));
   for (int64_t t = 0; t < n; ++t) {
     const char* p = reinterpret_cast<const char*>(first + t * tok_stride);
-    for (size_t off = 0; off < row_width<C>(64) * sizeof(C); off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
   }
 }
 
