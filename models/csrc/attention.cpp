@@ -36,14 +36,23 @@ void decode_group(const float* q, const C* kc, const C* vc, const int64_t* table
       prefetch_rows(kc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs), tok_stride, D);
     for (int64_t t = j - bi * bs, e = std::min(bs, L - bi * bs); t < e; ++t, ++j) {
       const C* kr = kb + t * tok_stride;
-      __m256 a[G];
-      for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < D; i += 8) {
-        const __m256 k = row8(kr, i, D);
-        for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), k, a[g]);
+      // NA accumulators a head (two for small groups, so a key's FMAs are not one chain)
+      constexpr int NA = G <= 2 ? 2 : 1;
+      __m256 a[G][NA];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < NA; ++c) a[g][c] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < D; i += 8 * NA) {
+        for (int c = 0; c < NA; ++c) {
+          if (i + 8 * c < D) {
+            const __m256 k = row8(kr, i + 8 * c, D);
+            for (int g = 0; g < G; ++g)
+              a[g][c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i + 8 * c), k, a[g][c]);
+          }
+        }
       }
       for (int g = 0; g < G; ++g) {
-        const float v = hsum(a[g]) * scale;
+        for (int c = 1; c < NA; ++c) a[g][0] = _mm256_add_ps(a[g][0], a[g][c]);
+        const float v = hsum(a[g][0]) * scale;
         s[g * n + (j - j0)] = v;
         mx[g] = std::max(mx[g], v);
       }
