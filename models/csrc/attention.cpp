@@ -9,7 +9,6 @@
 namespace cbserve {
 namespace {
 
-
 // The keys a query attends to: [first_key(L, window), L) for a query at position L - 1 (a sliding
 // window of `window` keys ending at the query's own, as Gemma's local layers; 0: all of them).
 inline int64_t first_key(int64_t L, int64_t window) { return window > 0 ? std::max<int64_t>(0, L - window) : 0; }
