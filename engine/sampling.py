@@ -24,7 +24,7 @@ import torch
 
 from engine.request import RequestState, TokenLogprob
 from engine.structured import apply_constraints
-from models import kernels
+from models import kernels, ops
 
 
 def _apply_logit_bias(logits: torch.Tensor, states: Sequence[RequestState]) -> None:
@@ -167,7 +167,7 @@ def _greedy_tokens(logits: torch.Tensor, states: Sequence[RequestState]) -> list
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """torch.argmax(logits, -1) as a list, through the project's kernel where it is built."""
     if logits.dtype == torch.float32 and kernels.available():
-        return torch.ops.cbserve.argmax_rows(logits).tolist()
+        return ops.argmax_rows(logits).tolist()
     return logits.argmax(dim=-1).tolist()
 
 

@@ -98,12 +98,15 @@ def paged_attention(
     kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention for a flat batch. q: (T, heads, hd); k, v: (T, kv_heads, hd). Returns (T, heads, hd).
 
     With a pool, the new K/V are written first and every query then reads its context from the
     pool (so a chunk sees earlier chunks and cached prefixes). Without one (the naive engine's full
-    recompute), each prefill chunk attends causally over its own K/V.
+    recompute), each prefill chunk attends causally over its own K/V. `window` > 0: a sliding
+    window (Gemma's local layers), a query at position p attends to keys at positions
+    (p - window, p] only.
     """
     out_dtype = q.dtype
     if kv_cache is not None:
@@ -126,6 +129,9 @@ def paged_attention(
             pos = torch.arange(length)
             meta.decode_mask = (pos[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
         mask = meta.decode_mask  # (B, 1, 1, L)
+        if window > 0:  # the query sits at position len - 1
+            first = (meta.decode_context_lens - window)[:, None, None, None]
+            mask = mask & (torch.arange(length) >= first)
         qd = q[:nd].unsqueeze(2)  # (B, heads, 1, hd)
         o = F.scaled_dot_product_attention(
             qd, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True
@@ -144,7 +150,14 @@ def paged_attention(
             vc = _gather(v_cache, chunk.block_table, chunk.context_len)
         kc = kc.transpose(0, 1).unsqueeze(0)  # (1, kv, L, hd)
         vc = vc.transpose(0, 1).unsqueeze(0)  # (1, kv, L, hd)
-        if past == 0:
+        if window > 0:
+            qpos = torch.arange(past, chunk.context_len)[:, None]
+            kpos = torch.arange(kc.shape[2])[None, :]
+            o = F.scaled_dot_product_attention(
+                qc, kc, vc, attn_mask=(kpos <= qpos) & (kpos > qpos - window), scale=scale,
+                enable_gqa=True,
+            )  # fmt: skip
+        elif past == 0:
             o = F.scaled_dot_product_attention(
                 qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True
             )

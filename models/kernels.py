@@ -1,14 +1,15 @@
-"""The project's CPU kernels (models/csrc/cbserve_kernels.cpp), built once and loaded as torch ops.
+"""The project's CPU kernels (models/csrc/*.cpp), built once into one library, loaded as torch ops.
 
-Owns compiling the C++ source into a shared library, caching it, and loading it so its ops appear
-under `torch.ops.cbserve`. The source uses AVX2, FMA and F16C and is compiled for `x86-64-v3`, so
-one build runs on every x86 CPU that has those (Intel since 2013, AMD since 2015) and can be baked
-into a Docker image built elsewhere. Where it cannot run (another architecture, no C++ compiler,
-`CBSERVE_KERNELS=0`) `available()` is False and the models use their pure-torch path, which
-computes the same thing, slower.
+Owns compiling the C++ sources into a shared library, caching it, and loading it so its ops appear
+under `torch.ops.cbserve` (called only through `models.ops`, which wraps every one). The sources
+use AVX2, FMA and F16C and are compiled for `x86-64-v3`, so one build runs on every x86 CPU that
+has those (Intel since 2013, AMD since 2015) and can be baked into a Docker image built
+elsewhere. Where it cannot run (another architecture, no C++ compiler, `CBSERVE_KERNELS=0`)
+`available()` is False and the models use their pure-torch path, which computes the same thing,
+slower.
 
 The library is cached in `$CBSERVE_KERNEL_DIR` (default `~/.cache/cbserve/kernels`), keyed by the
-source, the compiler flags and torch's version: an upgrade rebuilds, nothing else does.
+sources and headers, the compiler flags and torch's version: an upgrade rebuilds, nothing else does.
 
     python -m models.kernels        # build now (the install script does), print where it is
 """
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -33,7 +35,7 @@ from models.cpu import cpu_flags
 
 log = logging.getLogger("models.kernels")
 
-SOURCE = Path(__file__).with_name("csrc") / "cbserve_kernels.cpp"
+CSRC = Path(__file__).with_name("csrc")
 # -fopenmp: at::parallel_for is inline code that parallelises through OpenMP pragmas (serial
 # without the flag); libgomp then resolves to torch's own copy through the rpath.
 FLAGS = ("-O3", "-march=x86-64-v3", "-mtune=generic", "-fopenmp", "-std=c++20", "-shared", "-fPIC")
@@ -70,9 +72,15 @@ def _compiler() -> str | None:
     return None
 
 
+def sources() -> list[Path]:
+    """Every translation unit: each .cpp in csrc/ (a new kernel file is built by being there)."""
+    return sorted(CSRC.glob("*.cpp"))
+
+
 def _key() -> str:
     h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
+    for path in sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")]):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     h.update(" ".join(FLAGS).encode())
     h.update(torch.__version__.encode())
     return h.hexdigest()[:16]
@@ -105,15 +113,31 @@ def build(force: bool = False) -> Path:
             return target
         fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
         os.close(fd)
-        cmd = [
-            compiler, *FLAGS, abi, *includes, str(SOURCE), "-o", tmp,
-            f"-L{libdir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{libdir}",
-        ]  # fmt: skip
         log.info("building the CPU kernels (once per machine, ~1 min): %s", target.name)
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
+        with tempfile.TemporaryDirectory(prefix=".build-", dir=out_dir) as objs:
+            # One compiler process per source, as many at once as there are CPUs, then one link.
+            compile_flags = [f for f in FLAGS if f != "-shared"]
+
+            def compile_one(src: Path) -> tuple[Path, subprocess.CompletedProcess]:
+                obj = Path(objs) / f"{src.stem}.o"
+                cmd = [compiler, *compile_flags, abi, *includes, "-c", str(src), "-o", str(obj)]
+                return obj, subprocess.run(cmd, capture_output=True, text=True)
+
+            with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+                done = list(pool.map(compile_one, sources()))
+            failed = [(o, r) for o, r in done if r.returncode != 0]
+            if not failed:
+                link = [
+                    compiler, *FLAGS, *(str(o) for o, _ in done), "-o", tmp,
+                    f"-L{libdir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{libdir}",
+                ]  # fmt: skip
+                linked = subprocess.run(link, capture_output=True, text=True)
+                if linked.returncode != 0:
+                    failed = [(Path(tmp), linked)]
+        if failed:
             os.unlink(tmp)
-            raise KernelBuildError(f"compiling {SOURCE.name} failed:\n{done.stderr[-3000:]}")
+            obj, result = failed[0]
+            raise KernelBuildError(f"building {obj.stem} failed:\n{result.stderr[-3000:]}")
         # Readable by all (mkstemp's file was not), so an image's non-root user can load it.
         os.chmod(tmp, 0o755)
         os.replace(tmp, target)
@@ -149,7 +173,9 @@ def _load() -> tuple[bool, str | None]:
 def has_int8_dot() -> bool:
     """True where the kernels run and the CPU multiplies int8 with AVX512-VNNI (the
     int8-activation layouts of `models.quant.pack`)."""
-    return available() and bool(torch.ops.cbserve.has_int8_dot())
+    from models import ops  # (ops imports this module)
+
+    return available() and ops.has_int8_dot()
 
 
 def main() -> int:

@@ -16,9 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import ops
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig, RopeScaling
 from models.cpu import has_native_bf16
+from models.ops import Act
 from models.quant import F32, KIND_NAMES, QB, PackedWeight, QTensor, pack, quantize
 from models.quant import Q4_1 as Q4_1_KIND
 from models.quant import Q8_0 as Q8_0_KIND
@@ -152,15 +154,16 @@ class PackedLinear(nn.Module):
 
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None, act: int) -> torch.Tensor:
         p = self.packed
-        return torch.ops.cbserve.packed_linear(
-            x, p.qs, p.d, p.m, p.kind, p.out_features, self.bias, residual, act
-        )
+        return ops.packed_linear(
+            x, qs=p.qs, d=p.d, m=p.m, kind=p.kind, out_features=p.out_features,
+            bias=self.bias, residual=residual, act=act,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self._run(x, residual, 0)
+        return self._run(x, residual, Act.NONE)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run(x, None, 1)
+        return self._run(x, None, Act.SILU_MUL)
 
     def extra_repr(self) -> str:
         kind = KIND_NAMES[self.packed.kind]
@@ -177,7 +180,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and x.dim() == 2 and x.dtype == torch.float32:
-            return torch.ops.cbserve.rms_norm(x, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, eps=self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -205,12 +208,13 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # (T, (H + 2 KV) * hd)
         if rope.cos_half is not None and kv_cache is not None:
             # One kernel: RoPE, K/V into the pool, attention reading the pool's blocks in place.
-            o = torch.ops.cbserve.attention(
-                qkv, rope.cos_half, rope.sin_half, kv_cache[0], kv_cache[1],
-                meta.slot_mapping, meta.num_decode_tokens,
-                _or_empty(meta.decode_block_tables, 2), _or_empty(meta.decode_context_lens, 1),
-                meta.chunk_meta(), meta.chunk_tables(),
-                self.n_heads, self.n_kv, self.hd, self.scale,
+            o = ops.attention(
+                qkv, cos=rope.cos_half, sin=rope.sin_half, k_cache=kv_cache[0], v_cache=kv_cache[1],
+                slots=meta.slot_mapping, num_decode=meta.num_decode_tokens,
+                decode_tables=_or_empty(meta.decode_block_tables, 2),
+                decode_lens=_or_empty(meta.decode_context_lens, 1),
+                chunk_meta=meta.chunk_meta(), chunk_tables=meta.chunk_tables(),
+                num_heads=self.n_heads, num_kv_heads=self.n_kv, head_dim=self.hd, scale=self.scale,
             )  # fmt: skip
             return self.o_proj(o, residual)
         rope_full = (rope.cos, rope.sin)
@@ -286,9 +290,8 @@ class LlamaForCausalLM(nn.Module):
         """The layer loop as straight calls of the kernel ops (what `DecoderLayer.forward`
         computes, op for op) without nn.Module dispatch: ~10 module calls a layer cost ~2 ms a
         step on SmolLM2, a quarter of a batch-1 decode step."""
-        linear = torch.ops.cbserve.packed_linear.default
-        attention = torch.ops.cbserve.attention.default
-        norm = torch.ops.cbserve.rms_norm.default
+        # the wrappers called positionally, in the ops' argument order
+        linear, attention, norm = ops.packed_linear, ops.attention, ops.rms_norm
         c = self.config
         eps, h, kvh, hd = c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim
         scale = self.layers[0].self_attn.scale
@@ -354,7 +357,7 @@ class LlamaForCausalLM(nn.Module):
         blocks: Callable[[str], QTensor | None] | None = None,
         activations: str = "auto",
     ) -> None:
-        """Run through `torch.ops.cbserve` (the caller checked `models.kernels.available()`):
+        """Run through `models.ops` (the caller checked `models.kernels.available()`):
         attention fused with RoPE and the K/V write over the paged pool, and every projection and
         the head as packed weights, per `scheme`:
 

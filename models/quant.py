@@ -1,5 +1,5 @@
 """Weight-only quantization: GGUF-style blocks, read from a GGUF file or made from float weights,
-and packed into the panel layout `torch.ops.cbserve.packed_linear` reads.
+and packed into the panel layout `models.ops.packed_linear` reads.
 
 Formats (32 inputs per block, one scale per block and output row, as llama.cpp defines them):
 - Q8_0: int8 q, fp16 d; w = q * d.
@@ -25,12 +25,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from models.ops import Kind
+
 NR = 16  # outputs per panel
 QB = 32  # inputs per block
 
-F32, Q8_0, Q4_1 = 0, 1, 2
+F32, Q8_0, Q4_1 = Kind.F32, Kind.Q8_0, Kind.Q4_1
 # The same blocks laid out for int8 activations (AVX512-VNNI dot products; see `pack`).
-Q8_0X, Q4_1X = 3, 4
+Q8_0X, Q4_1X = Kind.Q8_0X, Kind.Q4_1X
 KIND_NAMES = {F32: "f32", Q8_0: "q8_0", Q4_1: "q4_1", Q8_0X: "q8_0+a8", Q4_1X: "q4_1+a8"}
 SCHEMES = ("auto", "none", "q8_0", "q4_1")  # --quantization choices
 ACTIVATIONS = ("auto", "int8", "float32")  # --activation-dtype choices
@@ -152,7 +154,7 @@ def from_gguf_blocks(data: np.ndarray, ggml_type: int, n: int, k: int) -> QTenso
 
 @dataclass
 class PackedWeight:
-    """Arguments of `torch.ops.cbserve.packed_linear` for one weight matrix."""
+    """Arguments of `models.ops.packed_linear` for one weight matrix."""
 
     kind: int
     qs: torch.Tensor

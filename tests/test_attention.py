@@ -1,8 +1,11 @@
-"""Paged attention against a dense reference: decode rows, chunks with a past, block tables."""
+"""Paged attention against a dense reference: decode rows, chunks with a past, block tables, and
+sliding windows (masked by transformers' own sliding-window mask function)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from transformers.masking_utils import sliding_window_causal_mask_function
 
 from models.attention import AttentionMetadata, PrefillChunk, paged_attention
 
@@ -11,14 +14,19 @@ SCALE = HD**-0.5
 
 
 def reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, window: int = 0
 ) -> torch.Tensor:
-    """Dense attention of queries (n, H, hd) at absolute positions q_pos over keys (L, KV, hd)."""
+    """Dense attention of queries (n, H, hd) at absolute positions q_pos over keys (L, KV, hd);
+    `window` > 0: Gemma 3's sliding window, as transformers masks it."""
     group = HEADS // KV_HEADS
     k = k.repeat_interleave(group, dim=1)  # (L, H, hd)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", q, k) * SCALE
-    visible = torch.arange(k.shape[0])[None, :] <= q_pos[:, None]  # (n, L)
+    k_pos = torch.arange(k.shape[0])[None, :]
+    if window:
+        visible = sliding_window_causal_mask_function(window)(0, 0, q_pos[:, None], k_pos)
+    else:
+        visible = k_pos <= q_pos[:, None]  # (n, L)
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
@@ -128,3 +136,47 @@ def test_decode_and_chunk_in_one_flat_batch_write_their_own_slots():
     )
     # the chunk's K/V landed in its blocks, ready for its next decode
     torch.testing.assert_close(cache[0][15, 1], ck[5])
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 40])
+def test_sliding_window_rows_and_chunks_match_transformers_mask(window):
+    """Decode rows, a chunk with a past, a fresh chunk in one batch, and the same fresh chunk
+    without a pool: each query sees only the keys at positions (p - window, p]."""
+    torch.manual_seed(3)
+    cache = _pool()
+    lengths, tables = [3, 17], [[4], [8, 1, 30, 2, 6]]  # decode rows
+    past, n, ctable = 9, 6, [7, 3, 12, 5]  # a chunk with a past
+    fresh, ftable = 7, [14, 15]  # a fresh prompt
+    seqs = [(length, 1) for length in lengths] + [(past + n, n), (fresh, fresh)]
+    qkv = [
+        (torch.randn(L, HEADS, HD), torch.randn(L, KV_HEADS, HD), torch.randn(L, KV_HEADS, HD))
+        for L, _ in seqs
+    ]
+    all_tables = [*tables, ctable, ftable]
+    slots, want = [], []
+    for (length, new), (q, k, v), table in zip(seqs, qkv, all_tables, strict=True):
+        _fill(cache, table, k[: length - new], v[: length - new])
+        slots += _slots(table, range(length - new, length))
+        want.append(reference(q[length - new :], k, v, torch.arange(length - new, length), window))
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        num_decode_tokens=2,
+        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        decode_context_lens=torch.tensor(lengths),
+        prefills=[
+            PrefillChunk(2, n, past + n, torch.tensor(ctable)),
+            PrefillChunk(2 + n, fresh, fresh, torch.tensor(ftable)),
+        ],
+    )
+
+    def new(i: int) -> torch.Tensor:
+        return torch.cat([x[L - m :] for (L, m), x in zip(seqs, (t[i] for t in qkv), strict=True)])
+
+    got = paged_attention(new(0), new(1), new(2), cache, meta, SCALE, window=window)
+    torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)
+    # the naive engine's path (no pool): a fresh chunk over its own K/V
+    q, k, v = qkv[-1]
+    alone = AttentionMetadata(None, 0, None, None, [PrefillChunk(0, fresh, fresh, None)])
+    got = paged_attention(q, k, v, None, alone, SCALE, window=window)
+    torch.testing.assert_close(got, want[-1], rtol=1e-5, atol=1e-5)

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import kernels
+from models import kernels, ops
 from models.attention import AttentionMetadata, PrefillChunk, paged_attention
 from models.quant import F32, Q4_1, Q8_0, QB, QTensor, from_gguf_blocks, pack, quantize
 
@@ -27,9 +27,7 @@ KINDS = [F32, Q8_0, Q4_1]
 
 def _linear(x, packed, bias=None, residual=None, act=0):
     p = packed
-    return torch.ops.cbserve.packed_linear(
-        x, p.qs, p.d, p.m, p.kind, p.out_features, bias, residual, act
-    )
+    return ops.packed_linear(x, p.qs, p.d, p.m, p.kind, p.out_features, bias, residual, act)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -222,10 +220,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.int8])
-@pytest.mark.parametrize("D", [32, 64])  # 64: the AVX-512 grouped decode kernel where it runs
-def test_fused_attention_matches_paged_attention(pool_dtype, D):  # noqa: N803
-    """Two decode rows, a chunk with a cached past and a fresh prompt, in one flat batch."""
+def _check_fused_attention(pool_dtype, H, KVH, D, window=0):  # noqa: N803
+    """Two decode rows, a chunk with a cached past and a fresh prompt, in one flat batch: the op
+    against RoPE in torch and `paged_attention` over the float32 pool holding the same values."""
     torch.manual_seed(5)
     seqs = {  # name: (block table, tokens already in the pool, new tokens this step)
         "dec_a": ([3, 9, 1 + 20], 9, 1),
@@ -270,16 +267,19 @@ def test_fused_attention_matches_paged_attention(pool_dtype, D):  # noqa: N803
     k = _rotate(qkv[:, H * D : (H + KVH) * D].view(t, KVH, D), cos, sin)
     v = qkv[:, (H + KVH) * D :].view(t, KVH, D)
     k, v = _rounded(k, pool_dtype), _rounded(v, pool_dtype)  # what the pool will hold of them
-    q = _query_as_the_kernel_reads_it(q, pool_dtype, D**-0.5)
+    lens = torch.tensor(positions) + 1  # each token's keys
+    # (the AVX-512 int8 kernels, which round the query, take the tokens that see every key)
+    rounded = _query_as_the_kernel_reads_it(q, pool_dtype, D**-0.5)
+    q = torch.where(((window == 0) | (lens <= window))[:, None, None], rounded, q)
     ref_cache = (kpool.clone(), vpool.clone())
-    want = paged_attention(q, k, v, ref_cache, meta(), D**-0.5).reshape(t, H * D)
+    want = paged_attention(q, k, v, ref_cache, meta(), D**-0.5, window=window).reshape(t, H * D)
 
     cache = (_to_pool(kpool, pool_dtype), _to_pool(vpool, pool_dtype))
     m = meta()
-    got = torch.ops.cbserve.attention(
+    got = ops.attention(
         qkv.clone(), cos, sin, cache[0], cache[1], m.slot_mapping, 2,
         m.decode_block_tables, m.decode_context_lens, m.chunk_meta(), m.chunk_tables(),
-        H, KVH, D, D**-0.5,
+        H, KVH, D, D**-0.5, window,
     )  # fmt: skip
     # With a float16 pool a chunk without a past attends over its own unrounded K/V (the kernel
     # never reads them back), the reference over rounded ones: float16 rounding apart.
@@ -288,6 +288,36 @@ def test_fused_attention_matches_paged_attention(pool_dtype, D):  # noqa: N803
     torch.testing.assert_close(_from_pool(cache[0], D), ref_cache[0], rtol=1e-3, atol=1e-3)
     if pool_dtype == torch.int8:  # the kernel's quantizer is the reference's, value for value
         assert torch.equal(cache[1], _to_pool(ref_cache[1], torch.int8))
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.int8])
+@pytest.mark.parametrize("D", [32, 64])  # 64: the AVX-512 grouped decode kernel where it runs
+def test_fused_attention_matches_paged_attention(pool_dtype, D):  # noqa: N803
+    _check_fused_attention(pool_dtype, H, KVH, D)
+
+
+# (query heads, kv heads, head_dim): every group size 1..8 and the new families' head sizes --
+# Phi-3's 96, Qwen3's and Llama 3 8B's 128, Gemma 3's 256 (270M: 4 query heads on 1 kv head).
+SHAPES = [
+    (2, 2, 96),
+    (4, 2, 128),
+    (6, 2, 64),
+    (4, 1, 256),
+    (10, 2, 96),
+    (12, 2, 128),
+    (7, 1, 64),
+    (16, 2, 256),
+]
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.int8])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv{s[2]}")
+@pytest.mark.parametrize("window", [0, 6])
+def test_fused_attention_head_sizes_group_sizes_and_sliding_windows(pool_dtype, shape, window):
+    """Decode rows and prefill chunks (with a past, without) of every group size and the new
+    families' head sizes, with and without a sliding window (6 keys: most of the batch's tokens
+    see more than that), against the reference."""
+    _check_fused_attention(pool_dtype, *shape, window=window)
 
 
 def test_int8_rounding_ties_extremes_and_denormals_in_pool_rows_and_queries():
@@ -316,7 +346,7 @@ def test_int8_rounding_ties_extremes_and_denormals_in_pool_rows_and_queries():
         decode_context_lens=None,
         prefills=[PrefillChunk(0, t, t, table[0])],
     )
-    got = torch.ops.cbserve.attention(
+    got = ops.attention(
         qkv.clone(), cos, sin, pools[0], pools[1], meta.slot_mapping, 0,
         torch.empty(0, 1, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
         meta.chunk_meta(), meta.chunk_tables(), h, kvh, d, d**-0.5,
@@ -363,7 +393,7 @@ def test_a_decode_rows_attention_does_not_depend_on_how_many_rows_share_the_step
 
     def attend(idx):
         kc, vc = pool[0].clone(), pool[1].clone()
-        return torch.ops.cbserve.attention(
+        return ops.attention(
             qkv[idx].clone(), cos[idx], sin[idx], kc, vc, slots[idx], len(idx), tables[idx], lens[idx],
             *none, h, kvh, d, d**-0.5,
         )  # fmt: skip
@@ -383,7 +413,7 @@ def test_a_non_finite_query_head_gives_nan_for_that_head_only(pool_dtype):
     for bad in (float("nan"), float("inf")):
         qkv = torch.randn(1, (h + 2 * kvh) * d)
         qkv[0, 5] = bad  # query head 0
-        out = torch.ops.cbserve.attention(
+        out = ops.attention(
             qkv, torch.ones(1, d // 2), torch.zeros(1, d // 2), pool[0], pool[1], torch.tensor([20]), 1,
             torch.tensor([[1, 2]]), torch.tensor([21]), torch.empty(0, 3, dtype=torch.long),
             torch.empty(0, 1, dtype=torch.long), h, kvh, d, d**-0.5,
@@ -393,11 +423,14 @@ def test_a_non_finite_query_head_gives_nan_for_that_head_only(pool_dtype):
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float16, torch.int8])
-@pytest.mark.parametrize("D", [32, 64])
-def test_a_tokens_attention_is_the_same_in_a_prefill_chunk_and_as_a_decode_row(D, pool_dtype):  # noqa: N803
+@pytest.mark.parametrize("D", [32, 64, 256])
+@pytest.mark.parametrize("window", [0, 5])
+def test_a_tokens_attention_is_the_same_in_a_prefill_chunk_and_as_a_decode_row(
+    D, pool_dtype, window
+):  # noqa: N803
     """One kernel computes both: a prompt prefilled as one chunk, as chunks of 3, and token by
     token as decode rows gives bit-identical attention outputs (so chunking, preemption and
-    recompute never change a token)."""
+    recompute never change a token), with a sliding window too."""
     torch.manual_seed(8)
     n, table = 37, torch.tensor([5, 2, 9, 17, 3, 30, 22, 11, 26, 38])  # 10 blocks of 4
     qkv = torch.randn(n, (H + 2 * KVH) * D)
@@ -418,7 +451,7 @@ def test_a_tokens_attention_is_the_same_in_a_prefill_chunk_and_as_a_decode_row(D
                 meta = torch.tensor([[0, size, start + size]])
                 args = (0, none2, none1, meta, table.view(1, -1))
             outs.append(
-                torch.ops.cbserve.attention(
+                ops.attention(
                     qkv[sl].clone(),
                     cos[sl],
                     sin[sl],
@@ -430,6 +463,7 @@ def test_a_tokens_attention_is_the_same_in_a_prefill_chunk_and_as_a_decode_row(D
                     KVH,
                     D,
                     D**-0.5,
+                    window,
                 )  # fmt: skip
             )
         return torch.cat(outs)
@@ -505,7 +539,7 @@ def test_rms_norm_kernel_matches_torch():
     torch.manual_seed(6)
     x, w = torch.randn(9, 576) * 30, torch.randn(576)
     want = F.rms_norm(x, (576,), w, 1e-5)
-    torch.testing.assert_close(torch.ops.cbserve.rms_norm(x, w, 1e-5), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("V", [1, 7, 16, 17, 33, 1000, 49152])
@@ -520,7 +554,7 @@ def test_argmax_kernel_gives_torchs_answer_ties_infinities_and_nans_included(V):
     masked = torch.full((5, V), float("-inf"))
     masked[2, V - 1] = -1e30
     for rows in (x, ties, nans, masked, torch.zeros(5, V), x.t().contiguous().t()[:, :V]):
-        assert torch.equal(torch.ops.cbserve.argmax_rows(rows), rows.argmax(-1))
+        assert torch.equal(ops.argmax_rows(rows), rows.argmax(-1))
 
 
 _LOGITS_SCRIPT = """

@@ -2,6 +2,7 @@
 
     python -m tools.bench_attention [--batch 32] [--context 1280] [--kv-dtypes float16,int8]
                                     [--layouts contiguous,runs,scattered] [--layers 30] [--rounds 5]
+                                    [--heads 9 --kv-heads 3 --head-dim 64] [--window 0]
 
 Owns: timing one decode step's attention per layer (SmolLM2's shapes by default: 9 query heads,
 3 kv heads, head_dim 64) for each pool dtype and block-table layout, with one distinct pool per
@@ -25,7 +26,7 @@ import time
 
 import torch
 
-from models import kernels
+from models import kernels, ops
 
 BLOCK = 16
 
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--window", type=int, default=0, help="sliding window (0: every key)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--stream-mib", type=int, default=256, help="size of the bandwidth probe")
     args = ap.parse_args(argv)
@@ -127,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         slots = t[:, (L - 1) // BLOCK] * BLOCK + (L - 1) % BLOCK  # the new token's slot
         t0 = time.perf_counter()
         for kc, vc in pools[dt]:
-            torch.ops.cbserve.attention(qkv.clone(), cos, sin, kc, vc, slots, B, t, lens, no_meta, no_tables,
-                                        H, KVH, D, D**-0.5)  # fmt: skip
+            ops.attention(qkv.clone(), cos=cos, sin=sin, k_cache=kc, v_cache=vc, slots=slots, num_decode=B,
+                          decode_tables=t, decode_lens=lens, chunk_meta=no_meta, chunk_tables=no_tables,
+                          num_heads=H, num_kv_heads=KVH, head_dim=D, scale=D**-0.5,
+                          window=args.window)  # fmt: skip
         return (time.perf_counter() - t0) / args.layers
 
     cases = [(dt, lay) for dt in dtypes for lay in layouts]

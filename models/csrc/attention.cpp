@@ -1,0 +1,303 @@
+// attention: RoPE on q and k, K/V written into the paged pool, then causal attention of every
+// token over its sequence's pool blocks, read in place by one paged kernel for decode rows and
+// prefill chunks alike. The pool holds float32, float16 or int8 rows (int8: per 32 values one
+// float32 scale after the row's values, as llama.cpp's q8_0); attention computes in float32
+// (int8 pools with AVX512-VNNI: q.k as integer dot products, the query rounded as the keys).
+#include "kv_pool.h"
+#include "ops.h"
+
+namespace cbserve {
+namespace {
+
+// The keys a query attends to: [first_key(L, window), L) for a query at position L - 1 (a sliding
+// window of `window` keys ending at the query's own, as Gemma's local layers; 0: all of them).
+inline int64_t first_key(int64_t L, int64_t window) { return window > 0 ? std::max<int64_t>(0, L - window) : 0; }
+
+// G query heads of one kv head (q: G * D floats, roped; out likewise) over keys [j0, L): scores,
+// softmax, weighted sum of values. The generic path: any head_dim (a multiple of 8), AVX2. Each K
+// and V row is loaded and widened once for all G heads; a key's score is one dot product summed
+// in one order, and the values accumulate key by key in order, so a query's result depends only
+// on its own keys (the same in a prefill chunk as a decode row, whatever the batch). s: G * (L -
+// j0) floats of scratch. Blocks are prefetched one ahead as the AVX-512 kernels do (prefetch_next).
+template <typename C, int G>
+void decode_group(const float* q, const C* kc, const C* vc, const int64_t* table, int64_t j0, int64_t L, int64_t bs,
+                  int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float* out, float* s,
+                  bool streamed) {
+  const int64_t n = L - j0, nb = (L + bs - 1) / bs;
+  const int64_t b0 = j0 / bs;
+  prefetch_rows(vc + table[b0] * blk_stride, std::min(bs, L - b0 * bs), tok_stride, D);  // V's first block
+  float mx[G];
+  for (int g = 0; g < G; ++g) mx[g] = -INFINITY;
+  // scores: one pass over the K rows, G accumulators
+  for (int64_t bi = b0, j = j0; bi < nb; ++bi) {
+    const C* kb = kc + table[bi] * blk_stride;
+    if (prefetch_next(table, bi, nb, streamed))
+      prefetch_rows(kc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs), tok_stride, D);
+    for (int64_t t = j - bi * bs, e = std::min(bs, L - bi * bs); t < e; ++t, ++j) {
+      const C* kr = kb + t * tok_stride;
+      // NA accumulators a head (two for small groups, so a key's FMAs are not one chain)
+      constexpr int NA = G <= 2 ? 2 : 1;
+      __m256 a[G][NA];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < NA; ++c) a[g][c] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < D; i += 8 * NA) {
+        for (int c = 0; c < NA; ++c) {
+          if (i + 8 * c < D) {
+            const __m256 k = row8(kr, i + 8 * c, D);
+            for (int g = 0; g < G; ++g)
+              a[g][c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i + 8 * c), k, a[g][c]);
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        for (int c = 1; c < NA; ++c) a[g][0] = _mm256_add_ps(a[g][0], a[g][c]);
+        const float v = hsum(a[g][0]) * scale;
+        s[g * n + (j - j0)] = v;
+        mx[g] = std::max(mx[g], v);
+      }
+    }
+  }
+  float inv[G];
+  for (int g = 0; g < G; ++g) inv[g] = softmax_exp(s + g * n, n, mx[g]);
+  // values: TV vectors of 8 values a head a pass, so the G x TV accumulators stay in registers;
+  // each block's rows take every pass while they are in L1, the running sums kept in `out`
+  constexpr int TV = G == 1 ? 8 : G == 2 ? 4 : G <= 4 ? 2 : 1;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(out + g * D + i, _mm256_setzero_ps());
+  for (int64_t bi = b0, j = j0; bi < nb; ++bi) {
+    const C* vb = vc + table[bi] * blk_stride;
+    if (prefetch_next(table, bi, nb, streamed))
+      prefetch_rows(vc + table[bi + 1] * blk_stride, std::min(bs, L - (bi + 1) * bs), tok_stride, D);
+    const int64_t t0 = j - bi * bs, e = std::min(bs, L - bi * bs);
+    for (int64_t d0 = 0; d0 < D; d0 += 8 * TV) {
+      const int nv = static_cast<int>(std::min<int64_t>(TV, (D - d0) / 8));
+      __m256 acc[G][TV];
+      for (int g = 0; g < G; ++g)
+        for (int v = 0; v < TV; ++v)
+          if (v < nv) acc[g][v] = _mm256_loadu_ps(out + g * D + d0 + 8 * v);
+      for (int64_t t = t0; t < e; ++t) {
+        const C* vr = vb + t * tok_stride;
+        const float* st = s + (bi * bs + t - j0);
+        for (int v = 0; v < TV; ++v) {
+          if (v < nv) {
+            const __m256 x = row8(vr, d0 + 8 * v, D);
+            for (int g = 0; g < G; ++g) acc[g][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(st + g * n), x, acc[g][v]);
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int v = 0; v < TV; ++v)
+          if (v < nv) _mm256_storeu_ps(out + g * D + d0 + 8 * v, acc[g][v]);
+    }
+    j = bi * bs + e;
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m256 vinv = _mm256_set1_ps(inv[g]);
+    for (int64_t i = 0; i < D; i += 8)
+      _mm256_storeu_ps(out + g * D + i, _mm256_mul_ps(_mm256_loadu_ps(out + g * D + i), vinv));
+  }
+}
+
+// One sequence's G query heads of one kv head (adjacent in q and out) over keys [first_key(L,
+// window), L): the AVX-512 group kernel for head_dim 64, groups of up to 8 and every key, else
+// the generic one, up to 8 heads at a time.
+template <typename C>
+void decode_heads(const float* q, int64_t G, const C* kc, const C* vc, const int64_t* table, int64_t L,
+                  int64_t window, int64_t bs, int64_t tok_stride, int64_t blk_stride, int64_t D, float scale,
+                  float* out, float* s, bool streamed) {
+  const int64_t j0 = first_key(L, window);
+  if (j0 == 0 && D == 64 && G <= 8 && cpu_has_avx512())
+    return decode_group_avx512<C>(G, q, kc, vc, table, L, bs, tok_stride, blk_stride, scale, out, s, streamed);
+  for (int64_t g0 = 0; g0 < G; g0 += 8) {
+    with_count<8>(G - g0, [&](auto g) {
+      decode_group<C, g>(q + g0 * D, kc, vc, table, j0, L, bs, tok_stride, blk_stride, D, scale, out + g0 * D, s,
+                         streamed);
+    });
+  }
+}
+
+template <typename C>
+void rope_and_write(float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, const float* cos,
+                    const float* sin, const int64_t* slots, C* kcache, C* vcache) {
+  const int64_t half = D / 2, width = (H + 2 * KVH) * D;
+  at::parallel_for(0, T, std::max<int64_t>(1, (1 << 15) / width), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* row = qkv + t * width;
+      const float* c = cos + t * half;
+      const float* s = sin + t * half;
+      for (int64_t h = 0; h < H + KVH; ++h) {  // q heads then k heads
+        float* x = row + h * D;
+        int64_t i = 0;
+        for (; i + 8 <= half; i += 8) {
+          __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+          __m256 vc = _mm256_loadu_ps(c + i), vs = _mm256_loadu_ps(s + i);
+          _mm256_storeu_ps(x + i, _mm256_fmsub_ps(x1, vc, _mm256_mul_ps(x2, vs)));
+          _mm256_storeu_ps(x + half + i, _mm256_fmadd_ps(x2, vc, _mm256_mul_ps(x1, vs)));
+        }
+        for (; i < half; ++i) {
+          const float x1 = x[i], x2 = x[half + i];
+          x[i] = x1 * c[i] - x2 * s[i];
+          x[half + i] = x2 * c[i] + x1 * s[i];
+        }
+      }
+      const int64_t W = row_width<C>(D);
+      const float* k = row + H * D;
+      const float* v = row + (H + KVH) * D;
+      C* kd = kcache + slots[t] * KVH * W;
+      C* vd = vcache + slots[t] * KVH * W;
+      for (int64_t h = 0; h < KVH; ++h) {
+        store_row<C>(kd + h * W, k + h * D, D);
+        store_row<C>(vd + h * W, v + h * D, D);
+      }
+    }
+  });
+}
+
+// Decode rows of an int8 pool go whole (every kv head in one pass, decode_row_int8_64) from this
+// many on, when each thread has rows enough; fewer go as (row, kv head) items, spread finer.
+// Float16 rows (128 bytes: whole cache lines, no line shared by two kv heads) gain nothing from
+// whole-row items (measured slower from DRAM: docs/benchmarks.md), so they keep the (row, kv head)
+// items.
+constexpr int64_t kRowsForWholeRowItems = 8;
+
+// After the K/V are in the pool: decode rows, then prefill chunks, over pool rows of type C.
+template <typename C>
+void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t bs, int64_t num_decode,
+            const at::Tensor& dec_tables_, const at::Tensor& dec_lens_, const at::Tensor& chunk_meta_,
+            const at::Tensor& chunk_tables_, int64_t H, int64_t KVH, int64_t D, float scale, int64_t window) {
+  const int64_t width = (H + 2 * KVH) * D;
+  const int64_t W = row_width<C>(D), tok_stride = KVH * W, blk_stride = bs * KVH * W;
+  const int64_t G = H / KVH;
+  if (num_decode > 0) {
+    at::Tensor tables = dec_tables_.contiguous(), lens = dec_lens_.contiguous();
+    const int64_t* tp = tables.data_ptr<int64_t>();
+    const int64_t* lp = lens.data_ptr<int64_t>();
+    const int64_t maxb = tables.size(1);
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < num_decode; ++b) max_len = std::max(max_len, lp[b]);
+    bool whole_rows = false;
+    if constexpr (std::is_same_v<C, int8_t>) {
+      // (every key of every row: the whole-row kernel has no window)
+      whole_rows = D == 64 && G <= 8 && H <= 64 && num_decode >= kRowsForWholeRowItems && cpu_has_avx512() &&
+                   cpu_has_vnni() && (window <= 0 || max_len <= window);
+      if (whole_rows)
+        decode_whole_rows_int8(qp, op, kbase, vbase, bs, num_decode, tp, lp, maxb, H, KVH, tok_stride, blk_stride,
+                               scale);
+    }
+    if (!whole_rows) {
+      const int64_t task_grain = std::max<int64_t>(1, (1 << 17) / (max_len * D * G));
+      at::parallel_for(0, num_decode * KVH, task_grain, [&](int64_t i0, int64_t i1) {
+        std::vector<float> s;
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t b = i / KVH, kvh = i % KVH, L = lp[b];
+          s.resize(G * L + 16);
+          // The group's G query heads are adjacent in q and in out (heads kvh*G .. kvh*G+G-1).
+          const float* q = qp + b * width + kvh * G * D;
+          float* o = op + b * H * D + kvh * G * D;
+          decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, tp + b * maxb, L, window, bs, tok_stride,
+                          blk_stride, D, scale, o, s.data(), true);
+        }
+      });
+    }
+  }
+  // Prefill chunks: every token as a decode row over its own causal prefix, read from the pool
+  // (this step's K/V were written above). The same kernel as decode, so a token's attention is
+  // bit-identical whether it is computed in a prefill chunk of any size, as a decode step, or
+  // recomputed after preemption; and no gather of the past. Tokens are dealt in zigzag order
+  // (first, last, second, ...) so the threads' contiguous shares cost about the same. Int8 pools
+  // with VNNI take a few consecutive tokens an item (prefill_groups_int8), with the same results.
+  const int64_t NC = chunk_meta_.defined() ? chunk_meta_.size(0) : 0;
+  if (NC > 0) {
+    at::Tensor meta = chunk_meta_.contiguous(), ctables = chunk_tables_.contiguous();
+    const int64_t* mp = meta.data_ptr<int64_t>();
+    const int64_t* ctp = ctables.data_ptr<int64_t>();
+    const int64_t cmaxb = ctables.size(1);
+    int64_t max_len = 1;
+    for (int64_t c = 0; c < NC; ++c) max_len = std::max(max_len, mp[c * 3 + 2]);
+    if constexpr (std::is_same_v<C, int8_t>) {
+      if (D == 64 && G <= 8 && cpu_has_avx512() && cpu_has_vnni() && (window <= 0 || max_len <= window)) {
+        prefill_groups_int8(qp, op, kbase, vbase, bs, mp, NC, ctp, cmaxb, H, KVH, tok_stride, blk_stride, scale,
+                            max_len);
+        return;
+      }
+    }
+    std::vector<int64_t> row, len, chunk;
+    for (int64_t c = 0; c < NC; ++c) {
+      const int64_t start = mp[c * 3], n = mp[c * 3 + 1], L = mp[c * 3 + 2];
+      for (int64_t t = 0; t < n; ++t) {
+        row.push_back(start + t);
+        len.push_back(L - n + t + 1);
+        chunk.push_back(c);
+      }
+    }
+    const int64_t NT = static_cast<int64_t>(row.size());
+    const int64_t task_grain = std::max<int64_t>(1, (1 << 17) / (max_len * D * G));
+    at::parallel_for(0, NT * KVH, task_grain, [&](int64_t i0, int64_t i1) {
+      std::vector<float> s;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t k = i / KVH, kvh = i % KVH;
+        const int64_t x = (k % 2 == 0) ? k / 2 : NT - 1 - k / 2;  // zigzag
+        const int64_t r = row[x], L = len[x];
+        s.resize(G * L + 16);
+        const float* q = qp + r * width + kvh * G * D;
+        float* o = op + r * H * D + kvh * G * D;
+        decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, ctp + chunk[x] * cmaxb, L, window, bs,
+                        tok_stride, blk_stride, D, scale, o, s.data(), false);
+      }
+    });
+  }
+}
+
+template <typename C>
+void rope_write_attend(float* qkv, float* out, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kcache,
+                       const at::Tensor& vcache, const at::Tensor& slots, int64_t T, int64_t num_decode,
+                       const at::Tensor& dec_tables, const at::Tensor& dec_lens, const at::Tensor& chunk_meta,
+                       const at::Tensor& chunk_tables, int64_t H, int64_t KVH, int64_t D, float scale,
+                       int64_t window) {
+  TORCH_CHECK(kcache.size(3) == row_width<C>(D) && vcache.sizes() == kcache.sizes(),
+              "the KV pool's rows do not fit head_dim ", D);
+  C* kc = kcache.data_ptr<C>();
+  C* vc = vcache.data_ptr<C>();
+  rope_and_write<C>(qkv, T, H, KVH, D, cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(), kc, vc);
+  attend<C>(qkv, out, kc, vc, kcache.size(1), num_decode, dec_tables, dec_lens, chunk_meta, chunk_tables, H, KVH, D,
+            scale, window);
+}
+
+}  // namespace
+
+// chunk_meta: (C, 3) int64 rows [token_start, num_tokens, context_len]; chunk_tables (C, maxb).
+// window > 0: a query at position p attends to keys at positions (p - window, p] only.
+// The pools: (num_blocks, block_size, KVH, row width) of float32, float16 or int8 (`row_width`).
+at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos_, const at::Tensor& sin_,
+                     const at::Tensor& kcache, const at::Tensor& vcache, const at::Tensor& slots_,
+                     int64_t num_decode, const at::Tensor& dec_tables, const at::Tensor& dec_lens,
+                     const at::Tensor& chunk_meta, const at::Tensor& chunk_tables, int64_t H,
+                     int64_t KVH, int64_t D, double scale_, int64_t window) {
+  // qkv is roped in place (the schema declares it written): the caller's own buffer, so it must be
+  // one block of memory rather than a view the op would have to copy.
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.is_contiguous(),
+              "qkv must be a contiguous 2-D float32 tensor");
+  TORCH_CHECK(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "qkv must have (H + 2 KVH) * D columns");
+  TORCH_CHECK(kcache.is_contiguous() && vcache.is_contiguous(), "the KV pools must be contiguous");
+  TORCH_CHECK(kcache.dim() == 4 && kcache.scalar_type() == vcache.scalar_type(),
+              "the KV pools must be 4-D, of one dtype");
+  at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous(), slots = slots_.contiguous();
+  const int64_t T = qkv.size(0);
+  const float scale = static_cast<float>(scale_);
+  at::Tensor out = at::empty({T, H * D}, qkv.options());
+  float* qp = qkv.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  with_pool_type(kcache.scalar_type(), [&](auto c) {
+    using C = decltype(c);
+    if constexpr (std::is_same_v<C, int8_t>)
+      TORCH_CHECK(D % 32 == 0, "an int8 KV pool needs head_dim to be a multiple of 32");
+    rope_write_attend<C>(qp, op, cos, sin, kcache, vcache, slots, T, num_decode, dec_tables, dec_lens, chunk_meta,
+                         chunk_tables, H, KVH, D, scale, window);
+  });
+  return out;
+}
+
+}  // namespace cbserve

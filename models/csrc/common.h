@@ -1,0 +1,119 @@
+// Shared by every kernel file: SIMD helpers, the CPU feature checks and the target attributes of
+// the AVX-512 code paths. The library is compiled for x86-64-v3 (AVX2, FMA, F16C); AVX-512 code
+// carries its own target attribute and runs only where the CPU checks below say so.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace cbserve {
+
+#define CB_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+#define CB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+
+inline __m256 load_h8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return load_h8(p); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max), Cephes-style polynomial; rel err ~1e-7.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  __m256 x2 = _mm256_mul_ps(x, x);
+  y = _mm256_fmadd_ps(y, x2, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// silu(g) = g * sigmoid(g), with exp only of non-positive arguments (exp256's domain):
+// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) for g < 0, where e = exp(-|g|).
+inline __m256 silu8(__m256 g) {
+  const __m256 e = exp256(_mm256_or_ps(g, _mm256_set1_ps(-0.f)));  // exp(-|g|)
+  const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_add_ps(_mm256_set1_ps(1.f), e));
+  const __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+  return _mm256_mul_ps(g, _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), neg));
+}
+
+// torch's own ISA cap (ATEN_CPU_CAPABILITY=avx2 or default) caps these kernels too, so an AVX-512
+// machine can run, and test, exactly what an AVX2-only CPU runs.
+inline bool isa_capped() {
+  const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+  return cap && (std::strcmp(cap, "avx2") == 0 || std::strcmp(cap, "default") == 0);
+}
+
+inline bool cpu_has_vnni() {
+  static const bool ok = !isa_capped() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                         __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+inline bool cpu_has_avx512() {
+  static const bool ok = !isa_capped() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return ok;
+}
+
+// Dispatch: a kernel templated on a small count or a type, picked for a runtime value by one call
+// instead of a switch over every case.
+
+// f(std::integral_constant<int, n>{}) for the runtime count n in [1, MAX] (a larger n: MAX).
+template <int MAX, int I = 1, typename F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (I >= MAX)
+    f(std::integral_constant<int, MAX>{});
+  else if (n <= I)
+    f(std::integral_constant<int, I>{});
+  else
+    with_count<MAX, I + 1>(n, std::forward<F>(f));
+}
+
+// f(std::integral_constant<int64_t, V>{}) for the V among Vs equal to v; false when none is.
+template <int64_t... Vs, typename F>
+inline bool with_value(int64_t v, F&& f) {
+  return ((v == Vs ? (f(std::integral_constant<int64_t, Vs>{}), true) : false) || ...);
+}
+
+// f(C{}) for C the element type of a KV pool of dtype t: float, at::Half or int8_t.
+template <typename F>
+inline void with_pool_type(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: return f(float{});
+    case at::kHalf: return f(at::Half{});
+    case at::kChar: return f(int8_t{});
+    default: TORCH_CHECK(false, "KV pool dtype must be float32, float16 or int8, not ", t);
+  }
+}
+
+}  // namespace cbserve

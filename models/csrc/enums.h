@@ -1,0 +1,20 @@
+// The integer codes the ops take, mirrored by models/ops.py's IntEnums `Kind` and `Act` (the op
+// enum_values lists these, and tests/test_kernels_opcheck.py checks the two sides agree). Each list
+// is an X-macro so the enum and that listing cannot drift apart.
+#pragma once
+
+#include <cstdint>
+
+namespace cbserve {
+
+// A packed weight's block format (models/quant.py): the X kinds are the int8-activation layouts.
+#define CBSERVE_KINDS(X) X(F32, 0) X(Q8_0, 1) X(Q4_1, 2) X(Q8_0X, 3) X(Q4_1X, 4)
+// What a packed linear's epilogue emits.
+#define CBSERVE_ACTS(X) X(NONE, 0) X(SILU_MUL, 1)
+
+#define CB_ENUM_ITEM(name, value) name = value,
+enum Kind : int64_t { CBSERVE_KINDS(CB_ENUM_ITEM) };
+enum Act : int64_t { CBSERVE_ACTS(CB_ENUM_ITEM) };
+#undef CB_ENUM_ITEM
+
+}  // namespace cbserve

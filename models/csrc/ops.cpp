@@ -1,0 +1,51 @@
+// The op schemas of torch.ops.cbserve and their CPU implementations. Python reaches them through
+// models/ops.py only, which wraps each with keyword arguments and registers their fake (shape)
+// functions. A schema marks what an op writes: `Tensor(a!)` is an argument changed in place.
+#include <torch/library.h>
+
+#include <string>
+
+#include "common.h"
+#include "enums.h"
+#include "ops.h"
+
+namespace {
+
+// "Kind.F32=0 Kind.Q8_0=1 ... Act.NONE=0 ...": the codes as this side defines them.
+std::string enum_values() {
+  std::string out;
+#define CB_KIND(name, value) out += "Kind." #name "=" + std::to_string(value) + " ";
+#define CB_ACT(name, value) out += "Act." #name "=" + std::to_string(value) + " ";
+  CBSERVE_KINDS(CB_KIND)
+  CBSERVE_ACTS(CB_ACT)
+#undef CB_KIND
+#undef CB_ACT
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(cbserve, m) {
+  // y = x @ W^T (+ bias) (+ residual), or silu(gate) * up (act = SILU_MUL), W packed in panels of
+  // `kind` (enums.h); N: the layer's outputs.
+  m.def(
+      "packed_linear(Tensor x, Tensor qs, Tensor? d, Tensor? m, int kind, int N, Tensor? bias, "
+      "Tensor? residual, int act) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("has_int8_dot() -> bool", [] { return cbserve::cpu_has_vnni(); });
+  m.def("enum_values() -> str", &enum_values);
+  // RoPE on qkv's q and k heads in place, this step's K/V written into the pools at `slots`, then
+  // paged attention of every token (decode rows, then prefill chunks); returns (T, H * D). window
+  // > 0: a query at position p sees the keys at positions (p - window, p] only.
+  m.def(
+      "attention(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+      "Tensor slots, int num_decode, Tensor dec_tables, Tensor dec_lens, Tensor chunk_meta, "
+      "Tensor chunk_tables, int H, int KVH, int D, float scale, int window=0) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(cbserve, CPU, m) {
+  m.impl("packed_linear", &cbserve::packed_linear);
+  m.impl("rms_norm", &cbserve::rms_norm);
+  m.impl("argmax_rows", &cbserve::argmax_rows);
+  m.impl("attention", &cbserve::attention);
+}

@@ -1,0 +1,20 @@
+// The ops' entry points, registered by ops.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace cbserve {
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& d,
+                         const c10::optional<at::Tensor>& m, int64_t kind, int64_t N,
+                         const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                         int64_t act);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor argmax_rows(const at::Tensor& x);
+at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& kcache, const at::Tensor& vcache, const at::Tensor& slots,
+                     int64_t num_decode, const at::Tensor& dec_tables, const at::Tensor& dec_lens,
+                     const at::Tensor& chunk_meta, const at::Tensor& chunk_tables, int64_t H,
+                     int64_t KVH, int64_t D, double scale, int64_t window);
+
+}  // namespace cbserve

@@ -1,0 +1,174 @@
+"""The project's kernel ops (`torch.ops.cbserve`, built by `models.kernels`), wrapped.
+
+Owns every call into the library: one function per op, its arguments named, and the integer
+codes the ops take defined once for both sides: `Kind` (how a packed weight's blocks are stored)
+and `Act` (what a packed linear's epilogue computes) are IntEnums whose values
+models/csrc/enums.h mirrors (`enum_values` reads the C++ side; tests/test_kernels_opcheck.py
+checks that the two agree). It also registers each op's fake (shape-only) implementation, which
+`torch.library.opcheck` and tracing use.
+
+No other module calls `torch.ops.cbserve`: the ops exist once `models.kernels.available()` is
+True, and a wrapper called where they cannot be built raises `RuntimeError` saying why.
+"""
+
+from __future__ import annotations
+
+import threading
+from enum import IntEnum
+
+import torch
+
+
+class Kind(IntEnum):
+    """A packed weight's block format (`models.quant`): 32 inputs a block, 16 outputs a panel."""
+
+    F32 = 0  # float weights in the panel layout
+    Q8_0 = 1  # int8 x fp16 scale
+    Q4_1 = 2  # 4-bit x fp16 scale + fp16 min (GGUF's Q4_0 too)
+    Q8_0X = 3  # Q8_0 laid out for int8 activations (AVX512-VNNI)
+    Q4_1X = 4  # Q4_1 laid out for int8 activations (AVX512-VNNI)
+
+
+class Act(IntEnum):
+    """What a packed linear's epilogue emits."""
+
+    NONE = 0  # x @ W^T (+ bias) (+ residual)
+    SILU_MUL = 1  # silu(gate) * up of a gate/up panel layout (`models.quant.pack(gate_up=True)`)
+
+
+_lock = threading.Lock()
+_NAMES = ("packed_linear", "rms_norm", "argmax_rows", "attention", "has_int8_dot", "enum_values")
+
+
+def _load() -> None:
+    """Load the library (building it if needed), register the fakes and bind each op's overload
+    to this module's `_<name>`, so a wrapper's call costs one global lookup."""
+    with _lock:
+        if globals()["_packed_linear"] is not _unloaded["packed_linear"]:
+            return
+        from models import kernels  # (kernels imports this module too)
+
+        if not kernels.available():
+            raise RuntimeError(
+                f"the cbserve kernels are unavailable: {kernels.unavailable_reason()}"
+            )
+        _register_fakes()
+        for name in _NAMES:
+            globals()[f"_{name}"] = getattr(torch.ops.cbserve, name).default
+
+
+def _stub(name: str):
+    def call(*args):
+        _load()
+        return globals()[f"_{name}"](*args)
+
+    return call
+
+
+_unloaded = {name: _stub(name) for name in _NAMES}
+_packed_linear = _unloaded["packed_linear"]
+_rms_norm = _unloaded["rms_norm"]
+_argmax_rows = _unloaded["argmax_rows"]
+_attention = _unloaded["attention"]
+_has_int8_dot = _unloaded["has_int8_dot"]
+_enum_values = _unloaded["enum_values"]
+
+
+def overloads() -> dict[str, torch._ops.OpOverload]:
+    """Each op's overload by name (for `torch.library.opcheck`); loads the library."""
+    _load()
+    return {name: getattr(torch.ops.cbserve, name).default for name in _NAMES}
+
+
+def packed_linear(
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    d: torch.Tensor | None,
+    m: torch.Tensor | None,
+    kind: int,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    act: int = Act.NONE,
+) -> torch.Tensor:
+    """x (M, K) float32 @ the packed weight (`models.quant.PackedWeight`: qs, d, m, kind,
+    out_features) (+ bias) (+ residual (M, out_features)); with `act=Act.SILU_MUL`, silu(gate) * up
+    (M, out_features / 2) of a gate/up packing. Returns float32."""
+    return _packed_linear(x, qs, d, m, kind, out_features, bias, residual, act)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the rows of a 2-D float32 x."""
+    return _rms_norm(x, weight, eps)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1) of a 2-D float32 x (the first maximum; NaN counts as the largest)."""
+    return _argmax_rows(x)
+
+
+def has_int8_dot() -> bool:
+    """The CPU multiplies int8 with AVX512-VNNI (and no ATEN_CPU_CAPABILITY cap forbids it)."""
+    return bool(_has_int8_dot())
+
+
+def attention(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    num_decode: int,
+    decode_tables: torch.Tensor,
+    decode_lens: torch.Tensor,
+    chunk_meta: torch.Tensor,
+    chunk_tables: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:
+    """RoPE, the K/V write and paged attention of one step's flat batch, in one op.
+
+    qkv (T, (H + 2 KVH) * D) float32, contiguous: q and k heads are roped IN PLACE (half-split
+    rotation by cos/sin (T, D/2)); this step's k and v are written into k_cache / v_cache (IN
+    PLACE) at `slots` (T,); then the first `num_decode` tokens attend as decode rows over
+    `decode_tables` (B, max_blocks) up to `decode_lens` (B,) keys, and each prefill chunk
+    (`chunk_meta` rows [token_start, num_tokens, context_len], `chunk_tables` (C, max_blocks))
+    causally over its sequence. Pools: (num_blocks, block_size, KVH, row width) of float32,
+    float16 or int8 (`models.config.KVLayout`). `window` > 0: a sliding window, a query at position
+    p attends to the keys at positions (p - window, p] only (decode rows and chunks alike).
+    Returns (T, H * D) float32.
+    """
+    return _attention(
+        qkv, cos, sin, k_cache, v_cache, slots, num_decode, decode_tables, decode_lens,
+        chunk_meta, chunk_tables, num_heads, num_kv_heads, head_dim, scale, window,
+    )  # fmt: skip
+
+
+def enum_values() -> dict[str, int]:
+    """The C++ side's codes, {"Kind.F32": 0, ...}: what `Kind` and `Act` must equal."""
+    text = _enum_values()
+    return {name: int(value) for name, value in (line.split("=") for line in text.split())}
+
+
+def _register_fakes() -> None:
+    """Shape-only implementations (for torch.library.opcheck, fake tensors, torch.compile)."""
+
+    @torch.library.register_fake("cbserve::packed_linear")
+    def _(x, qs, d, m, kind, N, bias, residual, act):  # noqa: N803
+        return x.new_empty((x.shape[0], N // 2 if act == Act.SILU_MUL else N))
+
+    @torch.library.register_fake("cbserve::rms_norm")
+    def _(x, w, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("cbserve::argmax_rows")
+    def _(x):
+        return x.new_empty((x.shape[0],), dtype=torch.long)
+
+    @torch.library.register_fake("cbserve::attention")
+    def _(qkv, cos, sin, k_cache, v_cache, slots, nd, dt, dl, cm, ct, H, KVH, D, scale, window=0):  # noqa: N803
+        return qkv.new_empty((qkv.shape[0], H * D))

@@ -1,0 +1,134 @@
+"""Every cbserve op through `torch.library.opcheck`, and the two sides' integer codes.
+
+opcheck runs an op with its schema checked against what it does (an argument written in place must
+be declared `Tensor(a!)`, an undeclared write or alias fails), its fake implementation
+(`models.ops`) against the real output's shape and dtype, and under AOT dispatch with dynamic
+shapes. Small shapes: each case runs the op a handful of times.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import kernels, ops
+from models.quant import F32, Q4_1, Q8_0, pack, quantize
+
+pytestmark = pytest.mark.skipif(
+    not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"
+)
+OP = ops.overloads() if kernels.available() else {}
+
+
+def test_every_op_in_the_library_is_wrapped_and_checked_here():
+    in_library = {
+        name.split("::")[1]
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.startswith("cbserve::")
+    }
+    assert in_library == set(OP)
+    checked = {
+        "packed_linear",
+        "rms_norm",
+        "argmax_rows",
+        "attention",
+        "has_int8_dot",
+        "enum_values",
+    }
+    assert checked == set(OP), "a new op needs its opcheck case below"
+
+
+def test_python_and_cpp_agree_on_every_code():
+    want = {f"{enum.__name__}.{m.name}": int(m) for enum in (ops.Kind, ops.Act) for m in enum}
+    assert ops.enum_values() == want
+
+
+def _linear_args(kind: int, act: int, m: int = 3, with_extras: bool = True) -> tuple:
+    torch.manual_seed(kind)
+    n, k = 48, 64
+    packed = pack(quantize(torch.randn(n, k) * 0.1, kind), gate_up=act == ops.Act.SILU_MUL)
+    bias = torch.randn(n) if with_extras else None
+    residual = torch.randn(m, n) if with_extras and act == ops.Act.NONE else None
+    return (torch.randn(m, k), packed.qs, packed.d, packed.m, packed.kind, n, bias, residual, act)
+
+
+@pytest.mark.parametrize("kind", [F32, Q8_0, Q4_1])
+@pytest.mark.parametrize("act", list(ops.Act))
+def test_packed_linear_opcheck(kind, act):
+    torch.library.opcheck(OP["packed_linear"], _linear_args(kind, act))
+
+
+@pytest.mark.skipif(not kernels.has_int8_dot(), reason="this CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("kind", [Q8_0, Q4_1])
+def test_packed_linear_int8_activations_opcheck(kind):
+    torch.manual_seed(kind)
+    packed = pack(quantize(torch.randn(32, 64) * 0.1, kind), int8=True)
+    args = (torch.randn(5, 64), packed.qs, packed.d, packed.m, packed.kind, 32, None, None, 0)
+    torch.library.opcheck(OP["packed_linear"], args)
+
+
+def test_rms_norm_opcheck():
+    torch.library.opcheck(OP["rms_norm"], (torch.randn(4, 40), torch.randn(40), 1e-5))
+
+
+def test_argmax_rows_opcheck():
+    torch.library.opcheck(OP["argmax_rows"], (torch.randn(3, 100),))
+
+
+def test_scalar_ops_opcheck():
+    torch.library.opcheck(OP["has_int8_dot"], ())
+    # AOT dispatch's output comparison handles no strings: the other checks only
+    torch.library.opcheck(
+        OP["enum_values"],
+        (),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
+
+
+def _attention_args(pool_dtype: torch.dtype, decode: bool, window: int = 0) -> tuple:
+    """Two decode rows, or a prefill chunk with a past, over a small pool."""
+    torch.manual_seed(7)
+    h, kvh, d, bs, nb = 4, 2, 32, 4, 8
+    width = d + d // 8 if pool_dtype == torch.int8 else d
+    kc = torch.zeros(nb, bs, kvh, width, dtype=pool_dtype)
+    vc = torch.zeros_like(kc)
+    if decode:
+        t, nd = 2, 2
+        tables, lens = torch.tensor([[1, 2], [3, 0]]), torch.tensor([6, 2])
+        slots = torch.tensor([2 * bs + 1, 3 * bs + 1])  # positions 5 and 1
+        chunk_meta, chunk_tables = (
+            torch.empty(0, 3, dtype=torch.long),
+            torch.empty(0, 1, dtype=torch.long),
+        )
+    else:
+        t, nd = 3, 0
+        tables, lens = torch.empty(0, 1, dtype=torch.long), torch.empty(0, dtype=torch.long)
+        slots = torch.tensor([4 * bs + 2, 4 * bs + 3, 5 * bs])
+        chunk_meta, chunk_tables = torch.tensor([[0, 3, 5]]), torch.tensor([[4, 5]])
+    qkv = torch.randn(t, (h + 2 * kvh) * d)
+    cos, sin = torch.randn(t, d // 2), torch.randn(t, d // 2)
+    args = (
+        qkv,
+        cos,
+        sin,
+        kc,
+        vc,
+        slots,
+        nd,
+        tables,
+        lens,
+        chunk_meta,
+        chunk_tables,
+        h,
+        kvh,
+        d,
+        d**-0.5,
+    )
+    return args + ((window,) if window else ())
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.int8])
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+@pytest.mark.parametrize("window", [0, 2])
+def test_attention_opcheck(pool_dtype, decode, window):
+    torch.library.opcheck(OP["attention"], _attention_args(pool_dtype, decode, window))
