@@ -28,7 +28,7 @@ from models.base import LoadedModel, ModelLoadError
 from models.config import ModelConfig
 from models.hf_loader import check_weight_names
 from models.hf_tokenizer import HFTokenizer, end_token_ids, load_gguf_tokenizer
-from models.quant import KernelOptions, QTensor, from_gguf_blocks
+from models.quant import GGMLTensor, KernelOptions, gguf_rows
 from models.registry import model_class
 
 Q = GGMLQuantizationType
@@ -243,14 +243,15 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
             value = _unpermute(value, self._heads[proj])
         return value
 
-    def blocks(self, name: str) -> QTensor | None:
-        """The tensor's own quantized blocks (Q4_0, Q4_1, Q8_0), row-permuted like `self[name]`
-        but never dequantized; None for other formats or names."""
+    def blocks(self, name: str) -> GGMLTensor | None:
+        """The tensor's own quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K),
+        byte for byte, row-permuted like `self[name]` but never dequantized; None for other
+        formats or names."""
         t = self._tensors.get(name)
         if t is None:
             return None
         n, k = (int(d) for d in reversed(t.shape.tolist()))
-        qt = from_gguf_blocks(t.data, int(t.tensor_type), n, k)
+        qt = gguf_rows(t.data, int(t.tensor_type), n, k)
         proj = name.split(".")[-2]
         if qt is not None and proj in self._heads:
             heads = self._heads[proj]
@@ -274,7 +275,7 @@ def load_gguf(
     """Load a Llama-architecture GGUF file: weights, tokenizer, chat template, EOS ids.
 
     `kernels`: how `LlamaForCausalLM.enable_kernels` packs the model, which then takes the
-    file's own Q4_0/Q4_1/Q8_0 blocks as they are (None: the pure-torch float model)."""
+    file's own quantized blocks as they are (None: the pure-torch float model)."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"no such GGUF file: {path}")

@@ -1,6 +1,6 @@
-"""The project's CPU kernels (models/csrc/cbserve_kernels.cpp), built once and loaded as torch ops.
+"""The project's CPU kernels (models/csrc/*.cpp), built once and loaded as torch ops.
 
-Owns compiling the C++ source into a shared library, caching it, and loading it so its ops appear
+Owns compiling the C++ sources into one shared library, caching it, and loading it so its ops appear
 under `torch.ops.cbserve`. The source uses AVX2, FMA and F16C and is compiled for `x86-64-v3`, so
 one build runs on every x86 CPU that has those (Intel since 2013, AMD since 2015) and can be baked
 into a Docker image built elsewhere. Where it cannot run (another architecture, no C++ compiler,
@@ -33,7 +33,14 @@ from models.cpu import cpu_flags
 
 log = logging.getLogger("models.kernels")
 
-SOURCE = Path(__file__).with_name("csrc") / "cbserve_kernels.cpp"
+SOURCE_DIR = Path(__file__).with_name("csrc")
+
+
+def sources() -> list[Path]:
+    """Every C++ source of the library (each registers its own ops)."""
+    return sorted(SOURCE_DIR.glob("*.cpp"))
+
+
 # -fopenmp: at::parallel_for is inline code that parallelises through OpenMP pragmas (serial
 # without the flag); libgomp then resolves to torch's own copy through the rpath.
 FLAGS = ("-O3", "-march=x86-64-v3", "-mtune=generic", "-fopenmp", "-std=c++20", "-shared", "-fPIC")
@@ -72,7 +79,9 @@ def _compiler() -> str | None:
 
 def _key() -> str:
     h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
+    for src in sorted(SOURCE_DIR.glob("*.[ch]*")):  # the sources and any shared header
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
     h.update(" ".join(FLAGS).encode())
     h.update(torch.__version__.encode())
     return h.hexdigest()[:16]
@@ -106,14 +115,14 @@ def build(force: bool = False) -> Path:
         fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
         os.close(fd)
         cmd = [
-            compiler, *FLAGS, abi, *includes, str(SOURCE), "-o", tmp,
+            compiler, *FLAGS, abi, *includes, *map(str, sources()), "-o", tmp,
             f"-L{libdir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{libdir}",
         ]  # fmt: skip
         log.info("building the CPU kernels (once per machine, ~1 min): %s", target.name)
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             os.unlink(tmp)
-            raise KernelBuildError(f"compiling {SOURCE.name} failed:\n{done.stderr[-3000:]}")
+            raise KernelBuildError(f"compiling {SOURCE_DIR} failed:\n{done.stderr[-3000:]}")
         # Readable by all (mkstemp's file was not), so an image's non-root user can load it.
         os.chmod(tmp, 0o755)
         os.replace(tmp, target)

@@ -19,7 +19,17 @@ from torch import nn
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig, RopeScaling
 from models.cpu import has_native_bf16
-from models.quant import F32, KIND_NAMES, QB, PackedWeight, QTensor, pack, quantize
+from models.quant import (
+    F32,
+    KIND_NAMES,
+    QB,
+    GGMLTensor,
+    PackedWeight,
+    QTensor,
+    int8_by_default,
+    pack,
+    quantize,
+)
 from models.quant import Q4_1 as Q4_1_KIND
 from models.quant import Q8_0 as Q8_0_KIND
 
@@ -152,7 +162,7 @@ class PackedLinear(nn.Module):
 
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None, act: int) -> torch.Tensor:
         p = self.packed
-        return torch.ops.cbserve.packed_linear(
+        return getattr(torch.ops.cbserve, p.op)(
             x, p.qs, p.d, p.m, p.kind, p.out_features, self.bias, residual, act
         )
 
@@ -286,7 +296,6 @@ class LlamaForCausalLM(nn.Module):
         """The layer loop as straight calls of the kernel ops (what `DecoderLayer.forward`
         computes, op for op) without nn.Module dispatch: ~10 module calls a layer cost ~2 ms a
         step on SmolLM2, a quarter of a batch-1 decode step."""
-        linear = torch.ops.cbserve.packed_linear.default
         attention = torch.ops.cbserve.attention.default
         norm = torch.ops.cbserve.rms_norm.default
         c = self.config
@@ -302,14 +311,14 @@ class LlamaForCausalLM(nn.Module):
         lens = _or_empty(meta.decode_context_lens, 1)
         chunk_meta, chunk_tables = meta.chunk_meta(), meta.chunk_tables()
         for (n1, qkv_w, o_w, n2, gu_w, down_w), (kc, vc) in zip(self._plan, kv_caches, strict=True):
-            qkv = linear(norm(x, n1, eps), *qkv_w, None, 0)
+            qkv = qkv_w[0](norm(x, n1, eps), *qkv_w[1:], None, 0)
             o = attention(
                 qkv, cos, sin, kc, vc, slots, nd, tables, lens, chunk_meta, chunk_tables,
                 h, kvh, hd, scale,
             )  # fmt: skip
-            x = linear(o, *o_w, x, 0)
-            g = linear(norm(x, n2, eps), *gu_w, None, 1)
-            x = linear(g, *down_w, x, 0)
+            x = o_w[0](o, *o_w[1:], x, 0)
+            g = gu_w[0](norm(x, n2, eps), *gu_w[1:], None, 1)
+            x = down_w[0](g, *down_w[1:], x, 0)
         return self.norm(x)
 
     @classmethod
@@ -351,30 +360,29 @@ class LlamaForCausalLM(nn.Module):
     def enable_kernels(
         self,
         scheme: str = "auto",
-        blocks: Callable[[str], QTensor | None] | None = None,
+        blocks: Callable[[str], QTensor | GGMLTensor | None] | None = None,
         activations: str = "auto",
     ) -> None:
         """Run through `torch.ops.cbserve` (the caller checked `models.kernels.available()`):
         attention fused with RoPE and the K/V write over the paged pool, and every projection and
         the head as packed weights, per `scheme`:
 
-        - auto: the checkpoint's own blocks where `blocks(name)` has them (GGUF Q4_0/Q4_1/Q8_0,
-          so the model computes exactly what the file holds), else the float weights;
+        - auto: the checkpoint's own blocks where `blocks(name)` has them (GGUF Q4_0, Q4_1, Q5_0,
+          Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, so the model computes exactly what the file holds; a
+          fused projection may mix them), else the float weights;
         - none: the float weights (float32 panels: the same numbers as F.linear);
         - q8_0 / q4_1: that format, quantized from the float weights unless the checkpoint
           already holds it.
         The float copies are dropped: the packed weights replace them.
 
         `activations` ("auto", "int8", "float32"): quantized projections multiply int8
-        activations (per row and 32 inputs) with integer dot products where the CPU has
-        AVX512-VNNI ("auto" picks that there; `models.quant.KernelOptions`).
+        activations (per row and 32 or 256 inputs) with integer dot products ("auto": see
+        `models.quant.int8_by_default`).
         """
         if self.config.matmul_dtype not in (None, torch.float32):
             raise ValueError("the kernels run float32 activations; load the model in float32")
         target = {"auto": None, "none": F32, "q8_0": Q8_0_KIND, "q4_1": Q4_1_KIND}[scheme]
-        from models.kernels import has_int8_dot  # (models.kernels is importable on its own)
-
-        int8 = activations == "int8" or (activations == "auto" and has_int8_dot())
+        int8 = activations == "int8" or (activations == "auto" and int8_by_default())
 
         def packed(linear: nn.Module, names: list[str], gate_up: bool = False) -> nn.Module:
             if isinstance(linear, PackedLinear) or linear.weight.shape[1] % QB:
@@ -383,8 +391,7 @@ class LlamaForCausalLM(nn.Module):
             usable = (
                 parts
                 and all(p is not None for p in parts)
-                and len({p.kind for p in parts}) == 1
-                and (target is None or parts[0].kind == target)
+                and (target is None or all(p.kind == target for p in parts))  # type: ignore[union-attr]
             )
             if usable:
                 qt = QTensor.cat(parts)  # type: ignore[arg-type]
@@ -416,7 +423,8 @@ class LlamaForCausalLM(nn.Module):
 
         def args(m: nn.Module) -> tuple:
             p = m.packed
-            return (p.qs, p.d, p.m, p.kind, p.out_features, m.bias)
+            op = getattr(torch.ops.cbserve, p.op).default
+            return (op, p.qs, p.d, p.m, p.kind, p.out_features, m.bias)
 
         linears = [
             (ly.self_attn.qkv_proj, ly.self_attn.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj)
@@ -434,8 +442,8 @@ class LlamaForCausalLM(nn.Module):
         out: dict[str, int] = {}
         for mod in self.modules():
             if isinstance(mod, PackedLinear):
-                k = KIND_NAMES[mod.packed.kind]
-                out[k] = out.get(k, 0) + mod.packed.nbytes()
+                for k, n in mod.packed.formats().items():
+                    out[k] = out.get(k, 0) + n
             elif isinstance(mod, Linear):
                 k = str(mod.weight.dtype).removeprefix("torch.")
                 out[k] = out.get(k, 0) + mod.weight.numel() * mod.weight.element_size()
