@@ -382,7 +382,6 @@ class LlamaForCausalLM(nn.Module):
         if self.config.matmul_dtype not in (None, torch.float32):
             raise ValueError("the kernels run float32 activations; load the model in float32")
         target = {"auto": None, "none": F32, "q8_0": Q8_0_KIND, "q4_1": Q4_1_KIND}[scheme]
-        int8 = activations == "int8" or (activations == "auto" and int8_by_default())
 
         def packed(linear: nn.Module, names: list[str], gate_up: bool = False) -> nn.Module:
             if isinstance(linear, PackedLinear) or linear.weight.shape[1] % QB:
@@ -397,9 +396,10 @@ class LlamaForCausalLM(nn.Module):
                 qt = QTensor.cat(parts)  # type: ignore[arg-type]
             else:
                 qt = quantize(linear.weight.float(), F32 if target is None else target)
-            return PackedLinear(
-                pack(qt, gate_up=gate_up, int8=int8 and qt.kind != F32), linear.bias
+            int8 = qt.kind != F32 and (
+                activations == "int8" or (activations == "auto" and int8_by_default(qt))
             )
+            return PackedLinear(pack(qt, gate_up=gate_up, int8=int8), linear.bias)
 
         for i, layer in enumerate(self.layers):
             src = f"model.layers.{i}."

@@ -331,12 +331,13 @@ def _vnni() -> bool:
     return has_int8_dot()
 
 
-def int8_by_default() -> bool:
-    """What --activation-dtype auto picks for quantized weights: int8 wherever the kernels run
-    (AVX512-VNNI dot products, or AVX2's vpmaddubsw on GGUF rows)."""
-    from models.kernels import available
-
-    return available()
+def int8_by_default(w: QTensor | GGMLTensor) -> bool:
+    """What --activation-dtype auto picks for quantized weights `w`: int8 where the CPU has
+    AVX512-VNNI, and on AVX2 for the formats the float panels do not hold (Q5_0, Q5_1, the K
+    formats: there vpmaddubsw on the file's rows is faster than decoding them to float). Q4_0,
+    Q4_1 and Q8_0 keep float32 activations on AVX2, where the panels' FMA kernel is as fast as
+    the int8 rows at one row and faster for prefill."""
+    return _vnni() or w.kind == GGML
 
 
 def _gate_up_order(n: int) -> torch.Tensor:

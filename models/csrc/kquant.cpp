@@ -201,7 +201,8 @@ inline void decode_block(const uint8_t* b, float* dst) {
 struct Acts {
   const float* x;  // (M, K) float32 (the float path)
   int64_t K;
-  const int8_t* q32;
+  const int8_t* q32;  // rows of nb32 blocks: K / 32 rounded up to 8, the padding zeros
+  int64_t nb32;
   const float* d32;
   const float* s32;
   const int8_t* q256;
@@ -259,27 +260,65 @@ void quantize256(const float* x, int64_t K, int8_t* q, float* d, int16_t* bs) {
 // -- int8 dot products ----------------------------------------------------------------------------
 // res[r] = sum_k w[k] x[r0 + r][k] for a weight row w of nb blocks, rows r < R.
 
-template <int T, int R>
+// A row of a 32-value format unpacked for the int8 kernel: the blocks' bytes u (unsigned, or
+// signed for Q8_0), then per block the float scale s and offset o (w = u s + o), the block count
+// rounded up to 8 with zero blocks.
+inline int64_t b32_groups(int64_t nb) { return (nb + 7) / 8; }
+inline int64_t b32_unpacked_bytes(int64_t nb) { return b32_groups(nb) * 8 * (32 + 8); }
+
+template <int T>
+void unpack_b32(const uint8_t* w, int64_t nb, uint8_t* dst) {
+  const int64_t nbp = b32_groups(nb) * 8;
+  float* ws = reinterpret_cast<float*>(dst + nbp * 32);
+  float* wo = ws + nbp;
+  for (int64_t b = 0; b < nbp; ++b) {
+    __m256i u = _mm256_setzero_si256();
+    ws[b] = wo[b] = 0.f;
+    if (b < nb) u = block32<T>(w + b * block_bytes(T), ws[b], wo[b]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 32 * b), u);
+  }
+}
+
+// Eight 8-lane int32 vectors -> their eight sums, in one vector (lane j = sum of p[j]).
+inline __m256i sums8(const __m256i* p) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// The 32-value formats, eight blocks at a time: each block's integer dot product is reduced to
+// one int32, and the eight then meet their scales (weight s x activation d) and the zero point or
+// minimum (weight o x activation d sum(q)) as vectors, rather than a float multiply-add a block.
+// `w`: a row unpacked by unpack_b32.
+template <bool SIGNED, int R>
 void dot_a8_b32(const uint8_t* w, const Acts& a, int64_t r0, int64_t nb, float* res) {
   __m256 acc[R];
-  float off[R];
-  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); off[r] = 0.f; }
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t nbx = a.K / 32;
-  for (int64_t b = 0; b < nb; ++b) {
-    float s, o;
-    const __m256i u = block32<T>(w + b * block_bytes(T), s, o);
-    const __m256i au = T == Q8_0 ? _mm256_sign_epi8(u, u) : u;  // |w| for the sign trick
+  const int64_t ng = b32_groups(nb);
+  const float* ws = reinterpret_cast<const float*>(w + ng * 8 * 32);
+  const float* wo = ws + ng * 8;
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* u = w + g * 256;
+    const __m256 vws = _mm256_load_ps(ws + 8 * g), vwo = _mm256_load_ps(wo + 8 * g);
     for (int r = 0; r < R; ++r) {
-      const int64_t rb = (r0 + r) * nbx + b;
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q32 + rb * 32));
-      if constexpr (T == Q8_0) xv = _mm256_sign_epi8(xv, u);  // |w| * (x sign w) = w x
-      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(au, xv), ones);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s * a.d32[rb]), acc[r]);
-      if constexpr (T != Q8_0) off[r] += o * a.s32[rb];
+      const int64_t rb = (r0 + r) * a.nb32 + 8 * g;
+      const int8_t* xr = a.q32 + rb * 32;
+      __m256i p[8];
+      for (int j = 0; j < 8; ++j) {
+        const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(u + 32 * j));
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32 * j));
+        if constexpr (SIGNED)  // |w| * (x with w's sign) = w x, within vpmaddubsw's operands
+          p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
+        else
+          p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+      }
+      const __m256 dx = _mm256_loadu_ps(a.d32 + rb);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums8(p)), _mm256_mul_ps(vws, dx), acc[r]);
+      if constexpr (!SIGNED) acc[r] = _mm256_fmadd_ps(vwo, _mm256_loadu_ps(a.s32 + rb), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]) + off[r];
+  for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]);
 }
 
 template <int T, int R>
@@ -378,20 +417,25 @@ void dot_a8_q6k(const uint8_t* w, const Acts& a, int64_t r0, int64_t nb, float* 
 
 // -- float32 activations --------------------------------------------------------------------------
 
-template <int T, int R>
-void dot_f32(const uint8_t* w, const Acts& a, int64_t r0, int64_t nb, float* res) {
+// A row decoded to K floats (unpack_f32); R activation rows, two accumulators each.
+template <int T>
+void unpack_f32(const uint8_t* w, int64_t nb, uint8_t* dst) {
+  float* out = reinterpret_cast<float*>(dst);
   constexpr int64_t V = T >= Q4_K ? 256 : 32;
-  alignas(32) float buf[V];
+  for (int64_t b = 0; b < nb; ++b) decode_block<T>(w + b * block_bytes(T), out + b * V);
+}
+
+template <int R>
+void dot_f32(const uint8_t* w_, const Acts& a, int64_t r0, int64_t, float* res) {
+  const float* w = reinterpret_cast<const float*>(w_);
   __m256 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) { acc0[r] = _mm256_setzero_ps(); acc1[r] = _mm256_setzero_ps(); }
-  for (int64_t b = 0; b < nb; ++b) {
-    decode_block<T>(w + b * block_bytes(T), buf);
+  for (int64_t k = 0; k < a.K; k += 16) {
+    const __m256 w0 = _mm256_load_ps(w + k), w1 = _mm256_load_ps(w + k + 8);
     for (int r = 0; r < R; ++r) {
-      const float* xr = a.x + (r0 + r) * a.K + b * V;
-      for (int64_t k = 0; k < V; k += 16) {
-        acc0[r] = _mm256_fmadd_ps(_mm256_load_ps(buf + k), _mm256_loadu_ps(xr + k), acc0[r]);
-        acc1[r] = _mm256_fmadd_ps(_mm256_load_ps(buf + k + 8), _mm256_loadu_ps(xr + k + 8), acc1[r]);
-      }
+      const float* xr = a.x + (r0 + r) * a.K + k;
+      acc0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc1[r]);
     }
   }
   for (int r = 0; r < R; ++r) res[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
@@ -400,39 +444,57 @@ void dot_f32(const uint8_t* w, const Acts& a, int64_t r0, int64_t nb, float* res
 // -- dispatch -------------------------------------------------------------------------------------
 
 using DotFn = void (*)(const uint8_t*, const Acts&, int64_t, int64_t, float*);
+using UnpackFn = void (*)(const uint8_t*, int64_t, uint8_t*);
 
 template <int R>
 DotFn dot_for(int64_t type, bool int8) {
+  if (!int8) return dot_f32<R>;
+  switch (type) {
+    case Q8_0: return dot_a8_b32<true, R>;
+    case Q4_0:
+    case Q4_1:
+    case Q5_0:
+    case Q5_1: return dot_a8_b32<false, R>;
+    case Q4_K: return dot_a8_k4<Q4_K, R>;
+    case Q5_K: return dot_a8_k4<Q5_K, R>;
+    default: return dot_a8_q6k<R>;
+  }
+}
+
+// How a part's rows are prepared for its DotFn (null: the DotFn reads the file's bytes) and the
+// bytes a prepared row takes.
+UnpackFn unpack_for(int64_t type, bool int8, int64_t K, int64_t& bytes) {
+  const int64_t nb = K / block_values(type);
   if (!int8) {
+    bytes = K * 4;
     switch (type) {
-      case Q4_0: return dot_f32<Q4_0, R>;
-      case Q4_1: return dot_f32<Q4_1, R>;
-      case Q5_0: return dot_f32<Q5_0, R>;
-      case Q5_1: return dot_f32<Q5_1, R>;
-      case Q8_0: return dot_f32<Q8_0, R>;
-      case Q4_K: return dot_f32<Q4_K, R>;
-      case Q5_K: return dot_f32<Q5_K, R>;
-      case Q6_K: return dot_f32<Q6_K, R>;
-    }
-  } else {
-    switch (type) {
-      case Q4_0: return dot_a8_b32<Q4_0, R>;
-      case Q4_1: return dot_a8_b32<Q4_1, R>;
-      case Q5_0: return dot_a8_b32<Q5_0, R>;
-      case Q5_1: return dot_a8_b32<Q5_1, R>;
-      case Q8_0: return dot_a8_b32<Q8_0, R>;
-      case Q4_K: return dot_a8_k4<Q4_K, R>;
-      case Q5_K: return dot_a8_k4<Q5_K, R>;
-      case Q6_K: return dot_a8_q6k<R>;
+      case Q4_0: return unpack_f32<Q4_0>;
+      case Q4_1: return unpack_f32<Q4_1>;
+      case Q5_0: return unpack_f32<Q5_0>;
+      case Q5_1: return unpack_f32<Q5_1>;
+      case Q8_0: return unpack_f32<Q8_0>;
+      case Q4_K: return unpack_f32<Q4_K>;
+      case Q5_K: return unpack_f32<Q5_K>;
+      default: return unpack_f32<Q6_K>;
     }
   }
-  return nullptr;
+  bytes = b32_unpacked_bytes(nb);
+  switch (type) {
+    case Q4_0: return unpack_b32<Q4_0>;
+    case Q4_1: return unpack_b32<Q4_1>;
+    case Q5_0: return unpack_b32<Q5_0>;
+    case Q5_1: return unpack_b32<Q5_1>;
+    case Q8_0: return unpack_b32<Q8_0>;
+    default: bytes = 0; return nullptr;
+  }
 }
 
 struct Part {
   int64_t type, n0, rows, row_bytes, nb;
   const uint8_t* data;
   DotFn fn[MR + 1];  // by the number of activation rows
+  UnpackFn unpack;
+  int64_t unpacked_bytes;
 };
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
@@ -457,12 +519,15 @@ at::Tensor ggml_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::op
   std::vector<Part> parts;
   int64_t n0 = 0;
   bool need32 = false, need256 = false;
+  int64_t max_unpacked = 0;
   for (int64_t i = 0; i < pt.size(0); ++i) {
     const int64_t* row = pt.data_ptr<int64_t>() + 3 * i;
     const int64_t type = row[0], bb = block_bytes(type), bv = block_values(type);
     TORCH_CHECK(bb > 0, "ggml_linear: unsupported ggml type ", type);
     TORCH_CHECK(K % bv == 0, "ggml_linear: in_features ", K, " is not a multiple of ", bv);
-    Part p{type, n0, row[1], K / bv * bb, K / bv, base + row[2], {}};
+    Part p{type, n0, row[1], K / bv * bb, K / bv, base + row[2], {}, nullptr, 0};
+    p.unpack = unpack_for(type, int8, K, p.unpacked_bytes);
+    max_unpacked = std::max(max_unpacked, p.unpacked_bytes);
     TORCH_CHECK(row[2] >= 0 && row[2] + p.rows * p.row_bytes <= qs.numel(), "ggml_linear: part ", i,
                 " lies outside qs");
     p.fn[1] = dot_for<1>(type, int8);
@@ -489,40 +554,59 @@ at::Tensor ggml_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::op
                 "residual must be (M, N) float32");
   }
   const float* xp = x.data_ptr<float>();
-  Acts acts{xp, K, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+  Acts acts{xp, K, nullptr, 0, nullptr, nullptr, nullptr, nullptr, nullptr};
   std::vector<int8_t> q32, q256;
   std::vector<float> d32, s32, d256;
   std::vector<int16_t> bs16;
   if (int8) {
-    if (need32) { q32.resize(M * K); d32.resize(M * K / 32); s32.resize(M * K / 32); }
+    const int64_t nb32 = b32_groups(K / 32) * 8;  // zero blocks pad rows to whole groups of 8
+    if (need32) { q32.assign(M * nb32 * 32, 0); d32.assign(M * nb32, 0.f); s32.assign(M * nb32, 0.f); }
     if (need256) { q256.resize(M * K); d256.resize(M * K / 256); bs16.resize(M * K / 16); }
     at::parallel_for(0, M, std::max<int64_t>(1, (1 << 14) / K), [&](int64_t a, int64_t b) {
       for (int64_t r = a; r < b; ++r) {
-        if (need32) quantize32(xp + r * K, K, q32.data() + r * K, d32.data() + r * K / 32, s32.data() + r * K / 32);
+        if (need32) quantize32(xp + r * K, K, q32.data() + r * nb32 * 32, d32.data() + r * nb32, s32.data() + r * nb32);
         if (need256)
           quantize256(xp + r * K, K, q256.data() + r * K, d256.data() + r * K / 256, bs16.data() + r * K / 16);
       }
     });
-    acts = Acts{xp, K, q32.data(), d32.data(), s32.data(), q256.data(), d256.data(), bs16.data()};
+    acts = Acts{xp, K, q32.data(), nb32, d32.data(), s32.data(), q256.data(), d256.data(), bs16.data()};
   }
   // Results go straight to `out` (with bias and residual), or for silu_mul to y and then out.
   at::Tensor y = act == SILU_MUL ? at::empty({M, N}, x.options()) : out;
   float* yp = y.data_ptr<float>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const float* rp = act == NONE && residual.defined() ? residual.data_ptr<float>() : nullptr;
-  constexpr int64_t NT = 32;  // weight rows a tile: re-read from L1/L2 for every MR activation rows
+  // A tile of NT weight rows is prepared once (decoded to float, or to the int8 kernel's bytes)
+  // and then met by every MR activation rows; a row's result is the same whatever M is.
+  constexpr int64_t NT = 16;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * K));
   at::parallel_for(0, N, grain, [&](int64_t c0, int64_t c1) {
     float res[MR];
+    std::vector<uint8_t> buf_(static_cast<size_t>(NT * max_unpacked + 64));
+    uint8_t* buf = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf_.data()) + 63) & ~uintptr_t(63));
     for (int64_t t0 = c0; t0 < c1; t0 += NT) {
       const int64_t t1 = std::min(c1, t0 + NT);
+      const uint8_t* rows[NT];
+      const Part* owner[NT];
+      size_t pi = 0;
+      for (int64_t n = t0; n < t1; ++n) {
+        while (n >= parts[pi].n0 + parts[pi].rows) ++pi;
+        const Part& p = parts[pi];
+        const uint8_t* raw = p.data + (n - p.n0) * p.row_bytes;
+        owner[n - t0] = &p;
+        if (p.unpack) {
+          uint8_t* dst = buf + (n - t0) * max_unpacked;
+          p.unpack(raw, p.nb, dst);
+          rows[n - t0] = dst;
+        } else {
+          rows[n - t0] = raw;
+        }
+      }
       for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const int64_t mr = std::min<int64_t>(MR, M - m0);
-        size_t pi = 0;
         for (int64_t n = t0; n < t1; ++n) {
-          while (n >= parts[pi].n0 + parts[pi].rows) ++pi;
-          const Part& p = parts[pi];
-          p.fn[mr](p.data + (n - p.n0) * p.row_bytes, acts, m0, p.nb, res);
+          const Part& p = *owner[n - t0];
+          p.fn[mr](rows[n - t0], acts, m0, p.nb, res);
           for (int64_t r = 0; r < mr; ++r) {
             float v = res[r];
             if (bp) v += bp[n];
