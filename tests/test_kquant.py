@@ -189,3 +189,33 @@ def test_bad_arguments_are_refused():
         )
     with pytest.raises(RuntimeError, match="out of range"):
         torch.ops.cbserve.ggml_rows(packed.qs, int(Q.Q4_K), 256, torch.tensor([8]))
+
+
+# -- a GGUF file in these formats -----------------------------------------------------------------
+
+
+def test_a_gguf_in_k_and_q5_formats_loads_without_float_copies(tmp_path, monkeypatch):
+    """A 2-layer Llama GGUF whose tensors rotate through six formats (so q/k/v and gate/up fuse
+    parts of different formats): every projection and the head keep the file's blocks, float32
+    activations give the float model's logits, int8 activations stay close to them."""
+    from test_models_real import our_logits, random_ids, write_gguf
+
+    from models import load_model
+
+    monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))
+    types = [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q8_0]
+    path = write_gguf(tmp_path / "kquant.gguf", types)
+    reference = load_model(str(path), use_kernels=False)
+    ids = random_ids(24, reference.config.vocab_size, seed=5)
+    ref = our_logits(reference, ids)
+    for activations in ("float32", "auto"):
+        lm = load_model(str(path), activations=activations)
+        formats = lm.model.weight_formats()
+        suffix = "+a8" if activations == "auto" else ""
+        assert set(formats) >= {f"{n}{suffix}" for n in ("q4_k", "q6_k", "q5_0", "q5_1", "q5_k")}
+        assert not any(n.startswith(("f32", "float")) for n in formats), formats
+        got = our_logits(lm, ids)
+        if activations == "float32":
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-3)
+        else:
+            assert float(F.cosine_similarity(got, ref, dim=-1).min()) > 0.99
