@@ -59,6 +59,18 @@ def _inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv
 
 
+def _unread(t: torch.Tensor) -> bool:
+    """A loader's stand-in for a weight the kernels take from the file's blocks instead
+    (`GGUFWeights`): a stride-0 view, never read, so no float copy is made of it."""
+    return t.dim() == 2 and t.stride() == (0, 0)
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    if all(_unread(p) for p in parts):
+        return parts[0][:1, :1].expand(sum(p.shape[0] for p in parts), parts[0].shape[1])
+    return torch.cat(parts, dim=0)
+
+
 class _SkipInit(torch.overrides.TorchFunctionMode):
     """Skip `torch.nn.init.*` (they dispatch through torch function modes); run all else."""
 
@@ -472,7 +484,7 @@ class LlamaForCausalLM(nn.Module):
                     f"{name}: checkpoint shape {tuple(value.shape)} != {tuple(p.shape)}"
                 )
             if adopt:
-                p.data = value.to(p.dtype).contiguous()
+                p.data = value if _unread(value) else value.to(p.dtype).contiguous()
             else:
                 p.copy_(value.to(p.dtype))
             loaded.add(name)
@@ -489,13 +501,13 @@ class LlamaForCausalLM(nn.Module):
         for i in range(c.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             qkv = [take(f"{src}self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
-            put(f"{dst}self_attn.qkv_proj.weight", torch.cat(qkv, dim=0))
+            put(f"{dst}self_attn.qkv_proj.weight", _cat_rows(qkv))
             if c.attention_bias:
                 qkv_b = [take(f"{src}self_attn.{n}_proj.bias") for n in ("q", "k", "v")]
                 put(f"{dst}self_attn.qkv_proj.bias", torch.cat(qkv_b, dim=0))
             put(f"{dst}self_attn.o_proj.weight", take(f"{src}self_attn.o_proj.weight"))
             gate_up = [take(f"{src}mlp.{n}_proj.weight") for n in ("gate", "up")]
-            put(f"{dst}mlp.gate_up_proj.weight", torch.cat(gate_up, dim=0))
+            put(f"{dst}mlp.gate_up_proj.weight", _cat_rows(gate_up))
             put(f"{dst}mlp.down_proj.weight", take(f"{src}mlp.down_proj.weight"))
             put(f"{dst}input_layernorm.weight", take(f"{src}input_layernorm.weight"))
             put(
