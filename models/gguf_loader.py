@@ -272,7 +272,9 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
             return int(t.shape[0]) % GGML_BLOCKS[int(t.tensor_type)][0] == 0
 
         out: set[str] = set()
-        groups: list[list[str]] = [["lm_head.weight"]]
+        # the embedding: looked up from its rows (`models.quant.RowsEmbedding`), the tied head
+        # multiplied by them
+        groups: list[list[str]] = [["lm_head.weight"], ["model.embed_tokens.weight"]]
         for name in self._tensors:
             m = _PROJECTION_RE.fullmatch(name)
             if m is None:
@@ -364,5 +366,9 @@ def load_gguf(
     model.eval().requires_grad_(False)
     if kernels is not None:
         model.enable_kernels(kernels.quantization, weights.blocks, kernels.activations)
+        # Every stand-in for a weight left in the file must have been replaced by its blocks.
+        unread = [n for n, p in model.named_parameters() if p.dim() == 2 and p.stride() == (0, 0)]
+        if unread:
+            raise ModelLoadError(f"{path.name}: {unread[0]} was neither loaded nor packed")
     config.extra["load_seconds"] = round(time.perf_counter() - t0, 3)
     return LoadedModel(config.name, model, HFTokenizer(tok, eos), config)

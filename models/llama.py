@@ -26,6 +26,7 @@ from models.quant import (
     GGMLTensor,
     PackedWeight,
     QTensor,
+    RowsEmbedding,
     int8_by_default,
     pack,
     quantize,
@@ -356,6 +357,8 @@ class LlamaForCausalLM(nn.Module):
                 n += mod.in_features * mod.out_features + (
                     0 if mod.bias is None else mod.out_features
                 )
+        if isinstance(self.embed_tokens, RowsEmbedding):
+            n += self.embed_tokens.num_embeddings * self.embed_tokens.embedding_dim
         head = self.lm_head
         if isinstance(head, PackedLinear):
             if not self.config.tie_word_embeddings:
@@ -428,6 +431,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = packed(
             self.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"]
         )
+        table = blocks("model.embed_tokens.weight") if blocks is not None else None
+        if isinstance(table, GGMLTensor) and len(table.parts) == 1:
+            self.embed_tokens = RowsEmbedding(table)
         for mod in self.modules():
             if isinstance(mod, RMSNorm):
                 mod.fused = True

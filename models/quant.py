@@ -277,6 +277,24 @@ def from_gguf_blocks(data: np.ndarray, ggml_type: int, n: int, k: int) -> QTenso
     return None
 
 
+class RowsEmbedding(torch.nn.Module):
+    """An embedding table kept as the file's GGUF rows: a lookup decodes only the rows it reads
+    (`torch.ops.cbserve.ggml_rows`, the same floats as gguf's dequantize), so a large vocabulary
+    costs its file size, not a float32 copy (Gemma 3's 262k x 640 table: 170 MB, not 671)."""
+
+    def __init__(self, w: GGMLTensor) -> None:
+        super().__init__()
+        ((typ, raw),) = w.parts
+        self.ggml_type, self.num_embeddings, self.embedding_dim = typ, raw.shape[0], w.in_features
+        self.register_buffer("qs", raw.reshape(-1), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.cbserve.ggml_rows(self.qs, self.ggml_type, self.embedding_dim, ids)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows={GGML_NAMES[self.ggml_type]}"
+
+
 # -- panels -------------------------------------------------------------------------------------
 
 
