@@ -25,6 +25,7 @@ from models.quant import (
     Q8_0,
     GGMLTensor,
     QTensor,
+    RowsEmbedding,
     pack,
     pack_rows,
     quantize,
@@ -196,8 +197,8 @@ def test_bad_arguments_are_refused():
 
 def test_a_gguf_in_k_and_q5_formats_loads_without_float_copies(tmp_path, monkeypatch):
     """A 2-layer Llama GGUF whose tensors rotate through six formats (so q/k/v and gate/up fuse
-    parts of different formats): every projection and the head keep the file's blocks, float32
-    activations give the float model's logits, int8 activations stay close to them."""
+    parts of different formats): every projection, the head and the embedding keep the file's
+    blocks, float32 activations give the float model's logits, int8 activations stay close."""
     from test_models_real import our_logits, random_ids, write_gguf
 
     from models import load_model
@@ -214,6 +215,7 @@ def test_a_gguf_in_k_and_q5_formats_loads_without_float_copies(tmp_path, monkeyp
         suffix = "+a8" if activations == "auto" else ""
         assert set(formats) >= {f"{n}{suffix}" for n in ("q4_k", "q6_k", "q5_0", "q5_1", "q5_k")}
         assert not any(n.startswith(("f32", "float")) for n in formats), formats
+        assert isinstance(lm.model.embed_tokens, RowsEmbedding)  # no float table either
         got = our_logits(lm, ids)
         if activations == "float32":
             torch.testing.assert_close(got, ref, rtol=0, atol=1e-3)
