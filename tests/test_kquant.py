@@ -221,3 +221,25 @@ def test_a_gguf_in_k_and_q5_formats_loads_without_float_copies(tmp_path, monkeyp
             torch.testing.assert_close(got, ref, rtol=0, atol=1e-3)
         else:
             assert float(F.cosine_similarity(got, ref, dim=-1).min()) > 0.99
+
+
+@pytest.mark.slow
+def test_smollm2_with_int8_activations_on_gguf_rows_stays_close_to_float_activations():
+    """--activation-dtype int8 without AVX512-VNNI: SmolLM2's Q4_1 / Q8_0 blocks as GGUF rows
+    through the vpmaddubsw kernel. Every position's greedy token as with float32 activations
+    on these texts, logits highly correlated."""
+    from test_models_real import our_logits
+
+    from models import load_model
+
+    if kernels.has_int8_dot():
+        pytest.skip("with AVX512-VNNI int8 activations take the VNNI panels (test_kernels.py)")
+    texts = ["The capital of France is", "Once upon a time, there was a little"]
+    outs = []
+    for activations in ("float32", "int8"):
+        lm = load_model("smollm2-135m-instruct", activations=activations)
+        outs.append([our_logits(lm, lm.tokenizer.encode(t)) for t in texts])
+    assert set(lm.model.weight_formats()) == {"q4_1+a8", "q8_0+a8"}
+    for flt, i8 in zip(*outs, strict=True):
+        assert torch.equal(flt.argmax(-1), i8.argmax(-1))
+        assert float(F.cosine_similarity(flt, i8, dim=-1).min()) > 0.99
