@@ -582,7 +582,9 @@ at::Tensor ggml_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::op
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * K));
   at::parallel_for(0, N, grain, [&](int64_t c0, int64_t c1) {
     float res[MR];
-    std::vector<uint8_t> buf_(static_cast<size_t>(NT * max_unpacked + 64));
+    // One buffer per thread for the process's life: a decode step's calls then allocate nothing.
+    static thread_local std::vector<uint8_t> buf_;
+    if (buf_.size() < static_cast<size_t>(NT * max_unpacked + 64)) buf_.resize(NT * max_unpacked + 64);
     uint8_t* buf = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf_.data()) + 63) & ~uintptr_t(63));
     for (int64_t t0 = c0; t0 < c1; t0 += NT) {
       const int64_t t1 = std::min(c1, t0 + NT);
