@@ -56,9 +56,9 @@ ACTIVATIONS = ("auto", "int8", "float32")  # --activation-dtype choices
 class KernelOptions:
     """How a model runs through the kernels: its weights' format (`SCHEMES`, see
     `LlamaForCausalLM.enable_kernels`) and its projections' activations (`ACTIVATIONS`): int8
-    (quantized per row and 32 inputs, multiplied with AVX512-VNNI integer dot products, as
-    llama.cpp does for its quantized formats) or float32. "auto" is int8 where the weights are
-    quantized and the CPU has VNNI, else float32."""
+    (quantized per row and 32 inputs, or 256 for the K formats, multiplied with integer dot
+    products: AVX512-VNNI, or AVX2's vpmaddubsw on GGUF rows, as llama.cpp does for its quantized
+    formats) or float32. "auto": `int8_by_default`, per projection."""
 
     quantization: str = "auto"
     activations: str = "auto"
