@@ -28,7 +28,7 @@ from models.base import LoadedModel, ModelLoadError
 from models.config import ModelConfig
 from models.hf_loader import check_weight_names
 from models.hf_tokenizer import HFTokenizer, end_token_ids, load_gguf_tokenizer
-from models.quant import KernelOptions, QTensor, from_gguf_blocks
+from models.quant import GGML_BLOCKS, GGMLTensor, KernelOptions, gguf_rows
 from models.registry import model_class
 
 Q = GGMLQuantizationType
@@ -193,6 +193,21 @@ def _hf_name(gguf_name: str, path: Path) -> str:
     raise ModelLoadError(f"{path.name}: tensor {gguf_name!r} has no place in a Llama decoder")
 
 
+_PROJECTION_RE = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.weight")
+_FUSED = {
+    "q_proj": ("q_proj", "k_proj", "v_proj"),
+    "k_proj": ("q_proj", "k_proj", "v_proj"),
+    "v_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_proj": ("gate_proj", "up_proj"),
+    "up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def _projection_name(layer: str, proj: str) -> str:
+    block = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+    return f"model.layers.{layer}.{block}.{proj}.weight"
+
+
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation (its RoPE rotates adjacent pairs; ours rotates halves).
 
@@ -218,10 +233,19 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
     Lazy on purpose: `load_hf_weights(adopt=True)` turns each tensor into its parameter right
     after taking it, so the dequantized weights exist once (peak memory ~ the model, not twice it;
     on a VM, first-touch page faults of a second 540 MB copy cost seconds).
+
+    `in_place`: the kernels will take the projections' own blocks (`blocks`), so a projection
+    whose every fused part has them is not dequantized at all: its float tensor is a stride-0
+    stand-in (`models.llama` keeps it as such, no memory) that must not be read.
     """
 
     def __init__(
-        self, path: Path, reader: GGUFReader, config: ModelConfig, dtype: torch.dtype
+        self,
+        path: Path,
+        reader: GGUFReader,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        in_place: bool = False,
     ) -> None:
         self.dtype = dtype
         self._heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
@@ -235,22 +259,54 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
                     f"supported (supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
                 )
             self._tensors[_hf_name(t.name, path)] = t
+        self._unread = self._in_place_names() if in_place else frozenset()
+
+    def _in_place_names(self) -> frozenset[str]:
+        """Projection weights the kernels take as blocks: each fused group (q/k/v, gate/up) all
+        in formats `gguf_rows` reads, or none of it (a group's float fallback reads them all)."""
+
+        def has_blocks(name: str) -> bool:
+            t = self._tensors.get(name)
+            if t is None or int(t.tensor_type) not in GGML_BLOCKS:
+                return False
+            return int(t.shape[0]) % GGML_BLOCKS[int(t.tensor_type)][0] == 0
+
+        out: set[str] = set()
+        # the embedding: looked up from its rows (`models.quant.RowsEmbedding`), the tied head
+        # multiplied by them
+        groups: list[list[str]] = [["lm_head.weight"], ["model.embed_tokens.weight"]]
+        for name in self._tensors:
+            m = _PROJECTION_RE.fullmatch(name)
+            if m is None:
+                continue
+            layer, proj = m.group(1), m.group(2)
+            members = _FUSED.get(proj, (proj,))
+            if proj == members[0]:
+                groups.append([_projection_name(layer, p) for p in members])
+        for group in groups:
+            if all(has_blocks(n) for n in group):
+                out.update(group)
+        return frozenset(out)
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._unread:
+            n, k = (int(d) for d in reversed(self._tensors[name].shape.tolist()))
+            return torch.zeros((), dtype=self.dtype).expand(n, k)
         value = _dequantize(self._tensors[name], self.dtype)
         proj = name.split(".")[-2]
         if proj in self._heads:
             value = _unpermute(value, self._heads[proj])
         return value
 
-    def blocks(self, name: str) -> QTensor | None:
-        """The tensor's own quantized blocks (Q4_0, Q4_1, Q8_0), row-permuted like `self[name]`
-        but never dequantized; None for other formats or names."""
+    def blocks(self, name: str) -> GGMLTensor | None:
+        """The tensor's own quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K),
+        byte for byte, row-permuted like `self[name]` but never dequantized; None for other
+        formats or names."""
         t = self._tensors.get(name)
         if t is None:
             return None
         n, k = (int(d) for d in reversed(t.shape.tolist()))
-        qt = from_gguf_blocks(t.data, int(t.tensor_type), n, k)
+        qt = gguf_rows(t.data, int(t.tensor_type), n, k)
         proj = name.split(".")[-2]
         if qt is not None and proj in self._heads:
             heads = self._heads[proj]
@@ -274,7 +330,7 @@ def load_gguf(
     """Load a Llama-architecture GGUF file: weights, tokenizer, chat template, EOS ids.
 
     `kernels`: how `LlamaForCausalLM.enable_kernels` packs the model, which then takes the
-    file's own Q4_0/Q4_1/Q8_0 blocks as they are (None: the pure-torch float model)."""
+    file's own quantized blocks as they are (None: the pure-torch float model)."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"no such GGUF file: {path}")
@@ -285,7 +341,8 @@ def load_gguf(
     config = replace(_config(meta, tensors, name or path.stem), dtype=dtype)
 
     # Checked before the tokenizer is converted: an unusable file fails fast.
-    weights = GGUFWeights(path, reader, config, dtype)
+    in_place = kernels is not None and kernels.quantization == "auto"
+    weights = GGUFWeights(path, reader, config, dtype, in_place)
     check_weight_names(weights, config, path.name)
 
     tok = load_gguf_tokenizer(path)
@@ -309,5 +366,9 @@ def load_gguf(
     model.eval().requires_grad_(False)
     if kernels is not None:
         model.enable_kernels(kernels.quantization, weights.blocks, kernels.activations)
+        # Every stand-in for a weight left in the file must have been replaced by its blocks.
+        unread = [n for n, p in model.named_parameters() if p.dim() == 2 and p.stride() == (0, 0)]
+        if unread:
+            raise ModelLoadError(f"{path.name}: {unread[0]} was neither loaded nor packed")
     config.extra["load_seconds"] = round(time.perf_counter() - t0, 3)
     return LoadedModel(config.name, model, HFTokenizer(tok, eos), config)

@@ -21,7 +21,18 @@ from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig, RopeScaling
 from models.cpu import has_native_bf16
 from models.ops import Act
-from models.quant import F32, KIND_NAMES, QB, PackedWeight, QTensor, pack, quantize
+from models.quant import (
+    F32,
+    KIND_NAMES,
+    QB,
+    GGMLTensor,
+    PackedWeight,
+    QTensor,
+    RowsEmbedding,
+    int8_by_default,
+    pack,
+    quantize,
+)
 from models.quant import Q4_1 as Q4_1_KIND
 from models.quant import Q8_0 as Q8_0_KIND
 
@@ -49,6 +60,18 @@ def _inv_freq(config: ModelConfig) -> torch.Tensor:
             )
         inv = inv / torch.tensor(config.rope_freq_factors, dtype=torch.float64)
     return inv
+
+
+def _unread(t: torch.Tensor) -> bool:
+    """A loader's stand-in for a weight the kernels take from the file's blocks instead
+    (`GGUFWeights`): a stride-0 view, never read, so no float copy is made of it."""
+    return t.dim() == 2 and t.stride() == (0, 0)
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    if all(_unread(p) for p in parts):
+        return parts[0][:1, :1].expand(sum(p.shape[0] for p in parts), parts[0].shape[1])
+    return torch.cat(parts, dim=0)
 
 
 class _SkipInit(torch.overrides.TorchFunctionMode):
@@ -154,7 +177,7 @@ class PackedLinear(nn.Module):
 
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None, act: int) -> torch.Tensor:
         p = self.packed
-        return ops.packed_linear(
+        return p.op(
             x, qs=p.qs, d=p.d, m=p.m, kind=p.kind, out_features=p.out_features,
             bias=self.bias, residual=residual, act=act,
         )  # fmt: skip
@@ -290,8 +313,7 @@ class LlamaForCausalLM(nn.Module):
         """The layer loop as straight calls of the kernel ops (what `DecoderLayer.forward`
         computes, op for op) without nn.Module dispatch: ~10 module calls a layer cost ~2 ms a
         step on SmolLM2, a quarter of a batch-1 decode step."""
-        # the wrappers called positionally, in the ops' argument order
-        linear, attention, norm = ops.packed_linear, ops.attention, ops.rms_norm
+        attention, norm = ops.attention, ops.rms_norm
         c = self.config
         eps, h, kvh, hd = c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim
         scale = self.layers[0].self_attn.scale
@@ -305,14 +327,14 @@ class LlamaForCausalLM(nn.Module):
         lens = _or_empty(meta.decode_context_lens, 1)
         chunk_meta, chunk_tables = meta.chunk_meta(), meta.chunk_tables()
         for (n1, qkv_w, o_w, n2, gu_w, down_w), (kc, vc) in zip(self._plan, kv_caches, strict=True):
-            qkv = linear(norm(x, n1, eps), *qkv_w, None, 0)
+            qkv = qkv_w[0](norm(x, n1, eps), *qkv_w[1:], None, 0)
             o = attention(
                 qkv, cos, sin, kc, vc, slots, nd, tables, lens, chunk_meta, chunk_tables,
                 h, kvh, hd, scale,
             )  # fmt: skip
-            x = linear(o, *o_w, x, 0)
-            g = linear(norm(x, n2, eps), *gu_w, None, 1)
-            x = linear(g, *down_w, x, 0)
+            x = o_w[0](o, *o_w[1:], x, 0)
+            g = gu_w[0](norm(x, n2, eps), *gu_w[1:], None, 1)
+            x = down_w[0](g, *down_w[1:], x, 0)
         return self.norm(x)
 
     @classmethod
@@ -338,6 +360,8 @@ class LlamaForCausalLM(nn.Module):
                 n += mod.in_features * mod.out_features + (
                     0 if mod.bias is None else mod.out_features
                 )
+        if isinstance(self.embed_tokens, RowsEmbedding):
+            n += self.embed_tokens.num_embeddings * self.embed_tokens.embedding_dim
         head = self.lm_head
         if isinstance(head, PackedLinear):
             if not self.config.tie_word_embeddings:
@@ -354,30 +378,28 @@ class LlamaForCausalLM(nn.Module):
     def enable_kernels(
         self,
         scheme: str = "auto",
-        blocks: Callable[[str], QTensor | None] | None = None,
+        blocks: Callable[[str], QTensor | GGMLTensor | None] | None = None,
         activations: str = "auto",
     ) -> None:
         """Run through `models.ops` (the caller checked `models.kernels.available()`):
         attention fused with RoPE and the K/V write over the paged pool, and every projection and
         the head as packed weights, per `scheme`:
 
-        - auto: the checkpoint's own blocks where `blocks(name)` has them (GGUF Q4_0/Q4_1/Q8_0,
-          so the model computes exactly what the file holds), else the float weights;
+        - auto: the checkpoint's own blocks where `blocks(name)` has them (GGUF Q4_0, Q4_1, Q5_0,
+          Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, so the model computes exactly what the file holds; a
+          fused projection may mix them), else the float weights;
         - none: the float weights (float32 panels: the same numbers as F.linear);
         - q8_0 / q4_1: that format, quantized from the float weights unless the checkpoint
           already holds it.
         The float copies are dropped: the packed weights replace them.
 
         `activations` ("auto", "int8", "float32"): quantized projections multiply int8
-        activations (per row and 32 inputs) with integer dot products where the CPU has
-        AVX512-VNNI ("auto" picks that there; `models.quant.KernelOptions`).
+        activations (per row and 32 or 256 inputs) with integer dot products ("auto": see
+        `models.quant.int8_by_default`).
         """
         if self.config.matmul_dtype not in (None, torch.float32):
             raise ValueError("the kernels run float32 activations; load the model in float32")
         target = {"auto": None, "none": F32, "q8_0": Q8_0_KIND, "q4_1": Q4_1_KIND}[scheme]
-        from models.kernels import has_int8_dot  # (models.kernels is importable on its own)
-
-        int8 = activations == "int8" or (activations == "auto" and has_int8_dot())
 
         def packed(linear: nn.Module, names: list[str], gate_up: bool = False) -> nn.Module:
             if isinstance(linear, PackedLinear) or linear.weight.shape[1] % QB:
@@ -386,16 +408,16 @@ class LlamaForCausalLM(nn.Module):
             usable = (
                 parts
                 and all(p is not None for p in parts)
-                and len({p.kind for p in parts}) == 1
-                and (target is None or parts[0].kind == target)
+                and (target is None or all(p.kind == target for p in parts))  # type: ignore[union-attr]
             )
             if usable:
                 qt = QTensor.cat(parts)  # type: ignore[arg-type]
             else:
                 qt = quantize(linear.weight.float(), F32 if target is None else target)
-            return PackedLinear(
-                pack(qt, gate_up=gate_up, int8=int8 and qt.kind != F32), linear.bias
+            int8 = qt.kind != F32 and (
+                activations == "int8" or (activations == "auto" and int8_by_default(qt))
             )
+            return PackedLinear(pack(qt, gate_up=gate_up, int8=int8), linear.bias)
 
         for i, layer in enumerate(self.layers):
             src = f"model.layers.{i}."
@@ -412,6 +434,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = packed(
             self.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"]
         )
+        table = blocks("model.embed_tokens.weight") if blocks is not None else None
+        if isinstance(table, GGMLTensor) and len(table.parts) == 1:
+            self.embed_tokens = RowsEmbedding(table)
         for mod in self.modules():
             if isinstance(mod, RMSNorm):
                 mod.fused = True
@@ -419,7 +444,7 @@ class LlamaForCausalLM(nn.Module):
 
         def args(m: nn.Module) -> tuple:
             p = m.packed
-            return (p.qs, p.d, p.m, p.kind, p.out_features, m.bias)
+            return (p.op, p.qs, p.d, p.m, p.kind, p.out_features, m.bias)
 
         linears = [
             (ly.self_attn.qkv_proj, ly.self_attn.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj)
@@ -437,8 +462,8 @@ class LlamaForCausalLM(nn.Module):
         out: dict[str, int] = {}
         for mod in self.modules():
             if isinstance(mod, PackedLinear):
-                k = KIND_NAMES[mod.packed.kind]
-                out[k] = out.get(k, 0) + mod.packed.nbytes()
+                for k, n in mod.packed.formats().items():
+                    out[k] = out.get(k, 0) + n
             elif isinstance(mod, Linear):
                 k = str(mod.weight.dtype).removeprefix("torch.")
                 out[k] = out.get(k, 0) + mod.weight.numel() * mod.weight.element_size()
@@ -467,7 +492,7 @@ class LlamaForCausalLM(nn.Module):
                     f"{name}: checkpoint shape {tuple(value.shape)} != {tuple(p.shape)}"
                 )
             if adopt:
-                p.data = value.to(p.dtype).contiguous()
+                p.data = value if _unread(value) else value.to(p.dtype).contiguous()
             else:
                 p.copy_(value.to(p.dtype))
             loaded.add(name)
@@ -484,13 +509,13 @@ class LlamaForCausalLM(nn.Module):
         for i in range(c.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             qkv = [take(f"{src}self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
-            put(f"{dst}self_attn.qkv_proj.weight", torch.cat(qkv, dim=0))
+            put(f"{dst}self_attn.qkv_proj.weight", _cat_rows(qkv))
             if c.attention_bias:
                 qkv_b = [take(f"{src}self_attn.{n}_proj.bias") for n in ("q", "k", "v")]
                 put(f"{dst}self_attn.qkv_proj.bias", torch.cat(qkv_b, dim=0))
             put(f"{dst}self_attn.o_proj.weight", take(f"{src}self_attn.o_proj.weight"))
             gate_up = [take(f"{src}mlp.{n}_proj.weight") for n in ("gate", "up")]
-            put(f"{dst}mlp.gate_up_proj.weight", torch.cat(gate_up, dim=0))
+            put(f"{dst}mlp.gate_up_proj.weight", _cat_rows(gate_up))
             put(f"{dst}mlp.down_proj.weight", take(f"{src}mlp.down_proj.weight"))
             put(f"{dst}input_layernorm.weight", take(f"{src}input_layernorm.weight"))
             put(

@@ -55,8 +55,9 @@ def load_model(
     `use_kernels=False` is the pure-torch path even where the kernels run (the reference that
     `tools.quant_quality` and tests compare against).
 
-    `activations`: "auto" (int8 where the weights are quantized and the CPU has AVX512-VNNI),
-    "int8" or "float32": what the projections multiply (see `models.quant.KernelOptions`).
+    `activations`: "auto" (`models.quant.int8_by_default`: int8 for quantized weights wherever
+    the kernels run), "int8" or "float32": what the projections multiply (see
+    `models.quant.KernelOptions`).
 
     `kv_cache_dtype`: "auto" is int8 when the projections run int8 activations (quantized
     weights on an AVX512-VNNI CPU), float16 when the weights are quantized otherwise (as
@@ -88,9 +89,9 @@ def load_model(
     if quantization in ("q8_0", "q4_1") and not use_kernels:
         why = "it runs float32" if wants_bf16 else kernels.unavailable_reason() or "turned off"
         raise ModelLoadError(f"--quantization {quantization} needs the CPU kernels: {why}")
-    if activations == "int8" and not (use_kernels and kernels.has_int8_dot()):
-        why = "this CPU has no AVX512-VNNI" if use_kernels else "the CPU kernels are off"
-        raise ModelLoadError(f"int8 activations need the CPU kernels with int8 dot products: {why}")
+    if activations == "int8" and not use_kernels:
+        why = "bfloat16 mode" if wants_bf16 else kernels.unavailable_reason() or "turned off"
+        raise ModelLoadError(f"int8 activations need the CPU kernels: {why}")
     if kv_cache_dtype in ("float16", "int8") and not use_kernels:
         why = "bfloat16 mode" if wants_bf16 else kernels.unavailable_reason() or "turned off"
         raise ModelLoadError(f"a {kv_cache_dtype} KV cache needs the CPU kernels: {why}")
@@ -104,8 +105,9 @@ def load_model(
     if wants_bf16:
         lm = _to_bfloat16(lm, dtype)  # type: ignore[arg-type]
     formats = model.weight_formats() if use_kernels else {}
-    quantized = any(name.startswith(("q4_1", "q8_0")) for name in formats)
-    integer_dots = any(name.endswith("+a8") for name in formats)
+    quantized = any(name.startswith("q") for name in formats)
+    # (attention's q.k runs on integer dot products over an int8 pool only with AVX512-VNNI)
+    integer_dots = kernels.has_int8_dot() and any(name.endswith("+a8") for name in formats)
     if kv_cache_dtype == "auto":
         # int8 where the projections already multiply int8 activations (quantized weights on an
         # AVX512-VNNI CPU, where attention's q.k runs on integer dot products too): its

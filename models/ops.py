@@ -27,6 +27,8 @@ class Kind(IntEnum):
     Q4_1 = 2  # 4-bit x fp16 scale + fp16 min (GGUF's Q4_0 too)
     Q8_0X = 3  # Q8_0 laid out for int8 activations (AVX512-VNNI)
     Q4_1X = 4  # Q4_1 laid out for int8 activations (AVX512-VNNI)
+    GGML = 5  # GGUF rows as the file holds them (`models.quant.GGMLTensor`), float32 activations
+    GGML_A8 = 6  # the same rows, int8 activations
 
 
 class Act(IntEnum):
@@ -37,7 +39,11 @@ class Act(IntEnum):
 
 
 _lock = threading.Lock()
-_NAMES = ("packed_linear", "rms_norm", "argmax_rows", "attention", "has_int8_dot", "enum_values")
+_NAMES = (
+    "packed_linear",
+    "ggml_linear",
+    "ggml_rows",
+    "rms_norm", "argmax_rows", "attention", "has_int8_dot", "enum_values")
 
 
 def _load() -> None:
@@ -67,6 +73,8 @@ def _stub(name: str):
 
 _unloaded = {name: _stub(name) for name in _NAMES}
 _packed_linear = _unloaded["packed_linear"]
+_ggml_linear = _unloaded["ggml_linear"]
+_ggml_rows = _unloaded["ggml_rows"]
 _rms_norm = _unloaded["rms_norm"]
 _argmax_rows = _unloaded["argmax_rows"]
 _attention = _unloaded["attention"]
@@ -95,6 +103,29 @@ def packed_linear(
     out_features) (+ bias) (+ residual (M, out_features)); with `act=Act.SILU_MUL`, silu(gate) * up
     (M, out_features / 2) of a gate/up packing. Returns float32."""
     return _packed_linear(x, qs, d, m, kind, out_features, bias, residual, act)
+
+
+def ggml_linear(
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    d: torch.Tensor | None,
+    m: torch.Tensor | None,
+    kind: int,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    act: int = Act.NONE,
+) -> torch.Tensor:
+    """`packed_linear` for a weight kept as the file's GGUF rows (`models.quant.pack_rows`):
+    `qs` the rows' bytes, `m` (parts, 3) int64 of each fused part's (ggml type, rows, byte offset),
+    `kind` Kind.GGML (float32 activations) or Kind.GGML_A8 (int8, llama.cpp's Q8_0 / Q8_K forms)."""
+    return _ggml_linear(x, qs, d, m, kind, out_features, bias, residual, act)
+
+
+def ggml_rows(qs: torch.Tensor, ggml_type: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (any shape) of an embedding table of GGUF blocks of `ggml_type` with `k` values a
+    row, decoded to float32 as gguf's dequantize does: ids.shape + (k,)."""
+    return _ggml_rows(qs, ggml_type, k, ids)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -160,6 +191,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("cbserve::packed_linear")
     def _(x, qs, d, m, kind, N, bias, residual, act):  # noqa: N803
         return x.new_empty((x.shape[0], N // 2 if act == Act.SILU_MUL else N))
+
+    @torch.library.register_fake("cbserve::ggml_linear")
+    def _(x, qs, d, m, kind, N, bias, residual, act):  # noqa: N803
+        return x.new_empty((x.shape[0], N // 2 if act == Act.SILU_MUL else N))
+
+    @torch.library.register_fake("cbserve::ggml_rows")
+    def _(qs, typ, K, ids):  # noqa: N803
+        return torch.empty((*ids.shape, K), dtype=torch.float32, device=qs.device)
 
     @torch.library.register_fake("cbserve::rms_norm")
     def _(x, w, eps):

@@ -7,6 +7,12 @@ Formats (32 inputs per block, one scale per block and output row, as llama.cpp d
   the Q4_1 block with m = -8 d, exact in fp16, so it needs no kernel of its own.)
 - F32: float weights in the same panel layout (for models kept in float).
 
+Every other GGUF block format (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), and Q4_0 / Q4_1 / Q8_0 where the
+activations are int8 on a CPU without AVX512-VNNI, is a `GGMLTensor`: the file's own rows of
+blocks, byte for byte, multiplied in place by `models.ops.ggml_linear`
+(models/csrc/kquant.cpp) with float32 or int8 activations (kinds GGML / GGML_A8). Its memory is
+the file's; a fused projection may join parts of different formats (a Q4_K q with a Q6_K v).
+
 `QTensor` holds a quantized matrix row by row, so the loader can do to it what it does to float
 weights (undo llama.cpp's Q/K row permutation, fuse q/k/v and gate/up by concatenating rows)
 without dequantizing: the SmolLM2 GGUF runs on its own 4-bit blocks, bit for bit.
@@ -20,11 +26,13 @@ can emit silu(gate) * up for 8 outputs per panel without a second pass.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from models import ops
 from models.ops import Kind
 
 NR = 16  # outputs per panel
@@ -33,7 +41,17 @@ QB = 32  # inputs per block
 F32, Q8_0, Q4_1 = Kind.F32, Kind.Q8_0, Kind.Q4_1
 # The same blocks laid out for int8 activations (AVX512-VNNI dot products; see `pack`).
 Q8_0X, Q4_1X = Kind.Q8_0X, Kind.Q4_1X
-KIND_NAMES = {F32: "f32", Q8_0: "q8_0", Q4_1: "q4_1", Q8_0X: "q8_0+a8", Q4_1X: "q4_1+a8"}
+# GGUF rows as the file holds them (`GGMLTensor`), float32 or int8 activations.
+GGML, GGML_A8 = Kind.GGML, Kind.GGML_A8
+KIND_NAMES = {
+    F32: "f32",
+    Q8_0: "q8_0",
+    Q4_1: "q4_1",
+    Q8_0X: "q8_0+a8",
+    Q4_1X: "q4_1+a8",
+    GGML: "ggml",
+    GGML_A8: "ggml+a8",
+}
 SCHEMES = ("auto", "none", "q8_0", "q4_1")  # --quantization choices
 ACTIVATIONS = ("auto", "int8", "float32")  # --activation-dtype choices
 
@@ -42,9 +60,9 @@ ACTIVATIONS = ("auto", "int8", "float32")  # --activation-dtype choices
 class KernelOptions:
     """How a model runs through the kernels: its weights' format (`SCHEMES`, see
     `LlamaForCausalLM.enable_kernels`) and its projections' activations (`ACTIVATIONS`): int8
-    (quantized per row and 32 inputs, multiplied with AVX512-VNNI integer dot products, as
-    llama.cpp does for its quantized formats) or float32. "auto" is int8 where the weights are
-    quantized and the CPU has VNNI, else float32."""
+    (quantized per row and 32 inputs, or 256 for the K formats, multiplied with integer dot
+    products: AVX512-VNNI, or AVX2's vpmaddubsw on GGUF rows, as llama.cpp does for its quantized
+    formats) or float32. "auto": `int8_by_default`, per projection."""
 
     quantization: str = "auto"
     activations: str = "auto"
@@ -70,10 +88,11 @@ class QTensor:
         return QTensor(self.kind, self.q[index], pick(self.d), pick(self.m))
 
     @staticmethod
-    def cat(parts: list[QTensor]) -> QTensor:
+    def cat(parts: list[QTensor | GGMLTensor]) -> QTensor | GGMLTensor:
+        """The rows of `parts` in order; GGUF rows of different formats stay separate parts."""
         kinds = {p.kind for p in parts}
-        if len(kinds) != 1:
-            raise ValueError(f"cannot fuse weights of different formats {sorted(kinds)}")
+        if len(kinds) != 1 or any(isinstance(p, GGMLTensor) for p in parts):
+            return GGMLTensor.cat(parts)
 
         def join(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
             return None if ts[0] is None else torch.cat(ts)  # type: ignore[arg-type]
@@ -95,6 +114,22 @@ class QTensor:
         if self.kind == Q4_1:
             w = w + self.m.float()[..., None]  # type: ignore[union-attr]
         return w.view(n, k)
+
+    def to_ggml(self) -> GGMLTensor:
+        """The same blocks as GGUF rows (Q8_0 / Q4_1 bytes as the file would hold them)."""
+        n, k = self.shape
+        b = k // QB
+        if self.kind == Q8_0:
+            d = self.d.contiguous().view(torch.uint8).view(n, b, 2)  # type: ignore[union-attr]
+            raw = torch.cat([d, self.q.view(torch.uint8).view(n, b, QB)], -1)
+            return GGMLTensor([(GGML_Q8_0, raw.reshape(n, -1).contiguous())], k)
+        if self.kind == Q4_1:
+            d = self.d.contiguous().view(torch.uint8).view(n, b, 2)  # type: ignore[union-attr]
+            m = self.m.contiguous().view(torch.uint8).view(n, b, 2)  # type: ignore[union-attr]
+            q = self.q.view(n, b, 2, 16)
+            raw = torch.cat([d, m, q[:, :, 0] | (q[:, :, 1] << 4)], -1)
+            return GGMLTensor([(GGML_Q4_1, raw.reshape(n, -1).contiguous())], k)
+        raise ValueError(f"{KIND_NAMES[self.kind]} weights have no GGUF block form")
 
 
 def quantize(w: torch.Tensor, kind: int) -> QTensor:
@@ -125,6 +160,103 @@ def quantize(w: torch.Tensor, kind: int) -> QTensor:
 
 # ggml type ids (gguf.GGMLQuantizationType) of the block formats read without dequantizing.
 GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 2, 3, 8
+GGML_Q5_0, GGML_Q5_1, GGML_Q4_K, GGML_Q5_K, GGML_Q6_K = 6, 7, 12, 13, 14
+# type -> (values, bytes) a block, and the name weight_formats() reports
+GGML_BLOCKS = {
+    GGML_Q4_0: (32, 18),
+    GGML_Q4_1: (32, 20),
+    GGML_Q5_0: (32, 22),
+    GGML_Q5_1: (32, 24),
+    GGML_Q8_0: (32, 34),
+    GGML_Q4_K: (256, 144),
+    GGML_Q5_K: (256, 176),
+    GGML_Q6_K: (256, 210),
+}
+GGML_NAMES = {
+    GGML_Q4_0: "q4_0",
+    GGML_Q4_1: "q4_1",
+    GGML_Q5_0: "q5_0",
+    GGML_Q5_1: "q5_1",
+    GGML_Q8_0: "q8_0",
+    GGML_Q4_K: "q4_k",
+    GGML_Q5_K: "q5_k",
+    GGML_Q6_K: "q6_k",
+}
+
+
+@dataclass
+class GGMLTensor:
+    """A (N, K) weight matrix as GGUF rows of blocks: parts of (ggml type, (rows, row bytes)
+    uint8), their rows the outputs in order. One part per file tensor; a fused projection
+    concatenates them, and parts of one format merge."""
+
+    parts: list[tuple[int, torch.Tensor]]
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(int(t.shape[0]) for _, t in self.parts), self.in_features
+
+    @property
+    def kind(self) -> int:
+        """Q8_0 or Q4_1 where every part is one of the formats the panels also hold (Q4_0 as
+        Q4_1), else GGML."""
+        types = {t for t, _ in self.parts}
+        if types == {GGML_Q8_0}:
+            return Q8_0
+        if types <= {GGML_Q4_0, GGML_Q4_1}:
+            return Q4_1
+        return GGML
+
+    def rows(self, index: torch.Tensor) -> GGMLTensor:
+        if len(self.parts) != 1:
+            raise ValueError("row selection of a fused GGUF weight")
+        t, raw = self.parts[0]
+        return GGMLTensor([(t, raw[index].contiguous())], self.in_features)
+
+    @staticmethod
+    def cat(parts: list[QTensor | GGMLTensor]) -> GGMLTensor:
+        tensors = [p.to_ggml() if isinstance(p, QTensor) else p for p in parts]
+        if len({t.in_features for t in tensors}) != 1:
+            raise ValueError("cannot fuse weights with different in_features")
+        out: list[tuple[int, torch.Tensor]] = []
+        for t in tensors:
+            for typ, raw in t.parts:
+                if out and out[-1][0] == typ:
+                    out[-1] = (typ, torch.cat([out[-1][1], raw]))
+                else:
+                    out.append((typ, raw))
+        return GGMLTensor(out, tensors[0].in_features)
+
+    def legacy(self) -> QTensor | None:
+        """The same blocks as a panel QTensor (Q8_0, or Q4_0/Q4_1 as Q4_1), else None."""
+        if self.kind == GGML:
+            return None
+        parts = [
+            from_gguf_blocks(raw.numpy(), t, raw.shape[0], self.in_features)
+            for t, raw in self.parts
+        ]
+        return QTensor.cat(parts)  # type: ignore[arg-type,return-value]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix, by gguf's own dequantizer (the reference the kernel must match)."""
+        from gguf.quants import dequantize
+
+        out = [
+            torch.from_numpy(dequantize(raw.numpy(), t).reshape(raw.shape[0], self.in_features))
+            for t, raw in self.parts
+        ]
+        return torch.cat(out).float()
+
+
+def gguf_rows(data: np.ndarray, ggml_type: int, n: int, k: int) -> GGMLTensor | None:
+    """A GGUF tensor's raw blocks (uint8, n rows of k values) as a GGMLTensor (copied out of the
+    file map), or None for formats the kernels do not read."""
+    if ggml_type not in GGML_BLOCKS or k % GGML_BLOCKS[ggml_type][0]:
+        return None
+    values, nbytes = GGML_BLOCKS[ggml_type]
+    raw = np.array(data, dtype=np.uint8, copy=True).reshape(n, k // values * nbytes)
+    return GGMLTensor([(ggml_type, torch.from_numpy(raw))], k)
 
 
 def from_gguf_blocks(data: np.ndarray, ggml_type: int, n: int, k: int) -> QTensor | None:
@@ -149,6 +281,24 @@ def from_gguf_blocks(data: np.ndarray, ggml_type: int, n: int, k: int) -> QTenso
     return None
 
 
+class RowsEmbedding(torch.nn.Module):
+    """An embedding table kept as the file's GGUF rows: a lookup decodes only the rows it reads
+    (`models.ops.ggml_rows`, the same floats as gguf's dequantize), so a large vocabulary
+    costs its file size, not a float32 copy (Gemma 3's 262k x 640 table: 170 MB, not 671)."""
+
+    def __init__(self, w: GGMLTensor) -> None:
+        super().__init__()
+        ((typ, raw),) = w.parts
+        self.ggml_type, self.num_embeddings, self.embedding_dim = typ, raw.shape[0], w.in_features
+        self.register_buffer("qs", raw.reshape(-1), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return ops.ggml_rows(self.qs, self.ggml_type, self.embedding_dim, ids)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows={GGML_NAMES[self.ggml_type]}"
+
+
 # -- panels -------------------------------------------------------------------------------------
 
 
@@ -165,6 +315,51 @@ class PackedWeight:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+    @property
+    def op(self) -> Callable[..., torch.Tensor]:
+        """The `models.ops` wrapper that multiplies this layout (both take the same arguments)."""
+        return ops.ggml_linear if self.kind in (GGML, GGML_A8) else ops.packed_linear
+
+    def formats(self) -> dict[str, int]:
+        """Bytes by format name ("q4_k", "q6_k+a8", "f32", ...)."""
+        if self.kind not in (GGML, GGML_A8):
+            return {KIND_NAMES[self.kind]: self.nbytes()}
+        out: dict[str, int] = {}
+        suffix = "+a8" if self.kind == GGML_A8 else ""
+        for typ, rows, _ in self.m.tolist():  # type: ignore[union-attr]
+            name = GGML_NAMES[typ] + suffix
+            values, nbytes = GGML_BLOCKS[typ]
+            out[name] = out.get(name, 0) + rows * self.in_features // values * nbytes
+        return out
+
+
+def pack_rows(w: GGMLTensor, int8: bool) -> PackedWeight:
+    """GGUF rows for `ggml_linear`: the parts' bytes back to back, `m` their (type, rows,
+    byte offset) table."""
+    table, offset = [], 0
+    for typ, raw in w.parts:
+        table.append((typ, raw.shape[0], offset))
+        offset += raw.numel()
+    qs = torch.cat([raw.reshape(-1) for _, raw in w.parts]) if len(w.parts) > 1 else w.parts[0][1]
+    n, k = w.shape
+    kind = GGML_A8 if int8 else GGML
+    return PackedWeight(kind, qs.reshape(-1).contiguous(), None, torch.tensor(table), n, k)
+
+
+def _vnni() -> bool:
+    from models.kernels import has_int8_dot  # (models.kernels is importable on its own)
+
+    return has_int8_dot()
+
+
+def int8_by_default(w: QTensor | GGMLTensor) -> bool:
+    """What --activation-dtype auto picks for quantized weights `w`: int8 where the CPU has
+    AVX512-VNNI, and on AVX2 for the formats the float panels do not hold (Q5_0, Q5_1, the K
+    formats: there vpmaddubsw on the file's rows is faster than decoding them to float). Q4_0,
+    Q4_1 and Q8_0 keep float32 activations on AVX2, where the panels' FMA kernel is as fast as
+    the int8 rows at one row and faster for prefill."""
+    return _vnni() or w.kind == GGML
 
 
 def _gate_up_order(n: int) -> torch.Tensor:
@@ -186,14 +381,23 @@ def _take_rows(t: torch.Tensor, order: torch.Tensor | None, rows: int) -> torch.
     return t
 
 
-def pack(w: QTensor, gate_up: bool = False, int8: bool = False) -> PackedWeight:
+def pack(w: QTensor | GGMLTensor, gate_up: bool = False, int8: bool = False) -> PackedWeight:
     """Lay a QTensor out in panels. `gate_up`: rows are [gate; up], to be fused with silu_mul.
+
+    A GGMLTensor stays GGUF rows (`pack_rows`), unless it holds only Q4_0/Q4_1/Q8_0 and the
+    panels multiply it (float32 activations, or int8 with AVX512-VNNI). int8 activations
+    without VNNI take GGUF rows for every quantized format (the AVX2 vpmaddubsw kernel).
 
     `int8` (Q8_0 / Q4_1 only): the layout of the int8-activation kernel (kinds Q8_0X / Q4_1X),
     whose inner step is vpdpbusd over 16 outputs x 4 inputs: per panel and block, groups of 64
     bytes where byte 4 o + j is output o's weight at input 4 g + j (Q8_0X), or, for Q4_1X, input
     8 g + j in the low nibble and 8 g + 4 + j in the high one. Q8_0X's `m` is int32 128 * sum(q)
     per output and block, the correction for activations entering as unsigned x + 128."""
+    if isinstance(w, GGMLTensor):
+        legacy = w.legacy() if not int8 or _vnni() else None
+        return pack(legacy, gate_up, int8) if legacy is not None else pack_rows(w, int8)
+    if int8 and w.kind != F32 and not _vnni():
+        return pack_rows(w.to_ggml(), int8)
     n, k = w.shape
     if k % QB:
         raise ValueError(f"in_features {k} is not a multiple of {QB}")

@@ -154,8 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SCHEMES,
         default="auto",
         help="projection and head weights in the CPU kernels. auto: a GGUF file's own "
-        "Q4_0/Q4_1/Q8_0 blocks as they are, float weights otherwise; none: float (a GGUF file "
-        "dequantized); q8_0 / q4_1: quantize at load (default: %(default)s)",
+        "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks as they are, float weights otherwise; "
+        "none: float (a GGUF file dequantized); q8_0 / q4_1: quantize at load "
+        "(default: %(default)s)",
     )
     m.add_argument(
         "--kv-cache-dtype",
@@ -171,9 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=ACTIVATIONS,
         default="auto",
         help="what quantized projections multiply. int8: each row's activations quantized per "
-        "32 inputs and multiplied with AVX512-VNNI integer dot products (as llama.cpp does; "
-        "~3x the float32 kernel's speed, logits within ~1e-2); auto: int8 where the CPU has "
-        "VNNI and the weights are quantized, else float32 (default: %(default)s)",
+        "32 inputs (per 256 for the K formats) and multiplied with integer dot products "
+        "(AVX512-VNNI, or AVX2's vpmaddubsw; as llama.cpp does); auto: int8 for quantized "
+        "weights where the CPU has VNNI, and on AVX2 for the formats that decode slowly to "
+        "float (Q5_0, Q5_1, K formats), else float32 (default: %(default)s)",
     )
 
     s = p.add_argument_group("server")

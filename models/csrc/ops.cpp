@@ -31,6 +31,12 @@ TORCH_LIBRARY(cbserve, m) {
   m.def(
       "packed_linear(Tensor x, Tensor qs, Tensor? d, Tensor? m, int kind, int N, Tensor? bias, "
       "Tensor? residual, int act) -> Tensor");
+  // The same for a weight kept as the file's GGUF rows (kind GGML / GGML_A8; `m` lists its parts).
+  m.def(
+      "ggml_linear(Tensor x, Tensor qs, Tensor? d, Tensor? m, int kind, int N, Tensor? bias, "
+      "Tensor? residual, int act) -> Tensor");
+  // Rows `ids` of an embedding table of GGUF blocks of `type`, K values a row, as float32.
+  m.def("ggml_rows(Tensor qs, int type, int K, Tensor ids) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("has_int8_dot() -> bool", [] { return cbserve::cpu_has_vnni(); });
@@ -45,6 +51,8 @@ TORCH_LIBRARY(cbserve, m) {
 }
 TORCH_LIBRARY_IMPL(cbserve, CPU, m) {
   m.impl("packed_linear", &cbserve::packed_linear);
+  m.impl("ggml_linear", &cbserve::ggml_linear);
+  m.impl("ggml_rows", &cbserve::ggml_rows);
   m.impl("rms_norm", &cbserve::rms_norm);
   m.impl("argmax_rows", &cbserve::argmax_rows);
   m.impl("attention", &cbserve::attention);

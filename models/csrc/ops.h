@@ -17,4 +17,11 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
                      const at::Tensor& chunk_meta, const at::Tensor& chunk_tables, int64_t H,
                      int64_t KVH, int64_t D, double scale, int64_t window);
 
+// GGUF rows as the file holds them (kquant.cpp): `parts` lists each fused part's (ggml type,
+// rows, byte offset); kind GGML (float32 activations) or GGML_A8 (int8).
+at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& d,
+                       const c10::optional<at::Tensor>& parts, int64_t kind, int64_t N,
+                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                       int64_t act);
+at::Tensor ggml_rows(const at::Tensor& qs, int64_t type, int64_t K, const at::Tensor& ids);
 }  // namespace cbserve

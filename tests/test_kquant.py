@@ -1,0 +1,245 @@
+"""GGUF block formats multiplied in place (`torch.ops.cbserve.ggml_linear`, models/csrc/kquant.cpp).
+
+Every format's decoding against the gguf package's dequantizer (bit for bit); the linear op with
+float32 activations against the float matmul of gguf's dequantized weights, and with int8
+activations against the float matmul of the rounded activations (the same rounding, done here
+in torch); batch invariance; fused projections mixing formats; the epilogues; and a GGUF file in
+these formats loading with no float copy of its projections.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from models import kernels
+from models.quant import (
+    GGML,
+    GGML_A8,
+    Q4_1,
+    Q8_0,
+    GGMLTensor,
+    QTensor,
+    RowsEmbedding,
+    pack,
+    pack_rows,
+    quantize,
+)
+
+pytestmark = pytest.mark.skipif(
+    not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"
+)
+
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# byte offsets of each block's fp16 scales (the other bytes: any pattern is a valid block)
+SCALES = {
+    Q.Q4_0: (0,),
+    Q.Q4_1: (0, 2),
+    Q.Q5_0: (0,),
+    Q.Q5_1: (0, 2),
+    Q.Q8_0: (0,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+}
+
+
+def random_rows(qtype: Q, n: int, k: int, seed: int = 0) -> GGMLTensor:
+    """n rows of k values in `qtype`: random bytes with fp16 scales of either sign."""
+    rng = np.random.default_rng(seed)
+    values, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n, k // values, size), dtype=np.uint8)
+    for off in SCALES[qtype]:
+        scale = rng.uniform(0.002, 0.01, (n, k // values)) * rng.choice([-1, 1], (n, k // values))
+        raw[..., off : off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n, -1, 2)
+    return GGMLTensor([(int(qtype), torch.from_numpy(raw.reshape(n, -1)))], k)
+
+
+def linear(x, packed, bias=None, residual=None, act=0):
+    p = packed
+    return getattr(torch.ops.cbserve, p.op)(
+        x, p.qs, p.d, p.m, p.kind, p.out_features, bias, residual, act
+    )
+
+
+def round_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the kernel's int8 activations stand for it: per `group` inputs q = round(x / d),
+    d = max|x| / 127 (the kernel's own float32 arithmetic, ties to even)."""
+    m, k = x.shape
+    xb = x.view(m, k // group, group)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros(()))
+    return (torch.round(xb * inv) * d).view(m, k)
+
+
+def group_of(qtype: Q) -> int:
+    return GGML_QUANT_SIZES[qtype][0]
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_each_format_decodes_like_ggufs_dequantize(qtype):
+    w = random_rows(qtype, 5, 512, seed=int(qtype))
+    raw = w.parts[0][1]
+    ref = dequantize(raw.numpy(), qtype).reshape(5, 512)
+    ids = torch.tensor([[4, 0], [2, 2]])
+    got = torch.ops.cbserve.ggml_rows(raw.reshape(-1), int(qtype), 512, ids)
+    assert got.shape == (2, 2, 512)
+    assert torch.equal(got, torch.from_numpy(ref)[ids])
+    assert torch.equal(w.dequantize(), torch.from_numpy(ref))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("m", [1, 3, 6])
+def test_float_activations_match_the_matmul_of_the_dequantized_weights(qtype, m):
+    torch.manual_seed(m)
+    n, k = 37, 512
+    w = random_rows(qtype, n, k, seed=m)
+    x, bias, res = torch.randn(m, k), torch.randn(n), torch.randn(m, n)
+    ref = (x.double() @ w.dequantize().double().T + bias.double() + res.double()).float()
+    got = linear(x, pack_rows(w, int8=False), bias, res)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("m", [1, 5])
+def test_int8_activations_are_the_matmul_of_the_rounded_activations(qtype, m):
+    torch.manual_seed(10 + m)
+    n, k = 21, 768
+    w = random_rows(qtype, n, k, seed=m + 7)
+    x = torch.randn(m, k) * torch.linspace(0.1, 4, k)  # blocks of different magnitudes
+    wd = w.dequantize().double()
+    xq = round_activations(x, group_of(qtype))
+    got = linear(x, pack_rows(w, int8=True))
+    ref = (xq.double() @ wd.T).float()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-4)
+    # ... and within the int8 rounding's own error of the float result
+    exact = x.double() @ wd.T
+    assert ((got.double() - exact).norm() / exact.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_rows_result_does_not_depend_on_the_batch_around_it(qtype, int8):
+    torch.manual_seed(2)
+    packed = pack_rows(random_rows(qtype, 40, 512, seed=3), int8)
+    x = torch.randn(23, 512)
+    alone = torch.cat([linear(x[i : i + 1], packed) for i in range(23)])
+    for m in (2, 3, 4, 5, 9, 23):
+        batched = torch.cat([linear(x[i : i + m], packed) for i in range(0, 23, m)])
+        assert torch.equal(batched, alone), f"batch of {m} changed a row"
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_fused_projection_of_mixed_formats_is_its_parts_side_by_side(int8):
+    """q and k in Q4_K, v in Q6_K (llama.cpp's Q4_K_M does this), and a Q8_0 part."""
+    parts = [
+        random_rows(Q.Q4_K, 32, 256, seed=1),
+        random_rows(Q.Q4_K, 16, 256, seed=2),
+        random_rows(Q.Q6_K, 16, 256, seed=3),
+        random_rows(Q.Q8_0, 8, 256, seed=4),
+    ]
+    fused = QTensor.cat(parts)
+    assert [t for t, _ in fused.parts] == [Q.Q4_K, Q.Q6_K, Q.Q8_0]  # like formats merge
+    x, bias = torch.randn(3, 256), torch.randn(72)
+    got = linear(x, pack(fused, int8=int8), bias)
+    alone = torch.cat([linear(x, pack_rows(p, int8)) for p in parts], 1) + bias
+    torch.testing.assert_close(got, alone, rtol=0, atol=1e-5)
+    assert pack(fused, int8=int8).formats().keys() == {
+        f"{n}{'+a8' if int8 else ''}" for n in ("q4_k", "q6_k", "q8_0")
+    }
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q4_K])
+@pytest.mark.parametrize("int8", [False, True])
+def test_silu_mul_epilogue_matches_swiglu(qtype, int8):
+    w = random_rows(qtype, 48, 512, seed=5)
+    x = torch.randn(5, 512)
+    packed = pack_rows(w, int8)
+    gate, up = linear(x, packed).chunk(2, dim=-1)
+    torch.testing.assert_close(linear(x, packed, act=1), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", [Q8_0, Q4_1])
+def test_q8_0_and_q4_1_blocks_as_gguf_rows_compute_the_same_matrix(kind):
+    """--quantization q8_0 / q4_1 of float weights, run with int8 activations on AVX2, goes
+    through GGUF rows: the same blocks, so the same float matrix."""
+    qt = quantize(torch.randn(24, 96) * 0.1, kind)
+    assert torch.equal(qt.to_ggml().dequantize(), qt.dequantize())
+
+
+def test_legacy_formats_keep_the_float_panels():
+    w = random_rows(Q.Q4_0, 16, 64)
+    assert pack(w).kind == Q4_1  # float activations: the existing panel kernel
+    assert pack(random_rows(Q.Q5_0, 16, 64)).kind == GGML
+    if not kernels.has_int8_dot():
+        assert pack(w, int8=True).kind == GGML_A8
+
+
+def test_bad_arguments_are_refused():
+    packed = pack_rows(random_rows(Q.Q4_K, 8, 256), False)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        linear(torch.randn(1, 128), packed)
+    with pytest.raises(RuntimeError, match="rows, not N"):
+        torch.ops.cbserve.ggml_linear(
+            torch.randn(1, 256), packed.qs, None, packed.m, GGML, 9, None, None, 0
+        )
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.cbserve.ggml_rows(packed.qs, int(Q.Q4_K), 256, torch.tensor([8]))
+
+
+# -- a GGUF file in these formats -----------------------------------------------------------------
+
+
+def test_a_gguf_in_k_and_q5_formats_loads_without_float_copies(tmp_path, monkeypatch):
+    """A 2-layer Llama GGUF whose tensors rotate through six formats (so q/k/v and gate/up fuse
+    parts of different formats): every projection, the head and the embedding keep the file's
+    blocks, float32 activations give the float model's logits, int8 activations stay close."""
+    from test_models_real import our_logits, random_ids, write_gguf
+
+    from models import load_model
+
+    monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))
+    types = [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q8_0]
+    path = write_gguf(tmp_path / "kquant.gguf", types)
+    reference = load_model(str(path), use_kernels=False)
+    ids = random_ids(24, reference.config.vocab_size, seed=5)
+    ref = our_logits(reference, ids)
+    for activations in ("float32", "auto"):
+        lm = load_model(str(path), activations=activations)
+        formats = lm.model.weight_formats()
+        suffix = "+a8" if activations == "auto" else ""
+        assert set(formats) >= {f"{n}{suffix}" for n in ("q4_k", "q6_k", "q5_0", "q5_1", "q5_k")}
+        assert not any(n.startswith(("f32", "float")) for n in formats), formats
+        assert isinstance(lm.model.embed_tokens, RowsEmbedding)  # no float table either
+        got = our_logits(lm, ids)
+        if activations == "float32":
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-3)
+        else:
+            assert float(F.cosine_similarity(got, ref, dim=-1).min()) > 0.99
+
+
+@pytest.mark.slow
+def test_smollm2_with_int8_activations_on_gguf_rows_stays_close_to_float_activations():
+    """--activation-dtype int8 without AVX512-VNNI: SmolLM2's Q4_1 / Q8_0 blocks as GGUF rows
+    through the vpmaddubsw kernel. Every position's greedy token as with float32 activations
+    on these texts, logits highly correlated."""
+    from test_models_real import our_logits
+
+    from models import load_model
+
+    if kernels.has_int8_dot():
+        pytest.skip("with AVX512-VNNI int8 activations take the VNNI panels (test_kernels.py)")
+    texts = ["The capital of France is", "Once upon a time, there was a little"]
+    outs = []
+    for activations in ("float32", "int8"):
+        lm = load_model("smollm2-135m-instruct", activations=activations)
+        outs.append([our_logits(lm, lm.tokenizer.encode(t)) for t in texts])
+    assert set(lm.model.weight_formats()) == {"q4_1+a8", "q8_0+a8"}
+    for flt, i8 in zip(*outs, strict=True):
+        assert torch.equal(flt.argmax(-1), i8.argmax(-1))
+        assert float(F.cosine_similarity(flt, i8, dim=-1).min()) > 0.99
