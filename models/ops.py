@@ -43,7 +43,12 @@ _NAMES = (
     "packed_linear",
     "ggml_linear",
     "ggml_rows",
-    "rms_norm", "argmax_rows", "attention", "has_int8_dot", "enum_values")
+    "rms_norm",
+    "argmax_rows",
+    "attention",
+    "has_int8_dot",
+    "enum_values",
+)
 
 
 def _load() -> None:
