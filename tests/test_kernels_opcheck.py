@@ -8,11 +8,13 @@ shapes. Small shapes: each case runs the op a handful of times.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from models import kernels, ops
-from models.quant import F32, Q4_1, Q8_0, pack, quantize
+from models.quant import F32, Q4_1, Q8_0, GGMLTensor, pack, pack_rows, quantize
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"
@@ -29,6 +31,8 @@ def test_every_op_in_the_library_is_wrapped_and_checked_here():
     assert in_library == set(OP)
     checked = {
         "packed_linear",
+        "ggml_linear",
+        "ggml_rows",
         "rms_norm",
         "argmax_rows",
         "attention",
@@ -65,6 +69,42 @@ def test_packed_linear_int8_activations_opcheck(kind):
     packed = pack(quantize(torch.randn(32, 64) * 0.1, kind), int8=True)
     args = (torch.randn(5, 64), packed.qs, packed.d, packed.m, packed.kind, 32, None, None, 0)
     torch.library.opcheck(OP["packed_linear"], args)
+
+
+def _gguf_rows(n: int, k: int) -> GGMLTensor:
+    """Q4_K rows (the commonest K-quant) as gguf's own quantizer would not write them: any bytes
+    are a valid block once its two fp16 scales are finite."""
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    raw[..., 0:4] = np.full((n, k // 256, 2), 0.004, np.float16).view(np.uint8)
+    return GGMLTensor([(int(GGMLQuantizationType.Q4_K), torch.from_numpy(raw.reshape(n, -1)))], k)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("act", list(ops.Act))
+def test_ggml_linear_opcheck(int8, act):
+    packed = pack_rows(_gguf_rows(32, 256), int8)
+    bias = torch.randn(32)
+    residual = torch.randn(3, 32) if act == ops.Act.NONE else None
+    args = (
+        torch.randn(3, 256),
+        packed.qs,
+        packed.d,
+        packed.m,
+        packed.kind,
+        32,
+        bias,
+        residual,
+        act,
+    )
+    torch.library.opcheck(OP["ggml_linear"], args)
+
+
+def test_ggml_rows_opcheck():
+    table = _gguf_rows(10, 256)
+    ((typ, raw),) = table.parts
+    args = (raw.reshape(-1), typ, 256, torch.tensor([[3, 0], [9, 3]]))
+    torch.library.opcheck(OP["ggml_rows"], args)
 
 
 def test_rms_norm_opcheck():
