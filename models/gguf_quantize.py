@@ -187,6 +187,9 @@ def _make_qkx2(
     best = _seq_sum(w * (diff * diff))
     mins = lo.copy()
     for step in range(nstep + 1):
+        # The C loop overwrites `min` with a better fit's, and later steps measure from it.
+        span = np.where(flat, F32(1), hi - mins).astype(F32)
+        shifted = x - mins[:, None]
         iscale = ((F32(rmin) + F32(rdelta) * F32(step)) + F32(nmax)) / span
         laux = np.clip(_nearest_int(iscale[:, None] * shifted), 0, nmax)
         lf = laux.astype(F32)
