@@ -44,8 +44,8 @@ FTYPES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
     "Q6_K": (LlamaFileType.MOSTLY_Q6_K, Q.Q6_K),
 }
 
-# Blocks per numpy pass: bounds the temporaries (a few dozen float32 copies of a chunk).
-_CHUNK_VALUES = 1 << 20
+# Values per numpy pass: the temporaries (a few dozen float32 copies of a chunk) stay in cache.
+_CHUNK_VALUES = 1 << 16
 
 
 # -- helpers mirroring C semantics ------------------------------------------------------------------
@@ -165,38 +165,40 @@ def _q5_1(x: np.ndarray) -> np.ndarray:
 def _make_qkx2(
     x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """make_qkx2_quants (squared error) over rows of 32: (scale, the_min, L)."""
-    n = x.shape[1]
-    lo = x[:, 0].copy()
-    hi = x[:, 0].copy()
-    sum_w = w[:, 0].copy()
-    sum_x = sum_w * x[:, 0]
-    for i in range(1, n):
-        lo = np.where(x[:, i] < lo, x[:, i], lo)
-        hi = np.where(x[:, i] > hi, x[:, i], hi)
-        sum_w = sum_w + w[:, i]
-        sum_x = sum_x + w[:, i] * x[:, i]
+    """make_qkx2_quants (squared error) over rows of 32: (scale, the_min, L).
+
+    Works on the transpose (value index, row) so that each step of the C loops over a row's
+    values is one contiguous vector over all rows; levels stay float32 (exact small integers)."""
+    xt = np.ascontiguousarray(x.T)
+    wt = np.ascontiguousarray(w.T)
+    lo = xt[0].copy()
+    hi = xt[0].copy()
+    sum_w = wt[0].copy()
+    sum_x = sum_w * xt[0]
+    for i in range(1, xt.shape[0]):
+        lo = np.where(xt[i] < lo, xt[i], lo)
+        hi = np.where(xt[i] > hi, xt[i], hi)
+        sum_w = sum_w + wt[i]
+        sum_x = sum_x + wt[i] * xt[i]
     lo = np.where(lo > 0, F32(0), lo).astype(F32)
     flat = hi == lo
+    top = F32(nmax)
     span = np.where(flat, F32(1), hi - lo).astype(F32)
-    iscale = F32(nmax) / span
+    iscale = top / span
     scale = F32(1) / iscale
-    shifted = x - lo[:, None]
-    L = np.clip(_nearest_int(iscale[:, None] * shifted), 0, nmax)
-    diff = scale[:, None] * L.astype(F32) + lo[:, None] - x
-    best = _seq_sum(w * (diff * diff))
-    mins = lo.copy()
+    L = np.clip(np.rint(iscale * (xt - lo)), F32(0), top)
+    diff = scale * L + lo - xt
+    best = _seq_sum0(wt * (diff * diff))
+    mins = lo
     for step in range(nstep + 1):
         # The C loop overwrites `min` with a better fit's, and later steps measure from it.
         span = np.where(flat, F32(1), hi - mins).astype(F32)
-        shifted = x - mins[:, None]
-        iscale = ((F32(rmin) + F32(rdelta) * F32(step)) + F32(nmax)) / span
-        laux = np.clip(_nearest_int(iscale[:, None] * shifted), 0, nmax)
-        lf = laux.astype(F32)
-        wl = w * lf
-        sum_l = _seq_sum(wl)
-        sum_l2 = _seq_sum(wl * lf)
-        sum_xl = _seq_sum(wl * x)
+        iscale = ((F32(rmin) + F32(rdelta) * F32(step)) + top) / span
+        laux = np.clip(np.rint(iscale * (xt - mins)), F32(0), top)
+        wl = wt * laux
+        sum_l = _seq_sum0(wl)
+        sum_l2 = _seq_sum0(wl * laux)
+        sum_xl = _seq_sum0(wl * xt)
         big_d = sum_w * sum_l2 - sum_l * sum_l
         ok = big_d > 0
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -206,16 +208,24 @@ def _make_qkx2(
             pos = this_min > 0
             this_min = np.where(pos, F32(0), this_min).astype(F32)
             this_scale = np.where(pos, sum_xl / np.where(pos, sum_l2, F32(1)), this_scale)
-        diff = this_scale[:, None] * lf + this_min[:, None] - x
-        cur = _seq_sum(w * (diff * diff))
+        diff = this_scale * laux + this_min - xt
+        cur = _seq_sum0(wt * (diff * diff))
         better = ok & (cur < best) & ~flat
-        L = np.where(better[:, None], laux, L)
+        L = np.where(better, laux, L)
         best = np.where(better, cur, best)
         scale = np.where(better, this_scale, scale).astype(F32)
         mins = np.where(better, this_min, mins).astype(F32)
-    L = np.where(flat[:, None], 0, L)
+    L = np.where(flat, F32(0), L)
     scale = np.where(flat, F32(0), scale).astype(F32)
-    return scale, -mins, L
+    return scale, -mins, np.ascontiguousarray(L.T).astype(np.int32)
+
+
+def _seq_sum0(terms: np.ndarray) -> np.ndarray:
+    """`_seq_sum` over the first axis."""
+    acc = np.zeros(terms.shape[1:], dtype=F32)
+    for i in range(terms.shape[0]):
+        acc = acc + terms[i]
+    return acc
 
 
 def _kx_block(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
@@ -278,18 +288,20 @@ def _q5_k(x: np.ndarray) -> np.ndarray:
 
 
 def _make_qx_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """make_qx_quants(n, nmax, x, L, rmse_type=1, no weights) over rows: (scale, L in 0..2nmax-1)."""
+    """make_qx_quants(n, nmax, x, L, rmse_type=1, no weights) over rows: (scale, L in 0..2nmax-1).
+    On the transpose, as `_make_qkx2`."""
+    xt = np.ascontiguousarray(x.T)
     amax, vmax = _first_absmax(x)
     zero = amax < F32(1e-15)
     vmax = np.where(zero, F32(1), vmax).astype(F32)
-    w = x * x
+    wx = (xt * xt) * xt  # w * x with w = x * x
+    ww = xt * xt
 
     def trial(iscale):
-        li = np.clip(_nearest_int(iscale[:, None] * x), -nmax, nmax - 1)
-        lf = li.astype(F32)
-        return li, _seq_sum((w * x) * lf), _seq_sum((w * lf) * lf)
+        lf = np.clip(np.rint(iscale * xt), F32(-nmax), F32(nmax - 1))
+        return lf, _seq_sum0(wx * lf), _seq_sum0((ww * lf) * lf)
 
-    li, sumlx, suml2 = trial(F32(-nmax) / vmax)
+    lf, sumlx, suml2 = trial(F32(-nmax) / vmax)
     with np.errstate(divide="ignore", invalid="ignore"):
         scale = np.where(suml2 != 0, sumlx / np.where(suml2 != 0, suml2, F32(1)), F32(0))
     scale = scale.astype(F32)
@@ -300,14 +312,14 @@ def _make_qx_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
         iscale = -(F32(nmax) + F32(0.1) * F32(step)) / vmax
         lj, sumlx, suml2 = trial(iscale)
         better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        li = np.where(better[:, None], lj, li)
+        lf = np.where(better, lj, lf)
         with np.errstate(divide="ignore", invalid="ignore"):
             new_scale = (sumlx / np.where(better, suml2, F32(1))).astype(F32)
         scale = np.where(better, new_scale, scale).astype(F32)
         best = np.where(better, scale * sumlx, best).astype(F32)
     scale = np.where(zero, F32(0), scale).astype(F32)
-    L = np.where(zero[:, None], 0, li + nmax)
-    return scale, L
+    L = np.where(zero, F32(0), lf + F32(nmax))
+    return scale, np.ascontiguousarray(L.T).astype(np.int32)
 
 
 def _q6_k(x: np.ndarray) -> np.ndarray:
