@@ -28,6 +28,7 @@ from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES, GGMLQuantiza
 
 from models import AttentionMetadata, ModelLoadError, PrefillChunk, load_model
 from models.fetch import model_path
+from models.hf_tokenizer import load_gguf_tokenizer
 from tools import synth_model
 from tools.synth_model import ARCHES, random_state_dict, read_tokenizer, write_gguf
 
@@ -250,10 +251,28 @@ def test_cli_lists_presets_and_refuses_bad_arguments(capsys, tmp_path):
         assert preset in out
     with pytest.raises(SystemExit):
         synth_model.main(["--preset", "qwen3-0.6b", "--arch", "llama", "-o", str(tmp_path / "x")])
-    with pytest.raises(ValueError, match="vocab_size"):
-        arch, config = synth_model.make_config("smollm2-360m", **dict(TINY, vocab_size=60000))
-        tok = synth_model.Tokenizer({"tokenizer.ggml.tokens": (["a"] * 10, None, None)}, "t")
-        write_gguf(tmp_path / "x.gguf", arch, config, random_state_dict(arch, config), tok)
+    with pytest.raises(SystemExit):
+        synth_model.main(["--preset", "llama-4", "-o", str(tmp_path / "x")])
+
+
+def test_a_vocabulary_larger_than_the_tokenizer_is_padded_with_unused_tokens(
+    tmp_path, smol_tokenizer
+):
+    n = smol_tokenizer.vocab_size + 1000  # a preset's real head size, e.g. Llama 3.2's 128,256
+    shape = dict(TINY, num_hidden_layers=1, hidden_size=64, head_dim=16, intermediate_size=128)
+    path = synth_model.write_synthetic(
+        tmp_path / "pad.gguf", "smollm2-360m", "Q8_0", tokenizer=smol_tokenizer,
+        **dict(shape, vocab_size=n),
+    )  # fmt: skip
+    reader = GGUFReader(str(path))
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    assert len(tokens) == len(types) == n and types[-1] == 5 and types[100] == 1
+    lm = load_model(str(path))
+    assert lm.config.vocab_size == n
+    ids = lm.tokenizer.encode("Hello world")
+    assert ids == load_gguf_tokenizer(model_path("smollm2-135m-instruct")).encode("Hello world")
+    assert max(ids) < smol_tokenizer.vocab_size
 
 
 # -- against llama.cpp (where it is built) ---------------------------------------------------------

@@ -18,8 +18,10 @@ own tiny random models with it.
 
 The tokenizer is real, copied from a GGUF the project fetches: Gemma 3 270M's (262,144 tokens)
 for gemma3, SmolLM2's (GPT-2 style BPE, 49,152 tokens) for llama, qwen2, qwen3 and phi3, whose own
-tokenizers no package ships; the vocabulary size is the tokenizer's (a smaller one truncates it),
-so a Qwen- or Phi-shaped file has SmolLM2's vocabulary and head, not 151,936 or 32,064 rows.
+tokenizers no package ships. The vocabulary is the tokenizer's by default, so a Qwen- or
+Phi-shaped file has SmolLM2's 49,152 tokens and head rows, not 151,936 or 32,064; `--vocab N`
+sets it (`--vocab 128256` for Llama 3.2's head size): a smaller vocabulary keeps the first N
+tokens, a larger one pads with unused tokens no text encodes to.
 """
 
 from __future__ import annotations
@@ -146,7 +148,8 @@ OVERRIDES = (
     ("sliding_window", "--sliding-window"),
 )
 
-INIT_STD = 0.02  # transformers' initializer_range for all of these families
+INIT_STD = 0.02
+UNUSED_TOKEN = 5  # llama.cpp's token type for a padding token no text encodes to  # transformers' initializer_range for all of these families
 
 
 # -- the tokenizer ---------------------------------------------------------------------------------
@@ -162,6 +165,25 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.fields["tokenizer.ggml.tokens"][0])
+
+    def resized(self, n: int) -> Tokenizer:
+        """`n` tokens: more pads with unused tokens (as llama.cpp's converter pads Phi-3's
+        vocabulary), so a file can carry its preset's real vocabulary and head size; fewer
+        keeps the first `n` (`truncated`)."""
+        if n <= self.vocab_size:
+            return self.truncated(n)
+        extra = n - self.vocab_size
+        fields = dict(self.fields)
+        value, vtype, sub = fields["tokenizer.ggml.tokens"]
+        pads = [f"<|synthetic_unused_{i}|>" for i in range(extra)]
+        fields["tokenizer.ggml.tokens"] = (list(value) + pads, vtype, sub)
+        if "tokenizer.ggml.token_type" in fields:
+            value, vtype, sub = fields["tokenizer.ggml.token_type"]
+            fields["tokenizer.ggml.token_type"] = (list(value) + [UNUSED_TOKEN] * extra, vtype, sub)
+        if "tokenizer.ggml.scores" in fields:
+            value, vtype, sub = fields["tokenizer.ggml.scores"]
+            fields["tokenizer.ggml.scores"] = (list(value) + [-10000.0] * extra, vtype, sub)
+        return Tokenizer(fields, self.source)
 
     def truncated(self, n: int) -> Tokenizer:
         """The first `n` tokens (a tiny test model's vocabulary): merges that make or use a token
@@ -447,18 +469,13 @@ def write_gguf(
 ) -> Path:
     """Write a GGUF of `arch` from a Hugging Face-named `state_dict` (numpy arrays or torch
     tensors) and HF `config`, with `tokenizer` (default: `default_tokenizer(arch)`, truncated to
-    the config's vocabulary) and tensors in `fmt` (a key of `models.gguf_quantize.FTYPES`)."""
+    the config's vocabulary: cut, or padded with unused tokens) and tensors in `fmt` (a key of `models.gguf_quantize.FTYPES`)."""
     if arch not in ARCHES:
         raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHES}")
     if fmt not in FTYPES:
         raise ValueError(f"unknown format {fmt!r}; choose one of {list(FTYPES)}")
     vocab = int(config["vocab_size"])
-    tok = (tokenizer or default_tokenizer(arch)).truncated(vocab)
-    if tok.vocab_size != vocab:
-        raise ValueError(
-            f"the tokenizer from {tok.source} has {tok.vocab_size} tokens, the model {vocab}: "
-            "set vocab_size to at most the tokenizer's"
-        )
+    tok = (tokenizer or default_tokenizer(arch)).resized(vocab)
     tensors = _gguf_tensors(arch, config, state_dict)
     ftype, _ = FTYPES[fmt]
     # As from llama.cpp's converter with --outtype f16: 2-D weights float16, the rest float32.
