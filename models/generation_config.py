@@ -6,7 +6,8 @@ Owns where a model's recommended sampling settings come from, as vLLM reads them
   `repetition_penalty`, and `max_new_tokens` as `max_tokens`);
 - a built-in preset for a model whose file carries none (the bundled SmolLM2-135M-Instruct GGUF:
   its model card recommends temperature 0.2, top-p 0.9; at OpenAI's default temperature 1.0 its
-  flat distribution wanders off into other languages within a few tokens);
+  flat distribution wanders off into other languages within a few tokens; Gemma 3 270M, a base
+  model: its generation_config.json's top-k 64, top-p 0.95);
 - nothing for TinyGPT and other GGUF files: OpenAI's defaults (temperature 1, top-p 1) apply.
 
 `python -m server --generation-config auto|none|DIR` and `--override-generation-config JSON`
@@ -39,6 +40,10 @@ _INT_FIELDS = frozenset({"top_k", "max_tokens"})
 PRESETS: dict[str, dict[str, Any]] = {
     # https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct: "temperature=0.2, top_p=0.9"
     "smollm2-135m-instruct": {"temperature": 0.2, "top_p": 0.9},
+    # google/gemma-3-270m's generation_config.json: do_sample, top_k 64, top_p 0.95 (temperature
+    # 1). A base model, not instruction-tuned: its defaults are for continuing text, and chat
+    # goes through the template its GGUF carries with no promise of following instructions.
+    "gemma-3-270m": {"top_k": 64, "top_p": 0.95},
 }
 
 

@@ -1,8 +1,8 @@
 """`load_model(name_or_path)`: one entry point from a name or a path to a ready model.
 
 Returns a `LoadedModel`: the torch module, its tokenizer and its config. Names: "tinygpt"
-(built in); "smollm2-135m-instruct" (the GGUF file `python -m models.fetch` puts in the model
-cache, fetched on first use if it is not there yet: `models.fetch.smollm2_path`);
+(built in); "smollm2-135m-instruct", "gemma-3-270m" (GGUF files `python -m models.fetch NAME`
+puts in the model cache, fetched on first use if they are not there yet: `models.fetch.MODELS`);
 a path to a `.gguf` file or a Hugging Face model directory of the Llama family.
 """
 
@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from models.base import LoadedModel, ModelLoadError
-from models.fetch import smollm2_path
+from models.fetch import find as find_fetchable
+from models.fetch import model_path
 from models.gguf_loader import load_gguf
 from models.hf_loader import load_hf_directory
 from models.llama import Linear
@@ -25,7 +26,7 @@ from models.quant import KernelOptions
 from models.tinygpt import build_tinygpt
 
 SUPPORTED = (
-    '"tinygpt", "smollm2-135m-instruct", a path to a Llama-architecture .gguf file, '
+    '"tinygpt", "smollm2-135m-instruct", "gemma-3-270m", a path to a .gguf file, '
     "or a Hugging Face model directory (config.json + *.safetensors) of the Llama family "
     "(Llama, Mistral, Qwen2, SmolLM)"
 )
@@ -164,9 +165,10 @@ def _load(name_or_path: str, kernels: KernelOptions | None) -> LoadedModel:
     if key.lower() == "tinygpt":
         model, tok = build_tinygpt()
         return LoadedModel("tinygpt", model, tok, model.config)
-    if key.lower() in ("smollm2-135m-instruct", "smollm2", "smollm2-135m"):
+    if (fetchable := find_fetchable(key)) is not None:
         # Fetched on first use, unless CBSERVE_OFFLINE / HF_HUB_OFFLINE says not to.
-        return load_gguf(smollm2_path(fetch=True), name="smollm2-135m-instruct", kernels=kernels)
+        path = model_path(fetchable.name, fetch=True)
+        return load_gguf(path, name=fetchable.name, kernels=kernels)
     path = Path(key).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return load_gguf(path, name=path.stem, kernels=kernels)

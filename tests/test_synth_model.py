@@ -1,0 +1,359 @@
+"""tools.synth_model: synthetic GGUFs of each architecture (issue 24, item 4).
+
+In CI: a tiny Llama-architecture Q4_K_M / Q8_0 file loads in our loader and generates varied
+text; transformers' own tiny random Llama written to GGUF gives transformers' logits in our
+loader; every architecture's file holds exactly the tensors and keys llama.cpp's architecture
+table (gguf's constants) declares, in the layouts convert_hf_to_gguf.py writes (checked against
+transformers' modules tensor by tensor). Where llama.cpp is built: each architecture loads and
+generates in llama-server, and `synth F16` + `llama-quantize Q4_K_M` equals `synth Q4_K_M`.
+The tokenizer is SmolLM2's (skipped where it was never fetched).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES, GGMLQuantizationType
+
+from models import AttentionMetadata, ModelLoadError, PrefillChunk, load_model
+from models.fetch import model_path
+from models.hf_tokenizer import load_gguf_tokenizer
+from tools import synth_model
+from tools.synth_model import ARCHES, random_state_dict, read_tokenizer, write_gguf
+
+Q = GGMLQuantizationType
+TINY = dict(
+    num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+    intermediate_size=512, head_dim=64, vocab_size=512, max_position_embeddings=1024,
+)  # fmt: skip
+PRESET = {"llama": "smollm2-360m", "qwen2": "qwen2.5-0.5b", "qwen3": "qwen3-0.6b",
+          "phi3": "phi-3-mini", "gemma3": "gemma-3-270m"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    try:
+        path = model_path("smollm2-135m-instruct")
+    except ModelLoadError:
+        pytest.skip("SmolLM2 was never fetched here: no tokenizer to copy")
+    return read_tokenizer(path)
+
+
+def our_logits(lm, ids: list[int]) -> torch.Tensor:
+    t = len(ids)
+    meta = AttentionMetadata(None, 0, None, None, [PrefillChunk(0, t, t, None)])
+    with torch.inference_mode():
+        return lm.model.compute_logits(lm.model(torch.tensor(ids), torch.arange(t), None, meta))
+
+
+def greedy(lm, prompts: list[str], n: int) -> list[list[int]]:
+    from engine import ContinuousBatchEngine, Request, SamplingParams
+
+    engine = ContinuousBatchEngine(lm.model)
+    reqs = []
+    for p in prompts:
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        reqs.append(Request(prompt_token_ids=lm.tokenizer.encode(p), params=params))
+        engine.add_request(reqs[-1])
+    out: dict = {}
+    while engine.has_work():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+    return [out[r.request_id] for r in reqs]
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K_M", "Q8_0"])
+def test_a_tiny_llama_synthetic_file_loads_and_generates_varied_text(tmp_path, smol_tokenizer, fmt):
+    path = synth_model.write_synthetic(
+        tmp_path / "tiny.gguf", "smollm2-360m", fmt, seed=3, tokenizer=smol_tokenizer,
+        **dict(TINY, vocab_size=4096),  # SmolLM2's first 4096 tokens: bytes and common merges
+    )  # fmt: skip
+    types = {t.name: t.tensor_type for t in GGUFReader(str(path)).tensors}
+    if fmt == "Q4_K_M":
+        assert {Q.Q4_K, Q.Q6_K} <= set(types.values())
+        assert types["token_embd.weight"] == Q.Q6_K  # the tied head
+    else:
+        assert {t for n, t in types.items() if "norm" not in n} == {Q.Q8_0}
+    lm = load_model(str(path))
+    assert lm.config.vocab_size == 4096
+    outs = greedy(lm, ["The quick brown fox", "def main():", "Paris is", "1, 2, 3,"], 16)
+    # Random weights scaled as a real model's give varied argmaxes, not one token repeated.
+    assert all(len(tokens) == 16 and len(set(tokens)) >= 2 for tokens in outs), outs
+    assert len({t for tokens in outs for t in tokens}) >= 16, outs
+    assert len({tuple(tokens) for tokens in outs}) == 4
+
+
+def _hf_llama(tied: bool, rope_scaling: dict | None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rms_norm_eps=1e-5, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
+        pad_token_id=None, rope_scaling=rope_scaling,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms away from 1, so a misplaced norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+@pytest.mark.parametrize(
+    "tied,rope_scaling",
+    [
+        (False, None),
+        (
+            True,
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ],  # fmt: skip
+    ids=["untied", "tied-llama3-rope"],
+)
+def test_transformers_tiny_llama_written_to_gguf_gives_its_logits(
+    tmp_path, smol_tokenizer, tied, rope_scaling
+):
+    model = _hf_llama(tied, rope_scaling)
+    path = write_gguf(
+        tmp_path / "hf.gguf", "llama", model.config.to_dict(), model.state_dict(), smol_tokenizer
+    )
+    names = {t.name for t in GGUFReader(str(path)).tensors}
+    assert ("output.weight" in names) != tied
+    assert ("rope_freqs.weight" in names) == (rope_scaling is not None)
+    lm = load_model(str(path), activations="float32", kv_cache_dtype="float32")
+    ids = [int(i) for i in np.random.default_rng(5).integers(0, 300, 48)]
+    with torch.inference_mode():
+        ref = model(torch.tensor([ids])).logits[0].float()
+    ours = our_logits(lm, ids)
+    assert (ours - ref).abs().max().item() < 1e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def _hf_model(arch: str):
+    """transformers' own tiny random model of an architecture."""
+    import transformers as tf
+
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    classes = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"head_dim": 32}),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, {"pad_token_id": 0}),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
+                   {"head_dim": 32, "sliding_window": 16, "query_pre_attn_scalar": 32}),
+    }  # fmt: skip
+    config_cls, model_cls, extra = classes[arch]
+    torch.manual_seed(1)
+    return model_cls(config_cls(**common, **extra)).eval()
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_each_architecture_has_the_tensors_keys_and_layouts_of_llama_cpp(
+    tmp_path, smol_tokenizer, arch
+):
+    model = _hf_model(arch)
+    config = model.config.to_dict()
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    path = write_gguf(tmp_path / f"{arch}.gguf", arch, config, sd, smol_tokenizer)
+    reader = GGUFReader(str(path))
+    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
+    # Every tensor is one llama.cpp's table declares for the architecture.
+    declared = {
+        TENSOR_NAMES[t].format(bid=i) + suffix
+        for t in MODEL_TENSORS[getattr(MODEL_ARCH, arch.upper())]
+        for i in range(2)
+        for suffix in (".weight", ".bias")
+    }
+    assert set(tensors) <= declared, set(tensors) - declared
+    keys = set(reader.fields)
+    for key in ("context_length", "embedding_length", "block_count", "feed_forward_length",
+                "attention.head_count", "attention.head_count_kv", "rope.freq_base",
+                "attention.layer_norm_rms_epsilon"):  # fmt: skip
+        assert f"{arch}.{key}" in keys, key
+    assert reader.fields["general.architecture"].contents() == arch
+    assert len(reader.fields["tokenizer.ggml.tokens"].contents()) == 300
+
+    hf = {k: v.astype(np.float32) for k, v in sd.items()}
+    b0 = "model.layers.0."
+    if arch == "llama":
+        # Q rows in llama.cpp's RoPE order: per head, the two halves interleaved.
+        q = hf[b0 + "self_attn.q_proj.weight"].reshape(4, 2, 8, 64)
+        assert np.array_equal(tensors["blk.0.attn_q.weight"], q.swapaxes(1, 2).reshape(64, 64))
+    else:
+        name = "attn_qkv" if arch == "phi3" else "attn_q"
+        proj = "qkv_proj" if arch == "phi3" else "q_proj"
+        assert np.array_equal(tensors[f"blk.0.{name}.weight"], hf[b0 + f"self_attn.{proj}.weight"])
+    if arch == "qwen2":
+        assert np.array_equal(
+            tensors["blk.1.attn_k.bias"], hf["model.layers.1.self_attn.k_proj.bias"]
+        )
+    if arch in ("qwen3", "gemma3"):
+        assert tensors["blk.0.attn_q_norm.weight"].shape == (32,)
+    if arch == "phi3":
+        assert tensors["blk.1.ffn_up.weight"].shape == (256, 64)  # gate and up, as HF fuses them
+        assert reader.fields["phi3.rope.dimension_count"].contents() == 16
+    if arch == "gemma3":
+        # Gemma3RMSNorm scales by (1 + weight): the file stores weight + 1, as the converter does.
+        for hf_name, gguf_name in (("post_feedforward_layernorm", "post_ffw_norm"),
+                                   ("pre_feedforward_layernorm", "ffn_norm"),
+                                   ("post_attention_layernorm", "post_attention_norm")):  # fmt: skip
+            got = tensors[f"blk.1.{gguf_name}.weight"]
+            np.testing.assert_array_equal(got, hf[f"model.layers.1.{hf_name}.weight"] + 1)
+        assert reader.fields["gemma3.attention.sliding_window"].contents() == 16
+        assert reader.fields["gemma3.attention.key_length"].contents() == 32
+        assert reader.fields["gemma3.rope.freq_base_swa"].contents() == 10000.0
+        assert "output.weight" not in tensors
+
+
+def test_random_weights_are_initialised_like_a_real_model():
+    arch, config = synth_model.make_config("llama-3.2-1b", num_hidden_layers=1, vocab_size=1000)
+    q = random_state_dict(arch, config, seed=0)["model.layers.0.self_attn.q_proj.weight"]
+    assert q.shape == (2048, 2048) and abs(float(q.std()) - 0.02) < 0.001
+    arch, config = synth_model.make_config("qwen3-0.6b", num_hidden_layers=1, vocab_size=1000)
+    sd = random_state_dict(arch, config, seed=0)
+    # Narrower than 2048: the std that keeps a 2048-wide model's activation sizes.
+    q = sd["model.layers.0.self_attn.q_proj.weight"]
+    assert q.shape == (2048, 1024) and abs(float(q.std()) - 0.9 / 32) < 0.001
+    assert abs(float(sd["model.embed_tokens.weight"].std()) - 0.02) < 0.001
+    norm = sd["model.layers.0.input_layernorm.weight"]
+    assert abs(float(norm.mean()) - 1) < 0.01
+    assert np.array_equal(sd["model.embed_tokens.weight"], sd["model.embed_tokens.weight"])
+    gemma_arch, gemma = synth_model.make_config("gemma-3-270m", num_hidden_layers=1)
+    g = random_state_dict(gemma_arch, gemma, seed=0)["model.layers.0.input_layernorm.weight"]
+    assert abs(float(g.mean())) < 0.01  # stored as norm - 1 in HF, + 1 in the file
+
+
+def test_cli_lists_presets_and_refuses_bad_arguments(capsys, tmp_path):
+    assert synth_model.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    for preset in ("smollm2-360m", "llama-3.2-1b", "qwen3-0.6b", "qwen2.5-0.5b", "phi-3-mini",
+                   "gemma-3-1b", "gemma-3-270m"):  # fmt: skip
+        assert preset in out
+    with pytest.raises(SystemExit):
+        synth_model.main(["--preset", "qwen3-0.6b", "--arch", "llama", "-o", str(tmp_path / "x")])
+    with pytest.raises(SystemExit):
+        synth_model.main(["--preset", "llama-4", "-o", str(tmp_path / "x")])
+
+
+def test_a_vocabulary_larger_than_the_tokenizer_is_padded_with_unused_tokens(
+    tmp_path, smol_tokenizer
+):
+    n = smol_tokenizer.vocab_size + 1000  # a preset's real head size, e.g. Llama 3.2's 128,256
+    shape = dict(TINY, num_hidden_layers=1, hidden_size=64, head_dim=16, intermediate_size=128)
+    path = synth_model.write_synthetic(
+        tmp_path / "pad.gguf", "smollm2-360m", "Q8_0", tokenizer=smol_tokenizer,
+        **dict(shape, vocab_size=n),
+    )  # fmt: skip
+    reader = GGUFReader(str(path))
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    assert len(tokens) == len(types) == n and types[-1] == 5 and types[100] == 1
+    lm = load_model(str(path))
+    assert lm.config.vocab_size == n
+    ids = lm.tokenizer.encode("Hello world")
+    assert ids == load_gguf_tokenizer(model_path("smollm2-135m-instruct")).encode("Hello world")
+    assert max(ids) < smol_tokenizer.vocab_size
+
+
+# -- against llama.cpp (where it is built) ---------------------------------------------------------
+
+
+DEFAULT_LLAMA_CPP_BIN = "/work/peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
+
+
+def llama_cpp_tool(name: str) -> Path:
+    """A llama.cpp binary from $LLAMA_CPP_BIN (default: ../shared/peers.md's build) or PATH."""
+    tool = Path(os.environ.get("LLAMA_CPP_BIN", DEFAULT_LLAMA_CPP_BIN)) / name
+    if tool.is_file() and os.access(tool, os.X_OK):
+        return tool
+    found = shutil.which(name)
+    if found is None:
+        pytest.skip(f"llama.cpp's {name} is not built ({tool}; set LLAMA_CPP_BIN)")
+    return Path(found)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llama_server_greedy(model, ids: list[int], n: int) -> list[int]:
+    tool = llama_cpp_tool("llama-server")
+    port = _free_port()
+    cmd = [str(tool), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
+           "-np", "1", "-c", "512", "--no-warmup"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.time() < deadline, "llama-server did not start"
+            time.sleep(0.2)
+        body = {"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1,
+                "return_tokens": True, "ignore_eos": True}  # fmt: skip
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/completion", json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())["tokens"]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHES)
+def test_each_architecture_loads_and_generates_in_llama_cpp(tmp_path, smol_tokenizer, arch):
+    llama_cpp_tool("llama-server")
+    path = synth_model.write_synthetic(
+        tmp_path / f"{arch}.gguf", PRESET[arch], "Q4_K_M", seed=2, tokenizer=smol_tokenizer, **TINY
+    )
+    tokens = llama_server_greedy(path, [1, 400, 17, 99, 250], 12)
+    assert len(tokens) == 12 and all(0 <= t < 512 for t in tokens)
+    assert len(set(tokens)) >= 3, tokens
+
+
+@pytest.mark.slow
+def test_synth_f16_then_llama_quantize_is_synth_q4_k_m(tmp_path, smol_tokenizer):
+    tool = llama_cpp_tool("llama-quantize")
+    shape = dict(TINY, num_hidden_layers=4, intermediate_size=352)  # fallback rows too
+    common = dict(seed=4, tokenizer=smol_tokenizer, **shape)
+    f16 = synth_model.write_synthetic(tmp_path / "f16.gguf", "smollm2-360m", "F16", **common)
+    ours = synth_model.write_synthetic(tmp_path / "q.gguf", "smollm2-360m", "Q4_K_M", **common)
+    theirs = tmp_path / "theirs.gguf"
+    done = subprocess.run([str(tool), str(f16), str(theirs), "Q4_K_M"], capture_output=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    a = {t.name: t for t in GGUFReader(str(ours)).tensors}
+    b = {t.name: t for t in GGUFReader(str(theirs)).tensors}
+    assert set(a) == set(b)
+    for name, t in a.items():
+        assert t.tensor_type == b[name].tensor_type, name
+        assert np.array_equal(np.asarray(t.data), np.asarray(b[name].data)), name

@@ -1,0 +1,595 @@
+"""Synthetic GGUF models: random weights of a real architecture and shape, a real tokenizer, any
+of the formats users download, quantized by the project's reference quantizers.
+
+    python -m tools.synth_model --preset llama-3.2-1b --format Q4_K_M -o llama1b.gguf
+    python -m tools.synth_model --arch qwen3 --preset qwen3-0.6b --layers 2 --hidden 256 ...
+    python -m tools.synth_model --list
+
+Owns: the shape presets (`PRESETS`, Hugging Face config fields), the random weights
+(`random_state_dict`: normal with std 0.02 as transformers initialises them, norms near 1), and
+`write_gguf(path, arch, config, state_dict, ...)`, which writes a Hugging Face-named state dict
+and config as llama.cpp's converter (convert_hf_to_gguf.py) would: its metadata keys, tensor names
+(gguf's own name map) and layouts (llama: Q/K rows permuted for llama.cpp's RoPE; qwen2 / qwen3 /
+phi3 / gemma3 unpermuted; phi3's fused attn_qkv and ffn_up = gate+up as the checkpoint holds them;
+gemma3 norms stored as weight + 1), then quantized with `models.gguf_quantize` as
+`llama-quantize` mixes formats (2-D weights pass through float16 first, as from an F16 file, so
+`synth F16` + `llama-quantize Q4_K_M` gives this tool's Q4_K_M bytes). Tests write transformers'
+own tiny random models with it.
+
+The tokenizer is real, copied from a GGUF the project fetches: Gemma 3 270M's (262,144 tokens)
+for gemma3, SmolLM2's (GPT-2 style BPE, 49,152 tokens) for llama, qwen2, qwen3 and phi3, whose own
+tokenizers no package ships. The vocabulary is the tokenizer's by default, so a Qwen- or
+Phi-shaped file has SmolLM2's 49,152 tokens and head rows, not 151,936 or 32,064; `--vocab N`
+sets it (`--vocab 128256` for Llama 3.2's head size): a smaller vocabulary keeps the first N
+tokens, a larger one pads with unused tokens no text encodes to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES, MODEL_ARCH, GGMLQuantizationType
+from gguf.tensor_mapping import get_tensor_name_map
+
+from models.fetch import model_path
+from models.gguf_quantize import FTYPES, mix_types, quantize
+
+Q = GGMLQuantizationType
+ARCHES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+_GGUF_ARCH = {
+    "llama": MODEL_ARCH.LLAMA,
+    "qwen2": MODEL_ARCH.QWEN2,
+    "qwen3": MODEL_ARCH.QWEN3,
+    "phi3": MODEL_ARCH.PHI3,
+    "gemma3": MODEL_ARCH.GEMMA3,
+}
+# Which fetchable model's GGUF lends its tokenizer, per architecture.
+TOKENIZER_FROM = {
+    "llama": "smollm2-135m-instruct",
+    "qwen2": "smollm2-135m-instruct",
+    "qwen3": "smollm2-135m-instruct",
+    "phi3": "smollm2-135m-instruct",
+    "gemma3": "gemma-3-270m",
+}
+
+# Hugging Face config fields of the published checkpoints' text models.
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "smollm2-360m": (
+        "llama",
+        dict(
+            hidden_size=960, num_hidden_layers=32, num_attention_heads=15,
+            num_key_value_heads=5, intermediate_size=2560, vocab_size=49152,
+            rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+            max_position_embeddings=8192,
+        ),
+    ),
+    "llama-3.2-1b": (
+        "llama",
+        dict(
+            hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
+            rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+            max_position_embeddings=131072,
+            rope_scaling=dict(
+                rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+        ),
+    ),
+    "qwen2.5-0.5b": (
+        "qwen2",
+        dict(
+            hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+            num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+            rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            max_position_embeddings=32768,
+        ),
+    ),
+    "qwen3-0.6b": (
+        "qwen3",
+        dict(
+            hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+            num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+            rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            max_position_embeddings=40960,
+        ),
+    ),
+    "phi-3-mini": (
+        "phi3",
+        dict(
+            hidden_size=3072, num_hidden_layers=32, num_attention_heads=32,
+            num_key_value_heads=32, intermediate_size=8192, vocab_size=32064,
+            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            max_position_embeddings=4096, original_max_position_embeddings=4096,
+            sliding_window=2047,
+        ),
+    ),
+    "gemma-3-1b": (
+        "gemma3",
+        dict(
+            hidden_size=1152, num_hidden_layers=26, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=256, intermediate_size=6912, vocab_size=262144,
+            rope_theta=1000000.0, rope_local_base_freq=10000.0, rms_norm_eps=1e-6,
+            sliding_window=512, max_position_embeddings=32768, query_pre_attn_scalar=256,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "gemma-3-270m": (
+        "gemma3",
+        dict(
+            hidden_size=640, num_hidden_layers=18, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=256, intermediate_size=2048, vocab_size=262144,
+            rope_theta=1000000.0, rope_local_base_freq=10000.0, rms_norm_eps=1e-6,
+            sliding_window=512, max_position_embeddings=32768, query_pre_attn_scalar=256,
+            tie_word_embeddings=True,
+        ),
+    ),
+}  # fmt: skip
+
+# HF config field -> the command line flag that overrides it.
+OVERRIDES = (
+    ("num_hidden_layers", "--layers"),
+    ("hidden_size", "--hidden"),
+    ("intermediate_size", "--ffn"),
+    ("num_attention_heads", "--heads"),
+    ("num_key_value_heads", "--kv-heads"),
+    ("head_dim", "--head-dim"),
+    ("vocab_size", "--vocab"),
+    ("max_position_embeddings", "--context"),
+    ("sliding_window", "--sliding-window"),
+)
+
+INIT_STD = 0.02
+UNUSED_TOKEN = 5  # llama.cpp's token type for a padding token no text encodes to  # transformers' initializer_range for all of these families
+
+
+# -- the tokenizer ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Tokenizer:
+    """A GGUF file's `tokenizer.*` metadata, ready to copy: key -> (value, type, array item type)."""
+
+    fields: dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]
+    source: str
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.fields["tokenizer.ggml.tokens"][0])
+
+    def resized(self, n: int) -> Tokenizer:
+        """`n` tokens: more pads with unused tokens (as llama.cpp's converter pads Phi-3's
+        vocabulary), so a file can carry its preset's real vocabulary and head size; fewer
+        keeps the first `n` (`truncated`)."""
+        if n <= self.vocab_size:
+            return self.truncated(n)
+        extra = n - self.vocab_size
+        fields = dict(self.fields)
+        value, vtype, sub = fields["tokenizer.ggml.tokens"]
+        pads = [f"<|synthetic_unused_{i}|>" for i in range(extra)]
+        fields["tokenizer.ggml.tokens"] = (list(value) + pads, vtype, sub)
+        if "tokenizer.ggml.token_type" in fields:
+            value, vtype, sub = fields["tokenizer.ggml.token_type"]
+            fields["tokenizer.ggml.token_type"] = (list(value) + [UNUSED_TOKEN] * extra, vtype, sub)
+        if "tokenizer.ggml.scores" in fields:
+            value, vtype, sub = fields["tokenizer.ggml.scores"]
+            fields["tokenizer.ggml.scores"] = (list(value) + [-10000.0] * extra, vtype, sub)
+        return Tokenizer(fields, self.source)
+
+    def truncated(self, n: int) -> Tokenizer:
+        """The first `n` tokens (a tiny test model's vocabulary): merges that make or use a token
+        past `n` are dropped, special ids past it forgotten."""
+        if n >= self.vocab_size:
+            return self
+        fields = dict(self.fields)
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+            if key in fields:
+                value, vtype, sub = fields[key]
+                fields[key] = (value[:n], vtype, sub)
+        kept = set(fields["tokenizer.ggml.tokens"][0])
+        if "tokenizer.ggml.merges" in fields:
+            value, vtype, sub = fields["tokenizer.ggml.merges"]
+            ok = []
+            for merge in value:
+                a, _, b = merge.partition(" ")
+                if a in kept and b in kept and a + b in kept:
+                    ok.append(merge)
+            fields["tokenizer.ggml.merges"] = (ok, vtype, sub)
+        for key in list(fields):
+            if key.endswith("_token_id") and int(fields[key][0]) >= n:
+                del fields[key]
+        return Tokenizer(fields, self.source)
+
+
+def read_tokenizer(gguf_path: str | Path) -> Tokenizer:
+    """The `tokenizer.*` metadata of a GGUF file."""
+    reader = GGUFReader(str(gguf_path))
+    fields: dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]] = {}
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = GGUFValueType(field.types[0])
+        sub = GGUFValueType(field.types[1]) if vtype == GGUFValueType.ARRAY else None
+        fields[key] = (field.contents(), vtype, sub)
+    return Tokenizer(fields, str(gguf_path))
+
+
+def default_tokenizer(arch: str, fetch: bool = True) -> Tokenizer:
+    """The real tokenizer this tool uses for `arch` (see the module docstring)."""
+    return read_tokenizer(model_path(TOKENIZER_FROM[arch], fetch=fetch))
+
+
+# -- configs and random weights --------------------------------------------------------------------
+
+
+def make_config(preset: str, **overrides: Any) -> tuple[str, dict[str, Any]]:
+    """(arch, HF config) for a preset with fields overridden (None leaves a field as it is)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {list(PRESETS)}")
+    arch, config = PRESETS[preset]
+    config = dict(config)
+    config.update({k: v for k, v in overrides.items() if v is not None})
+    return arch, config
+
+
+def _head_dim(config: Mapping[str, Any]) -> int:
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def _rope(config: Mapping[str, Any], layer_kind: str = "full_attention") -> dict[str, Any]:
+    """RoPE parameters from either config spelling: transformers 5's `rope_parameters` (per layer
+    kind for Gemma 3) or the older `rope_theta` / `rope_scaling` / `rope_local_base_freq`."""
+    params = dict(config.get("rope_parameters") or {})
+    params = dict(params.get(layer_kind, params))
+    if config.get("rope_scaling"):
+        params.update(config["rope_scaling"])
+    if config.get("rope_theta") is not None:
+        params["rope_theta"] = config["rope_theta"]
+    if layer_kind == "sliding_attention" and config.get("rope_local_base_freq") is not None:
+        params["rope_theta"] = config["rope_local_base_freq"]
+    params.setdefault("rope_theta", 10000.0)
+    return params
+
+
+def hf_shapes(arch: str, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face checkpoint's tensor names and shapes for `arch` and `config`."""
+    d = int(config["hidden_size"])
+    hd = _head_dim(config)
+    nq = int(config["num_attention_heads"]) * hd
+    nkv = int(config["num_key_value_heads"]) * hd
+    ffn = int(config["intermediate_size"])
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (int(config["vocab_size"]), d),
+        "model.norm.weight": (d,),
+    }
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (int(config["vocab_size"]), d)
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (d,)
+        shapes[p + "post_attention_layernorm.weight"] = (d,)
+        if arch == "phi3":
+            shapes[p + "self_attn.qkv_proj.weight"] = (nq + 2 * nkv, d)
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * ffn, d)
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (nq, d)
+            shapes[p + "self_attn.k_proj.weight"] = (nkv, d)
+            shapes[p + "self_attn.v_proj.weight"] = (nkv, d)
+            shapes[p + "mlp.gate_proj.weight"] = (ffn, d)
+            shapes[p + "mlp.up_proj.weight"] = (ffn, d)
+        shapes[p + "self_attn.o_proj.weight"] = (d, nq)
+        shapes[p + "mlp.down_proj.weight"] = (d, ffn)
+        if arch == "qwen2":
+            shapes[p + "self_attn.q_proj.bias"] = (nq,)
+            shapes[p + "self_attn.k_proj.bias"] = (nkv,)
+            shapes[p + "self_attn.v_proj.bias"] = (nkv,)
+        if arch in ("qwen3", "gemma3"):
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        if arch == "gemma3":
+            shapes[p + "pre_feedforward_layernorm.weight"] = (d,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (d,)
+    return shapes
+
+
+class LazyStateDict(Mapping[str, np.ndarray]):
+    """Tensors made on access (a 4B-parameter body never sits in memory whole)."""
+
+    def __init__(self, makers: Mapping[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]]):
+        self._makers = dict(makers)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._makers[name][0]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._makers[name][1]()
+
+    def __iter__(self):
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+
+def random_state_dict(arch: str, config: Mapping[str, Any], seed: int = 0) -> LazyStateDict:
+    """Random HF-named weights: normal(0, 0.02) matrices and biases, norms 1 + normal(0, 0.02)
+    (gemma3's checkpoints store norm - 1: normal(0, 0.02)). Each tensor's values depend on the
+    seed and its name only."""
+
+    def maker(name: str, shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
+        def make() -> np.ndarray:
+            rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+            std = INIT_STD
+            if len(shape) == 2 and "embed_tokens" not in name and "lm_head" not in name:
+                # A narrow test shape keeps a 2048-wide model's activation sizes, so its layers
+                # outweigh the embedding as a real model's do (else greedy repeats the input).
+                std = max(INIT_STD, 0.9 / math.sqrt(shape[1]))
+            x = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+            if name.endswith("norm.weight") and arch != "gemma3":
+                x += np.float32(1)
+            return x
+
+        return make
+
+    return LazyStateDict({n: (s, maker(n, s)) for n, s in hf_shapes(arch, config).items()})
+
+
+# -- writing ---------------------------------------------------------------------------------------
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's Q/K row order for its RoPE (pairs interleaved per head)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _metadata(arch: str, config: Mapping[str, Any], vocab: int) -> list[tuple[str, Any]]:
+    """(key suffix after "{arch}.", value) pairs as convert_hf_to_gguf.py writes them."""
+    hd = _head_dim(config)
+    keys: list[tuple[str, Any]] = [
+        ("context_length", int(config["max_position_embeddings"])),
+        ("embedding_length", int(config["hidden_size"])),
+        ("feed_forward_length", int(config["intermediate_size"])),
+        ("block_count", int(config["num_hidden_layers"])),
+        ("attention.head_count", int(config["num_attention_heads"])),
+        ("attention.head_count_kv", int(config["num_key_value_heads"])),
+        ("rope.freq_base", float(_rope(config)["rope_theta"])),
+        ("attention.layer_norm_rms_epsilon", float(config["rms_norm_eps"])),
+    ]
+    if config.get("head_dim") is not None:
+        keys += [("attention.key_length", hd), ("attention.value_length", hd)]
+    if arch == "llama":
+        keys += [("vocab_size", vocab), ("rope.dimension_count", hd)]
+    if arch == "phi3":
+        orig = int(
+            config.get("original_max_position_embeddings", config["max_position_embeddings"])
+        )
+        rot = float(_rope(config).get("partial_rotary_factor", 1.0))
+        rope_dims = int(rot * int(config["hidden_size"])) // int(config["num_attention_heads"])
+        keys += [
+            ("rope.scaling.original_context_length", orig),
+            ("rope.dimension_count", rope_dims),
+            ("attention.sliding_window", int(config.get("sliding_window") or 0)),
+        ]
+    if arch == "gemma3":
+        keys += [
+            ("attention.sliding_window", int(config["sliding_window"])),
+            ("rope.freq_base_swa", float(_rope(config, "sliding_attention")["rope_theta"])),
+        ]
+        if config.get("final_logit_softcapping"):
+            keys.append(("final_logit_softcapping", float(config["final_logit_softcapping"])))
+    return keys
+
+
+def _rope_freqs(config: Mapping[str, Any]) -> np.ndarray | None:
+    """Llama 3's RoPE scaling as the per-frequency factors llama.cpp's converter writes."""
+    rs = _rope(config)
+    if str(rs.get("rope_type", rs.get("type", ""))).lower() != "llama3":
+        return None
+    dim = _head_dim(config)
+    base = float(rs["rope_theta"])
+    factor = float(rs.get("factor", 8.0))
+    low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
+    old = float(rs.get("original_max_position_embeddings", 8192))
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / float(f)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+def _gguf_tensors(
+    arch: str, config: Mapping[str, Any], state_dict: Mapping[str, Any]
+) -> dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]]:
+    """GGUF name -> (shape, a function giving its float32 values in the file's layout)."""
+    n_layers = int(config["num_hidden_layers"])
+    names = get_tensor_name_map(_GGUF_ARCH[arch], n_layers)
+    n_head = int(config["num_attention_heads"])
+    n_kv = int(config["num_key_value_heads"])
+    out: dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]] = {}
+    for hf_name in state_dict:
+        if hf_name == "lm_head.weight" and config.get("tie_word_embeddings", False):
+            continue
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ValueError(f"no GGUF name for {hf_name!r} in {arch}")
+        shape = (
+            state_dict.shape(hf_name)
+            if isinstance(state_dict, LazyStateDict)
+            else tuple(np.shape(state_dict[hf_name]))
+        )
+
+        def values(hf_name: str = hf_name) -> np.ndarray:
+            x = state_dict[hf_name]
+            x = (x.detach().float().numpy() if hasattr(x, "detach") else np.asarray(x)).astype(
+                np.float32
+            )
+            if arch == "llama" and hf_name.endswith("q_proj.weight"):
+                x = _permute(x, n_head)
+            elif arch == "llama" and hf_name.endswith("k_proj.weight"):
+                x = _permute(x, n_kv)
+            if arch == "gemma3" and hf_name.endswith("norm.weight"):
+                x = x + np.float32(1)  # Gemma3RMSNorm multiplies by (1 + weight)
+            return np.ascontiguousarray(x)
+
+        out[gguf_name] = (tuple(int(s) for s in shape), values)
+    if arch == "llama" and (freqs := _rope_freqs(config)) is not None:
+        out["rope_freqs.weight"] = (freqs.shape, lambda: freqs)
+    return out
+
+
+def write_gguf(
+    path: str | Path,
+    arch: str,
+    config: Mapping[str, Any],
+    state_dict: Mapping[str, Any],
+    tokenizer: Tokenizer | None = None,
+    fmt: str = "F32",
+    name: str = "synthetic",
+    progress: bool = False,
+) -> Path:
+    """Write a GGUF of `arch` from a Hugging Face-named `state_dict` (numpy arrays or torch
+    tensors) and HF `config`, with `tokenizer` (default: `default_tokenizer(arch)`, truncated to
+    the config's vocabulary: cut, or padded with unused tokens) and tensors in `fmt` (a key of `models.gguf_quantize.FTYPES`)."""
+    if arch not in ARCHES:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHES}")
+    if fmt not in FTYPES:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {list(FTYPES)}")
+    vocab = int(config["vocab_size"])
+    tok = (tokenizer or default_tokenizer(arch)).resized(vocab)
+    tensors = _gguf_tensors(arch, config, state_dict)
+    ftype, _ = FTYPES[fmt]
+    # As from llama.cpp's converter with --outtype f16: 2-D weights float16, the rest float32.
+    source = {n: (s, Q.F16 if len(s) >= 2 else Q.F32) for n, (s, _) in tensors.items()}
+    if fmt == "F32":
+        types = {n: Q.F32 for n in tensors}
+    else:
+        types = mix_types(source, fmt, n_layer=int(config["num_hidden_layers"]))
+
+    path = Path(path)
+    w = GGUFWriter(str(path), arch)
+    w.add_type("model")
+    w.add_name(name)
+    for key, value in _metadata(arch, config, vocab):
+        full = f"{arch}.{key}"
+        if isinstance(value, float):
+            w.add_float32(full, value)
+        else:
+            w.add_uint32(full, value)
+    w.add_file_type(int(ftype))
+    if fmt not in ("F32", "F16"):
+        w.add_quantization_version(2)
+    for key, (value, vtype, sub) in tok.fields.items():
+        w.add_key_value(key, value, vtype, sub)
+    order = list(tensors)
+    for n in order:
+        shape, _ = tensors[n]
+        qtype = types[n]
+        block, nbytes = GGML_QUANT_SIZES[qtype]
+        count = int(np.prod(shape))
+        w.add_tensor_info(n, shape, np.dtype(np.float32), count // block * nbytes, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for i, n in enumerate(order):
+        shape, values = tensors[n]
+        x = values()
+        if len(shape) >= 2 and fmt != "F32":
+            x = x.astype(np.float16).astype(np.float32)
+        w.write_tensor_data(quantize(x, types[n]))
+        if progress:
+            print(f"\r{i + 1}/{len(order)} {n} {types[n].name:<40}", end="", file=sys.stderr)
+    if progress:
+        print(file=sys.stderr)
+    w.close()
+    return path
+
+
+def write_synthetic(
+    path: str | Path,
+    preset: str,
+    fmt: str = "Q4_K_M",
+    seed: int = 0,
+    tokenizer: Tokenizer | None = None,
+    progress: bool = False,
+    **overrides: Any,
+) -> Path:
+    """A random-weight GGUF of a preset's architecture and shape (fields overridden by
+    `overrides`; `vocab_size` defaults to the tokenizer's)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {list(PRESETS)}")
+    tok = tokenizer or default_tokenizer(PRESETS[preset][0])
+    overrides.setdefault("vocab_size", None)
+    if overrides["vocab_size"] is None:
+        overrides["vocab_size"] = tok.vocab_size
+    arch, config = make_config(preset, **overrides)
+    state = random_state_dict(arch, config, seed)
+    # general.name stays off family names: llama.cpp keys tokenizer quirks on it (a "phi-3" name
+    # expects Phi-3's own special tokens).
+    name = "synthetic random weights"
+    return write_gguf(path, arch, config, state, tok, fmt, name=name, progress=progress)
+
+
+def parameter_count(arch: str, config: Mapping[str, Any]) -> int:
+    return sum(int(np.prod(s)) for s in hf_shapes(arch, config).values())
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m tools.synth_model", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--preset", default="smollm2-360m", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--arch", choices=ARCHES, help="must match the preset's (a check)")
+    p.add_argument("--format", default="Q4_K_M", choices=list(FTYPES))
+    p.add_argument("-o", "--output", help="the GGUF file to write")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", help="a GGUF file whose tokenizer to copy (default: see --list)")
+    for field, flag in OVERRIDES:
+        p.add_argument(flag, dest=field, type=int, help=f"override {field}")
+    p.add_argument("--list", action="store_true", help="list the presets and exit")
+    args = p.parse_args(list(argv) if argv is not None else None)
+    if args.list:
+        for name, (arch, config) in PRESETS.items():
+            print(
+                f"{name:<14} {arch:<7} {parameter_count(arch, config) / 1e6:7.0f}M parameters "
+                f"(with its own vocabulary {config['vocab_size']}); tokenizer from "
+                f"{TOKENIZER_FROM[arch]}"
+            )
+        return 0
+    if not args.output:
+        p.error("-o/--output is required")
+    arch, _ = PRESETS.get(args.preset, (None, None))
+    if arch is None:
+        p.error(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
+    if args.arch and args.arch != arch:
+        p.error(f"preset {args.preset} is {arch}, not {args.arch}")
+    tok = read_tokenizer(args.tokenizer) if args.tokenizer else default_tokenizer(arch)
+    overrides = {field: getattr(args, field) for field, _ in OVERRIDES}
+    path = write_synthetic(
+        args.output, args.preset, args.format, args.seed, tok, progress=True, **overrides
+    )
+    print(f"{path}: {path.stat().st_size / 2**20:.1f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
