@@ -1,4 +1,4 @@
-"""GGUF block formats multiplied in place (`torch.ops.cbserve.ggml_linear`, models/csrc/kquant.cpp).
+"""GGUF block formats multiplied in place (`models.ops.ggml_linear`, models/csrc/kquant.cpp).
 
 Every format's decoding against the gguf package's dequantizer (bit for bit); the linear op with
 float32 activations against the float matmul of gguf's dequantized weights, and with int8
@@ -17,7 +17,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from models import kernels
+from models import kernels, ops
 from models.quant import (
     GGML,
     GGML_A8,
@@ -62,9 +62,7 @@ def random_rows(qtype: Q, n: int, k: int, seed: int = 0) -> GGMLTensor:
 
 def linear(x, packed, bias=None, residual=None, act=0):
     p = packed
-    return getattr(torch.ops.cbserve, p.op)(
-        x, p.qs, p.d, p.m, p.kind, p.out_features, bias, residual, act
-    )
+    return p.op(x, p.qs, p.d, p.m, p.kind, p.out_features, bias, residual, act)
 
 
 def round_activations(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -87,7 +85,7 @@ def test_each_format_decodes_like_ggufs_dequantize(qtype):
     raw = w.parts[0][1]
     ref = dequantize(raw.numpy(), qtype).reshape(5, 512)
     ids = torch.tensor([[4, 0], [2, 2]])
-    got = torch.ops.cbserve.ggml_rows(raw.reshape(-1), int(qtype), 512, ids)
+    got = ops.ggml_rows(raw.reshape(-1), int(qtype), 512, ids)
     assert got.shape == (2, 2, 512)
     assert torch.equal(got, torch.from_numpy(ref)[ids])
     assert torch.equal(w.dequantize(), torch.from_numpy(ref))
@@ -185,11 +183,9 @@ def test_bad_arguments_are_refused():
     with pytest.raises(RuntimeError, match="multiple of 256"):
         linear(torch.randn(1, 128), packed)
     with pytest.raises(RuntimeError, match="rows, not N"):
-        torch.ops.cbserve.ggml_linear(
-            torch.randn(1, 256), packed.qs, None, packed.m, GGML, 9, None, None, 0
-        )
+        ops.ggml_linear(torch.randn(1, 256), packed.qs, None, packed.m, GGML, 9, None, None, 0)
     with pytest.raises(RuntimeError, match="out of range"):
-        torch.ops.cbserve.ggml_rows(packed.qs, int(Q.Q4_K), 256, torch.tensor([8]))
+        ops.ggml_rows(packed.qs, int(Q.Q4_K), 256, torch.tensor([8]))
 
 
 # -- a GGUF file in these formats -----------------------------------------------------------------
