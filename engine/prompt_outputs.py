@@ -98,14 +98,16 @@ def _prompt_logprobs(
     n = h.shape[0]
     lps = torch.log_softmax(model.compute_logits(h).float(), dim=-1)  # (n, V)
     targets = torch.tensor(state.token_ids[start + 1 : start + 1 + n], dtype=torch.long)
-    chosen = lps.gather(1, targets[:, None])[:, 0].tolist()
+    chosen_t = lps.gather(1, targets[:, None])  # (n, 1)
+    ranks = ((lps > chosen_t).sum(dim=1) + 1).tolist()
+    chosen = chosen_t[:, 0].tolist()
     k = po.top_n or 0
     top_vals, top_ids = lps.topk(k, dim=-1) if k else (None, None)
     for i in range(n):
         top: tuple[tuple[int, float], ...] = ()
         if top_ids is not None:
             top = tuple(zip(top_ids[i].tolist(), top_vals[i].tolist(), strict=True))
-        po.logprobs[start + 1 + i] = TokenLogprob(targets[i].item(), chosen[i], top)
+        po.logprobs[start + 1 + i] = TokenLogprob(targets[i].item(), chosen[i], top, ranks[i])
 
 
 def is_prefill_only(state: RequestState) -> bool:

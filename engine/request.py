@@ -171,6 +171,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 + how many tokens are likelier (prompt logprobs carry it)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -205,7 +205,7 @@ def _cross_field_rules(schemas: dict[str, Any]) -> None:
 
     - `stream_options` needs `stream: true` (OpenAI and vLLM reject it otherwise);
     - chat `top_logprobs` needs `logprobs: true` (as vLLM);
-    - completions `echo: true` takes no `logprobs` (prompt logprobs are not computed here).
+    - completions `max_tokens: 0` needs `echo: true` (the prompt's logprobs alone).
 
     Each is an `anyOf` of two plain branches ("null or absent" / "the other field set") rather
     than `if`/`then`: the same set of bodies, but with no `not` (the implied `else` of an `if`),
@@ -218,7 +218,7 @@ def _cross_field_rules(schemas: dict[str, Any]) -> None:
     rules = {
         "CompletionRequest": [
             stream_rule,
-            _either(("echo", {"const": False}, False), ("logprobs", null, False)),
+            _either(("max_tokens", {"minimum": 1}, False), ("echo", {"const": True}, True)),
         ],
         "ChatCompletionRequest": [
             stream_rule,
