@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from models import Tokenizer
 from server.client import EngineClient
+from server.embeddings import EmbeddingRequest, create_embeddings
 from server.errors import APIError, add_error_handlers, error_body
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.openapi import install_openapi
@@ -43,7 +44,15 @@ log = logging.getLogger("server.app")
 # Paths that need the API key when one is set. /health and /metrics stay open (probes, scrapers).
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 _COUNTED_PATHS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health"}
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+    }
 )
 
 
@@ -182,6 +191,10 @@ def _routes() -> APIRouter:
         body: ChatCompletionRequest, request: Request, serving: ServingDep
     ) -> Response:
         return await serving.chat(body, request)
+
+    @router.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request, serving: ServingDep) -> Response:
+        return await create_embeddings(serving, body, request)  # server.embeddings
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest, serving: ServingDep) -> Response:

@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from server.embeddings import embedding_limits
 from server.protocol import MAX_CHOICES, MAX_PROMPTS, ModelCard
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
@@ -70,6 +71,7 @@ _REASONS = {
 _ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
     "/v1/completions": (400, 401, 404, 413, 429, 503),
     "/v1/chat/completions": (400, 401, 404, 413, 429, 503),
+    "/v1/embeddings": (400, 401, 404, 413, 429, 503),
     "/tokenize": (400, 401, 404, 413),
     "/detokenize": (400, 401, 404, 413),
     "/v1/models": (401,),
@@ -114,6 +116,7 @@ def _fix(doc: dict[str, Any], card: ModelCard, vocab_size: int) -> dict[str, Any
             if path == "/metrics":
                 responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     _limits(schemas, card, vocab_size)
+    embedding_limits(schemas, card.max_model_len, vocab_size)  # server.embeddings
     _cross_field_rules(schemas)
     return doc
 

@@ -335,6 +335,9 @@ class ModelCard:
     # Sampling defaults for fields a request leaves out (models.generation_config), e.g.
     # {"temperature": 0.2, "top_p": 0.9}; empty: OpenAI's defaults.
     default_sampling_params: Mapping[str, Any] = field(default_factory=dict)
+    # How /v1/embeddings pools a prompt's final hidden states: "mean", or "last" (the last
+    # token's, for models trained that way; engine.prompt_outputs.Pooling).
+    embedding_pooling: str = "mean"
 
     @property
     def name(self) -> str:
