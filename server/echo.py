@@ -47,7 +47,9 @@ def echoed_logprobs(
         text = tokens(lp.token_id)[0]
         out["tokens"].append(text)
         out["token_logprobs"].append(_clamp(lp.logprob))
-        top = {tokens(t)[0]: _clamp(v) for t, v in lp.top[:top_n]}
+        top: dict[str, float] = {}
+        for t, v in lp.top[:top_n]:  # best first: tokens of equal text keep the best one's
+            top.setdefault(tokens(t)[0], _clamp(v))
         top.setdefault(text, _clamp(lp.logprob))
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
