@@ -27,6 +27,7 @@ from engine.errors import RequestTooLongError
 from engine.interface import EngineConfig, EngineStats
 from engine.model_runner import ModelRunner
 from engine.policy import make_policy
+from engine.prompt_outputs import finish_prefill_only, is_prefill_only
 from engine.request import Request, RequestState, StepOutput
 from engine.sampling import sample
 from engine.scheduler import Scheduler
@@ -57,6 +58,7 @@ class BatchEngine(EngineBase):
 
     mode = BatchMode.CONTINUOUS  # the default; `mode=` picks the other
     name = mode.value
+    serves_prompt_outputs = True
 
     def __init__(
         self,
@@ -187,19 +189,27 @@ class BatchEngine(EngineBase):
             rows = [r.num_new_tokens for r in sched.rows]
             decodes = sum(n == 1 for n in rows)
             sb.observe(decodes, sum(rows) - decodes, time.perf_counter() - t0)
+        # Prefill-only requests (embeddings, max_tokens 0) end with their prompt, unsampled.
+        done = [r.state for r in sched.rows if r.samples and is_prefill_only(r.state)]
         self.scheduler.commit(sched)
-        if not sampling:
-            return []
-        states = [r.state for r in sampling]
-        tokens, logprobs = sample(logits, states)
-        outputs = [
-            self._append_token(s, t, lp) for s, t, lp in zip(states, tokens, logprobs, strict=True)
-        ]
+        outputs = [self._finish_prefill_only(s) for s in done]
+        if sampling:
+            states = [r.state for r in sampling]
+            tokens, logprobs = sample(logits, states)
+            outputs += [
+                self._append_token(s, t, lp)
+                for s, t, lp in zip(states, tokens, logprobs, strict=True)
+            ]
         # Retire now, not at the start of the next step: continuous batching frees a finished
         # request's blocks at once (also when no next step comes); static holds them until the
         # batch is done (the scheduler's retire decides).
         self.scheduler.retire()
         return outputs
+
+    def _finish_prefill_only(self, state: RequestState) -> StepOutput:
+        out = finish_prefill_only(state)
+        del self.requests[state.request_id]
+        return out
 
     def stats(self) -> EngineStats:
         bm, sch = self.block_manager, self.scheduler

@@ -153,7 +153,9 @@ class BlockManager:
         The last token is never served from cache: the step must compute at least one token to
         produce the logits that sample the next.
         """
-        if not self.enable_prefix_caching:
+        # A request that needs its prompt's hidden states (prompt logprobs, an embedding)
+        # recomputes them: the cache keeps only K/V (engine.prompt_outputs).
+        if not self.enable_prefix_caching or state.prompt_out is not None:
             return []
         max_blocks = (state.num_tokens - 1) // self.block_size
         hits: list[int] = []

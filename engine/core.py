@@ -20,6 +20,7 @@ import torch
 from engine.errors import DuplicateRequestError, InvalidRequestError, RequestTooLongError
 from engine.interface import EngineConfig, EngineStats
 from engine.model_runner import run_full_sequence
+from engine.prompt_outputs import take_prompt_logprobs
 from engine.request import Request, RequestState, RequestStatus, StepOutput, TokenLogprob
 from engine.sampling import sample
 from models.base import CausalLM, LoadedModel
@@ -53,6 +54,8 @@ class EngineBase:
     """
 
     name = "base"
+    # Whether prompt logprobs, max_tokens 0 and embeddings (engine.prompt_outputs) are served.
+    serves_prompt_outputs = False
     # Live requests by id: a dict of the engine's own, or (an engine made of pools) a view of
     # its pools' (`engine.pooled`).
     requests: Mapping[str, RequestState]
@@ -85,6 +88,13 @@ class EngineBase:
             raise InvalidRequestError(
                 f"prompt_token_ids contains {bad!r}, outside the vocabulary [0, {vocab})",
                 "prompt_token_ids",
+            )
+        wants_prompt = request.params.prompt_logprobs is not None or request.pooling is not None
+        if (wants_prompt or request.params.max_tokens == 0) and not self.serves_prompt_outputs:
+            raise InvalidRequestError(
+                f"the {self.name} engine does not compute prompt logprobs or embeddings "
+                "(max_tokens 0 needs them)",
+                "prompt_logprobs",
             )
         total = n_prompt + request.params.max_tokens
         if total > self.max_model_len:
@@ -151,7 +161,9 @@ class EngineBase:
             state.status = RequestStatus.FINISHED_LENGTH
         if state.finished:
             del self.requests[state.request_id]  # type: ignore[attr-defined]
-        return state.output([token], None if lp is None else [lp])
+        return state.output(
+            [token], None if lp is None else [lp], prompt_logprobs=take_prompt_logprobs(state)
+        )
 
     # -- hooks -----------------------------------------------------------------------------------
 

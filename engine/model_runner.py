@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine import prompt_outputs
 from engine.block_manager import NULL_BLOCK
 from engine.scheduler import ScheduledRequest
 from models.attention import AttentionMetadata, PrefillChunk
@@ -61,6 +62,9 @@ class ModelRunner:
         ctx_lens: list[int] = []
         sample_idx: list[int] = []
         sample_rows: list[ScheduledRequest] = []
+        # (state, first flat index, first position, tokens) of rows whose prompt's hidden
+        # states are wanted (prompt logprobs, embeddings: engine.prompt_outputs)
+        spans: list[tuple] = []
 
         for r in decode_rows:
             s = r.state
@@ -70,7 +74,9 @@ class ModelRunner:
             slots.append(NULL_BLOCK * self.block_size if r.wasted else self._slot(s.block_ids, pos))
             tables.append(s.block_ids)
             ctx_lens.append(pos + 1)
-            if r.samples:
+            if s.prompt_out is not None and not r.wasted:
+                spans.append((s, len(input_ids) - 1, pos, 1))
+            if r.samples and not prompt_outputs.is_prefill_only(s):
                 sample_idx.append(len(input_ids) - 1)
                 sample_rows.append(r)
 
@@ -87,7 +93,9 @@ class ModelRunner:
                     token_start, n, start + n, torch.tensor(s.block_ids[:nb], dtype=torch.long)
                 )
             )
-            if r.samples:
+            if s.prompt_out is not None:
+                spans.append((s, token_start, start, n))
+            if r.samples and not prompt_outputs.is_prefill_only(s):
                 sample_idx.append(len(input_ids) - 1)
                 sample_rows.append(r)
 
@@ -109,6 +117,8 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos_t = torch.tensor(positions, dtype=torch.long)
         hidden = self.model(ids, pos_t, self.kv_caches, meta)  # (T, d)
+        if spans:
+            prompt_outputs.collect(self.model, hidden, spans)
         if not sample_rows:
             return hidden.new_empty((0, self.model.config.vocab_size)), []
         logits = self.model.compute_logits(hidden[torch.tensor(sample_idx)])  # (N, V)

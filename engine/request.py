@@ -20,6 +20,7 @@ import torch
 from engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
+    from engine.prompt_outputs import Pooling
     from engine.structured import TokenConstraint
 
 _ids = itertools.count()
@@ -47,13 +48,16 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs with each sampled token (0: just the sampled one)
     seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    # Logprobs of the prompt's tokens (top-N alternatives each; engine.prompt_outputs). With
+    # max_tokens 0 the request ends after its prompt (a loglikelihood: echo, max_tokens=0).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidRequestError:
             return InvalidRequestError(f"{name} {why}, got {getattr(self, name)!r}", param=name)
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise bad("max_tokens", "must be an integer >= 1 (or 0: the prompt only)")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a finite number >= 0")
         if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):
@@ -74,6 +78,10 @@ class SamplingParams:
             isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20
         ):
             raise bad("logprobs", "must be an integer in [0, 20]")
+        if self.prompt_logprobs is not None and not (
+            isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20
+        ):
+            raise bad("prompt_logprobs", "must be an integer in [0, 20]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -118,6 +126,9 @@ class Request:
     # Structured output: this request's grammar state (engine.structured), built off the step
     # path; the sampler masks its row with it and the engine advances it. In-process only.
     constraint: TokenConstraint | None = None
+    # An embedding request: prefill only, its prompt's final hidden states pooled
+    # (engine.prompt_outputs); no token is sampled.
+    pooling: Pooling | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -160,6 +171,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 + how many tokens are likelier (prompt logprobs carry it)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -177,6 +189,10 @@ class StepOutput:
     # When the engine first scheduled the request (time.monotonic), for queue-time metrics;
     # None from an engine that does not record it.
     first_scheduled_time: float | None = None
+    # With the first output of a request that asked for them: one per prompt token (None for
+    # the first). The pooled, L2-normalised embedding of an embedding request's prompt.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: list[float] | None = None
 
 
 class RequestState:
@@ -198,6 +214,7 @@ class RequestState:
         "block_hashes",
         "paused",
         "constraint",
+        "prompt_out",
     )
 
     def __init__(self, request: Request, eos_token_ids: tuple[int, ...]) -> None:
@@ -227,6 +244,12 @@ class RequestState:
         # The reader is behind (backpressure): not scheduled until resumed.
         self.paused = False
         self.constraint = request.constraint
+        # Prompt logprobs / embedding being computed (engine.prompt_outputs), or None.
+        self.prompt_out = None
+        if self.params.prompt_logprobs is not None or request.pooling is not None:
+            from engine.prompt_outputs import PromptOutputs  # it imports this module
+
+            self.prompt_out = PromptOutputs.for_state(self)
 
     @property
     def request_id(self) -> str:
@@ -253,7 +276,12 @@ class RequestState:
         return FINISH_REASONS.get(self.status)
 
     def output(
-        self, token_ids: list[int], logprobs: list[TokenLogprob] | None = None
+        self,
+        token_ids: list[int],
+        logprobs: list[TokenLogprob] | None = None,
+        *,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
+        embedding: list[float] | None = None,
     ) -> StepOutput:
         """This step's output for the request: `token_ids` new, and where it stands now."""
         return StepOutput(
@@ -265,6 +293,8 @@ class RequestState:
             num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
             first_scheduled_time=self.first_scheduled_time,
+            prompt_logprobs=prompt_logprobs,
+            embedding=embedding,
         )
 
     def __repr__(self) -> str:

@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from models import Tokenizer
 from server.client import EngineClient
+from server.embeddings import EmbeddingRequest, create_embeddings
 from server.errors import APIError, add_error_handlers, error_body
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.openapi import install_openapi
@@ -49,6 +50,7 @@ _COUNTED_PATHS = frozenset(
         "/v1/completions",
         "/v1/chat/completions",
         "/v1/responses",
+        "/v1/embeddings",
         "/v1/models",
         "/tokenize",
         "/detokenize",
@@ -207,6 +209,9 @@ def _routes() -> APIRouter:
     @router.post("/v1/responses")  # issue 25: the Responses API (server.responses_api)
     async def responses(body: ResponsesRequest, request: Request, serving: ServingDep) -> Response:
         return await create_response(serving, body, request)
+    @router.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request, serving: ServingDep) -> Response:
+        return await create_embeddings(serving, body, request)  # server.embeddings
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest, serving: ServingDep) -> Response:

@@ -32,6 +32,7 @@ class Choice:
         "num_tokens",
         "num_cached_tokens",
         "logprobs",
+        "prompt_logprobs",
         "finish_reason",
         "first_time",
         "last_time",
@@ -62,6 +63,7 @@ class Choice:
         self.num_tokens = 0
         self.num_cached_tokens = 0
         self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for
         self.finish_reason: str | None = None
         self.first_time: float | None = None
         self.last_time: float | None = None
@@ -77,6 +79,8 @@ class Choice:
         self.num_cached_tokens = out.num_cached_tokens
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         text_ids = ids
         if out.finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
             text_ids = ids[:-1]  # EOS / stop_token_ids end the text; they are not part of it

@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from server.embeddings import embedding_limits
 from server.protocol import MAX_CHOICES, MAX_PROMPTS, ModelCard
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
@@ -77,6 +78,7 @@ _ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
     "/v1/completions": (400, 401, 404, 413, 429, 503),
     "/v1/chat/completions": (400, 401, 404, 413, 429, 503),
     "/v1/responses": (400, 401, 404, 413, 429, 503),
+    "/v1/embeddings": (400, 401, 404, 413, 429, 503),
     "/tokenize": (400, 401, 404, 413),
     "/detokenize": (400, 401, 404, 413),
     "/v1/models": (401,),
@@ -121,6 +123,7 @@ def _fix(doc: dict[str, Any], card: ModelCard, vocab_size: int) -> dict[str, Any
             if path == "/metrics":
                 responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     _limits(schemas, card, vocab_size)
+    embedding_limits(schemas, card.max_model_len, vocab_size)  # server.embeddings
     _cross_field_rules(schemas)
     return doc
 
@@ -214,7 +217,7 @@ def _cross_field_rules(schemas: dict[str, Any]) -> None:
 
     - `stream_options` needs `stream: true` (OpenAI and vLLM reject it otherwise);
     - chat `top_logprobs` needs `logprobs: true` (as vLLM);
-    - completions `echo: true` takes no `logprobs` (prompt logprobs are not computed here).
+    - completions `max_tokens: 0` needs `echo: true` (the prompt's logprobs alone).
 
     Each is an `anyOf` of two plain branches ("null or absent" / "the other field set") rather
     than `if`/`then`: the same set of bodies, but with no `not` (the implied `else` of an `if`),
@@ -227,7 +230,7 @@ def _cross_field_rules(schemas: dict[str, Any]) -> None:
     rules = {
         "CompletionRequest": [
             stream_rule,
-            _either(("echo", {"const": False}, False), ("logprobs", null, False)),
+            _either(("max_tokens", {"minimum": 1}, False), ("echo", {"const": True}, True)),
         ],
         "ChatCompletionRequest": [
             stream_rule,

@@ -215,9 +215,11 @@ Prompt = Text | list[Text] | list[Int] | list[list[Int]]
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: int_in(ge=1) | None = 16
+    max_tokens: int_in(ge=0) | None = 16  # 0 only with echo: the prompt's logprobs alone
     echo: bool = False
     logprobs: int_in(ge=0, le=MAX_LOGPROBS) | None = None
+    # vLLM's: top-N logprobs of each prompt token, in `choices[].prompt_logprobs`
+    prompt_logprobs: int_in(ge=0, le=MAX_LOGPROBS) | None = None
     suffix: Text | None = None
     # vLLM V1's rule: null or 1 (the n choices themselves; clients such as LangChain send 1
     # with any n). Choosing the best n of more candidates is not supported.
@@ -246,7 +248,7 @@ class CompletionRequest(SamplingFields):
 
     def max_output_tokens(self) -> int:
         """max_tokens; OpenAI's default of 16 when it is sent as null."""
-        return self.max_tokens or 16
+        return 16 if self.max_tokens is None else self.max_tokens
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -342,6 +344,9 @@ class ModelCard:
     # Sampling defaults for fields a request leaves out (models.generation_config), e.g.
     # {"temperature": 0.2, "top_p": 0.9}; empty: OpenAI's defaults.
     default_sampling_params: Mapping[str, Any] = field(default_factory=dict)
+    # How /v1/embeddings pools a prompt's final hidden states: "mean", or "last" (the last
+    # token's, for models trained that way; engine.prompt_outputs.Pooling).
+    embedding_pooling: str = "mean"
 
     @property
     def name(self) -> str:

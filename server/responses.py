@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from engine import TokenLogprob
 from models import Tokenizer
+from server import echo
 from server.errors import ClientDisconnected, api_error
 from server.generation import Choice, Generation
 from server.protocol import ModelCard
@@ -145,12 +146,34 @@ class ResponseFormat:
 class CompletionFormat(ResponseFormat):
     object = chunk_object = "text_completion"
 
-    def __init__(self, gen: Generation, tokens: TokenText) -> None:
+    def __init__(
+        self, gen: Generation, tokens: TokenText, prompt_logprobs: int | None = None
+    ) -> None:
         super().__init__(gen, tokens)
         self.offsets = {c.index: 0 for c in gen.choices}  # text_offset of each choice's next token
+        self.prompt_logprobs = prompt_logprobs  # vLLM's field: top-N, None when not asked
+        self.echoed: set[int] = set()  # choices whose echoed prompt logprobs were streamed
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """echo with logprobs: the prompt's logprobs come first (server.echo)."""
+        return self.gen.echo and self.gen.logprobs is not None
+
+    def _prompt_part(self, c: Choice) -> dict[str, Any] | None:
+        if not self.echo_logprobs or c.prompt_logprobs is None:
+            return None
+        ids = self.gen.prompts[c.prompt_index]
+        return echo.prompt_part(self.tokens, ids, c.prompt_logprobs, self.gen.logprobs or 0)
+
+    def _vllm_field(self, c: Choice) -> dict[str, Any]:
+        if self.prompt_logprobs is None or c.prompt_logprobs is None:
+            return {}
+        plps = echo.vllm_prompt_logprobs(self.tokens, c.prompt_logprobs, self.prompt_logprobs)
+        return {"prompt_logprobs": plps}
 
     def prologue(self) -> list[dict[str, Any]]:
-        if not self.gen.echo:
+        # With logprobs the echoed prompt goes with the first chunk, which has its logprobs.
+        if not self.gen.echo or self.echo_logprobs:
             return []
         echoed = []
         for c in self.gen.choices:
@@ -160,23 +183,43 @@ class CompletionFormat(ResponseFormat):
         return echoed
 
     def chunk_choice(self, c: Choice, delta: str, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+        first = c.index not in self.echoed
+        self.echoed.add(c.index)
+        prompt = self._prompt_part(c) if first else None
+        if prompt is not None:
+            delta = self.gen.prompt_texts[c.prompt_index] + delta
+            self.offsets[c.index] = echo.prompt_text_length(prompt)
         lp = None
         if self.gen.logprobs is not None:
             lp = self.tokens.completion_logprobs(lps, self.offsets[c.index])
             self.offsets[c.index] += sum(len(t) for t in lp["tokens"])
-        return {"index": c.index, "text": delta, "logprobs": lp, "finish_reason": c.finish_reason}
+            if prompt is not None:
+                lp = echo.joined(prompt, lp)
+        extra = self._vllm_field(c) if first else {}
+        return {
+            "index": c.index,
+            "text": delta,
+            "logprobs": lp,
+            "finish_reason": c.finish_reason,
+            **extra,
+        }
 
     def full_choice(self, c: Choice) -> dict[str, Any]:
         prefix = self.gen.prompt_texts[c.prompt_index] if self.gen.echo else ""
+        prompt = self._prompt_part(c)
         lp = None
         if self.gen.logprobs is not None:
-            lp = self.tokens.completion_logprobs(c.logprobs, len(prefix))
+            start = len(prefix) if prompt is None else echo.prompt_text_length(prompt)
+            lp = self.tokens.completion_logprobs(c.logprobs, start)
+            if prompt is not None:
+                lp = echo.joined(prompt, lp)
         return {
             "index": c.index,
             "text": prefix + c.text,
             "logprobs": lp,
             "finish_reason": c.finish_reason,
             "stop_reason": None,
+            **self._vllm_field(c),
         }
 
 

@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request as HTTPRequest
@@ -33,6 +34,7 @@ from models import Tokenizer
 from server.chat_output import ParsedChatFormat
 from server.chat_template import ChatTemplate
 from server.client import EngineClient
+from server.echo import prompt_logprobs_wanted
 from server.errors import APIError
 from server.generation import Choice, Generation
 from server.metrics import ServerMetrics
@@ -115,12 +117,6 @@ class OpenAIServing:
         model = self._check_model(req.model)
         if req.suffix is not None:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if req.echo and req.logprobs is not None:
-            raise APIError(
-                400,
-                "echo with logprobs is not supported (prompt logprobs are not computed)",
-                param="echo",
-            )
         prompts: list[list[int]] = []
         texts: list[str] = []
         for p in req.prompts:
@@ -136,12 +132,20 @@ class OpenAIServing:
                     400, "prompt must not be empty (it encodes to no tokens)", param="prompt"
                 )
         gen_id = self._new_id("cmpl", http, texts)
+        if req.max_tokens == 0 and not req.echo:  # the document's cross-field rule
+            raise APIError(
+                400,
+                "max_tokens must be at least 1 (0 only with echo: the prompt alone)",
+                param="max_tokens",
+            )
         params = completion_sampling_params(req, self.vocab_size, self.defaults)
+        if (top_n := prompt_logprobs_wanted(req)) is not None:  # server.echo
+            params = [replace(p, prompt_logprobs=top_n) for p in params]
         self._check_lengths(prompts, req.n, params[0].max_tokens)
         gen, requests = await self._generation(
             gen_id, http, arrival, model, prompts, texts, req, params, req.logprobs, req.echo
         )
-        fmt = CompletionFormat(gen, self.token_text)
+        fmt = CompletionFormat(gen, self.token_text, req.prompt_logprobs)
         return await self._respond(gen, requests, fmt, req.stream, http)
 
     async def chat(self, req: ChatCompletionRequest, http: HTTPRequest) -> Response:

@@ -32,7 +32,7 @@ def _run(model, **params) -> list[int]:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("max_tokens", 0),
+        ("max_tokens", -1),  # 0 is valid: the prompt only (engine.prompt_outputs)
         ("temperature", -0.5),
         ("temperature", float("nan")),
         ("top_p", 0.0),

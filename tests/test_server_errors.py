@@ -59,7 +59,8 @@ def post(server: LiveServer, path: str, **kw) -> httpx.Response:
         ({"prompt": 5}, "prompt"),
         ({"suffix": "tail"}, "suffix"),
         ({"best_of": 2}, "best_of"),
-        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"max_tokens": 0, "echo": False}, "max_tokens"),  # 0 only with echo
+        ({"prompt_logprobs": MAX_LOGPROBS + 1}, "prompt_logprobs"),
         ({"stream_options": {"include_usage": True}}, None),  # without stream
         ({"temperature": "hot"}, "temperature"),
     ],

@@ -1,5 +1,5 @@
 """Property-based fuzzing of the request models (hypothesis): random JSON-ish bodies for
-/v1/completions, /v1/chat/completions and /tokenize, mixing plausible and hostile values (wrong
+/v1/completions, /v1/chat/completions, /v1/embeddings and /tokenize, mixing plausible and hostile values (wrong
 types, NaN, huge integers, lone surrogates, unknown fields, non-JSON bytes), never get a 5xx and
 always get an OpenAI-shaped body: an error object for a 4xx, choices (or an SSE stream ending in
 `[DONE]`) for a 200.
@@ -91,6 +91,7 @@ VALID_COMPLETION = {
     "prompt": words | st.lists(words, min_size=1, max_size=3) | valid_ids,
     "echo": st.booleans(),
     "logprobs": st.integers(0, 5),
+    "prompt_logprobs": st.integers(0, 5),
 }
 VALID_CHAT = {
     **VALID_COMMON,
@@ -119,6 +120,12 @@ VALID_RESPONSES = {
     "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "name": "f"}]),
 }
 VALID_TOKENIZE = {"model": VALID_COMMON["model"], "prompt": words}
+VALID_EMBEDDING = {
+    "model": VALID_COMMON["model"],
+    "input": words | st.lists(words, min_size=1, max_size=4) | valid_ids,
+    "encoding_format": st.sampled_from(["float", "base64"]),
+    "user": words,
+}
 
 
 def field(plausible: st.SearchStrategy) -> st.SearchStrategy:
@@ -154,6 +161,7 @@ COMPLETION = {
     ),
     "echo": field(st.booleans()),
     "logprobs": field(st.integers(-1, 25)),
+    "prompt_logprobs": field(st.integers(-1, 25)),
     "best_of": field(st.integers(-1, 4)),
     "suffix": field(text),
 }
@@ -210,6 +218,13 @@ TOKENIZE = {
     "prompt": field(text),
     "messages": CHAT["messages"],
     "add_special_tokens": field(st.booleans()),
+}
+EMBEDDING = {
+    "model": COMMON["model"],
+    "input": COMPLETION["prompt"],
+    "encoding_format": field(st.sampled_from(["float", "base64", "int8"])),
+    "dimensions": field(st.integers(-1, 300)),
+    "user": field(text),
 }
 
 
@@ -279,6 +294,8 @@ def check_response(path: str, body: bytes, r) -> None:
             assert "choices" in chunk or "error" in chunk, chunk
     elif path == "/tokenize":
         assert isinstance(r.json()["tokens"], list)
+    elif path == "/v1/embeddings":
+        assert isinstance(r.json()["data"], list) and r.json()["data"]
     else:
         assert isinstance(r.json()["choices"], list) and r.json()["choices"]
 
@@ -309,3 +326,6 @@ def test_fuzzed_tokenize_never_5xx(client, body):
 @given(body=bodies(VALID_RESPONSES, "input", RESPONSES))
 def test_fuzzed_responses_never_5xx(client, body):
     check_response("/v1/responses", body, post(client, "/v1/responses", body))
+@given(body=bodies(VALID_EMBEDDING, "input", EMBEDDING))
+def test_fuzzed_embeddings_never_5xx(client, body):
+    check_response("/v1/embeddings", body, post(client, "/v1/embeddings", body))

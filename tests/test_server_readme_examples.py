@@ -127,6 +127,28 @@ def run_curl(live: LiveServer, command: str) -> str:
     return done.stdout
 
 
+README_EMBEDDINGS = """\
+from openai import OpenAI
+
+client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+
+vectors = client.embeddings.create(
+    model="smollm2-135m-instruct",
+    input=["The cat sat on the mat.", "A kitten rested on the rug."],
+)
+print(len(vectors.data), len(vectors.data[0].embedding))  # 2 576
+
+scored = client.completions.create(
+    model="smollm2-135m-instruct",
+    prompt="The capital of France is Paris",
+    echo=True,
+    max_tokens=0,
+    logprobs=1,
+)
+print(sum(scored.choices[0].logprobs.token_logprobs[1:]))  # the prompt's log-likelihood
+"""
+
+
 def run_sdk(live: LiveServer, snippet: str = README_SDK) -> str:
     assert README_URL in snippet
     out = io.StringIO()
@@ -175,6 +197,11 @@ def test_readme_tool_call_example(named_server):
 
 def test_readme_responses_example(named_server):
     assert run_sdk(named_server, README_RESPONSES)
+def test_readme_embeddings_and_prompt_logprobs_example(named_server):
+    sizes, loglikelihood = run_sdk(named_server, README_EMBEDDINGS).splitlines()
+    width = named_server.engine.model.config.hidden_size
+    assert sizes == f"2 {width}"
+    assert float(loglikelihood) < 0
 
 
 README_CLIENT = '.venv/bin/python -m clients "Give me one tip for staying healthy."'
@@ -223,5 +250,5 @@ def test_readme_shows_exactly_these_snippets():
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     snippets = (README_CURL_CHAT, README_CURL_STREAM, README_SDK, README_CLIENT)
-    for snippet in (*snippets, README_TOOLS, README_RESPONSES):
+    for snippet in (*snippets, README_TOOLS, README_RESPONSES, README_EMBEDDINGS):
         assert snippet in readme
