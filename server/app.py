@@ -209,6 +209,7 @@ def _routes() -> APIRouter:
     @router.post("/v1/responses")  # issue 25: the Responses API (server.responses_api)
     async def responses(body: ResponsesRequest, request: Request, serving: ServingDep) -> Response:
         return await create_response(serving, body, request)
+
     @router.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request, serving: ServingDep) -> Response:
         return await create_embeddings(serving, body, request)  # server.embeddings

@@ -326,6 +326,9 @@ def test_fuzzed_tokenize_never_5xx(client, body):
 @given(body=bodies(VALID_RESPONSES, "input", RESPONSES))
 def test_fuzzed_responses_never_5xx(client, body):
     check_response("/v1/responses", body, post(client, "/v1/responses", body))
+
+
+@FUZZ
 @given(body=bodies(VALID_EMBEDDING, "input", EMBEDDING))
 def test_fuzzed_embeddings_never_5xx(client, body):
     check_response("/v1/embeddings", body, post(client, "/v1/embeddings", body))

@@ -197,6 +197,8 @@ def test_readme_tool_call_example(named_server):
 
 def test_readme_responses_example(named_server):
     assert run_sdk(named_server, README_RESPONSES)
+
+
 def test_readme_embeddings_and_prompt_logprobs_example(named_server):
     sizes, loglikelihood = run_sdk(named_server, README_EMBEDDINGS).splitlines()
     width = named_server.engine.model.config.hidden_size
