@@ -30,6 +30,8 @@ import torch
 from engine.request import RequestState, RequestStatus, StepOutput, TokenLogprob
 from models.base import CausalLM
 
+LOGITS_SLICE = 128  # prompt positions whose logits are computed at once
+
 
 class Pooling(enum.Enum):
     """How an embedding request's prompt hidden states become one vector."""
@@ -88,8 +90,11 @@ def collect(
             # Position p predicts token p + 1; the prompt's last position predicts the first
             # generated token, which the sampler reports.
             last = min(end, state.num_prompt_tokens - 1)
-            if last > start:
-                _prompt_logprobs(model, h[: last - start], state, start, po)
+            # In slices: a chunk's full-vocabulary logits are large (512 tokens x 49,152 is
+            # 100 MB, twice over with the log-softmax).
+            for a in range(start, last, LOGITS_SLICE):
+                b = min(a + LOGITS_SLICE, last)
+                _prompt_logprobs(model, h[a - start : b - start], state, a, po)
 
 
 def _prompt_logprobs(

@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="name(s) clients use in `model`; the first is reported (default: the model's name)",
     )
     m.add_argument(
+        "--embedding-pooling",
+        choices=("mean", "last"),
+        default="mean",
+        help="how /v1/embeddings pools a prompt's final hidden states: mean, or the last "
+        "token's (for models whose card says so)",
+    )
+    m.add_argument(
         "--generation-config",
         default="auto",
         metavar="auto|none|DIR",
@@ -383,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         parameter_count=lm.num_parameters(),
         engine=driver.engine_name,
         default_sampling_params=defaults,
+        embedding_pooling=args.embedding_pooling,
     )
     try:
         options = settings_fields(args)  # issue 25 hook: keys, CORS, template, parsers

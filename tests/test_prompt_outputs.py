@@ -83,8 +83,9 @@ def test_prompt_logprobs_across_chunks_equal_transformers(checkpoint):
 
 def test_prompt_logprobs_of_a_cached_prefix_are_recomputed_and_equal(checkpoint):
     lm, ref = checkpoint
-    ids = random_ids(100, VOCAB, seed=5)
-    engine = ContinuousBatchEngine(lm, max_num_batched_tokens=48)
+    ids = random_ids(200, VOCAB, seed=5)
+    # One chunk of 200: its logits are taken in slices (LOGITS_SLICE).
+    engine = ContinuousBatchEngine(lm, max_num_batched_tokens=256)
     run(engine, [Request(ids[:80], SamplingParams(max_tokens=2))])  # caches 5 blocks
     warm = Request(ids, SamplingParams(max_tokens=1))
     assert run(engine, [warm])[warm.request_id][-1].num_cached_tokens == 80
