@@ -74,7 +74,7 @@ class ModelRunner:
             slots.append(NULL_BLOCK * self.block_size if r.wasted else self._slot(s.block_ids, pos))
             tables.append(s.block_ids)
             ctx_lens.append(pos + 1)
-            if s.prompt_out is not None and not r.wasted:
+            if s.prompt_out is not None and not r.wasted and pos < s.num_prompt_tokens:
                 spans.append((s, len(input_ids) - 1, pos, 1))
             if r.samples and not prompt_outputs.is_prefill_only(s):
                 sample_idx.append(len(input_ids) - 1)

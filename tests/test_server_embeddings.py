@@ -164,7 +164,18 @@ def test_embeddings_mixed_with_generation_change_no_generated_token(llama):
     live, lm, _ = llama
     prompts = [random_ids(10 + 7 * i, VOCAB, seed=50 + i) for i in range(6)]
     alone = asyncio.run(_generate(live.v1, lm.name, prompts))
-    steps_before = live.engine.num_steps
-    mixed = asyncio.run(_mixed(live.v1, lm.name, prompts))
+    runner = live.engine.runner
+    kinds: list[set[bool]] = []  # per step: embedding rows (True), generation rows (False)
+    execute = runner.execute
+
+    def spy(rows):
+        kinds.append({r.state.request.pooling is not None for r in rows})
+        return execute(rows)
+
+    runner.execute = spy  # the engine thread looks it up per step
+    try:
+        mixed = asyncio.run(_mixed(live.v1, lm.name, prompts))
+    finally:
+        del runner.execute
     assert mixed == alone
-    assert live.engine.num_steps > steps_before
+    assert {True, False} in kinds  # some step ran embeddings and generation together
