@@ -8,6 +8,7 @@ the text before it), text held back while a stop string may still be forming, an
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -140,6 +141,20 @@ class Generation:
 
     def __post_init__(self) -> None:
         self.by_request = {c.request_id: c for c in self.choices}
+
+    def summary(self) -> str:
+        """One log line for the finished request: sizes, timings, finish reasons, status."""
+        firsts = [c.first_time for c in self.choices if c.first_time is not None]
+        lasts = [c.last_time for c in self.choices if c.last_time is not None]
+        ttft = f"{min(firsts) - self.arrival:.3f}s" if firsts else "-"
+        e2e = f"{(max(lasts) if lasts else time.monotonic()) - self.arrival:.3f}s"
+        reasons = ",".join(sorted({c.finish_reason or "-" for c in self.choices}))
+        return (
+            f"{self.id} choices={len(self.choices)} "
+            f"prompt_tokens={sum(len(p) for p in self.prompts)} "
+            f"output_tokens={sum(c.num_tokens for c in self.choices)} "
+            f"ttft={ttft} e2e={e2e} finish={reasons} status={self.status}"
+        )
 
     def usage(self) -> dict:
         prompt = sum(len(p) for p in self.prompts)

@@ -146,3 +146,15 @@ def _sampling_params(
         )
         for j in range(req.n)
     ]
+
+
+def context_too_long(limit: int, prompt_len: int, max_tokens: int) -> APIError:
+    """The 400 for a prompt plus max_tokens beyond the model's context (OpenAI's wording)."""
+    return APIError(
+        400,
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+        f"completion). Please reduce the prompt or max_tokens.",
+        param="max_tokens",
+        code="context_length_exceeded",
+    )

@@ -66,6 +66,7 @@ from server.sampling_params import (
     chat_sampling_params,
     check_token_ids,
     completion_sampling_params,
+    context_too_long,
 )
 from server.structured import StructuredOutputs, structured_spec
 from server.tenancy import ClientSlots, client_identity
@@ -186,7 +187,7 @@ class OpenAIServing:
                 )
         max_tokens = req.max_output_tokens(context_left=self.card.max_model_len - len(ids))
         if max_tokens < 1:  # no max_tokens given, and the prompt fills the context
-            raise self._too_long(len(ids), 1)
+            raise context_too_long(self.card.max_model_len, len(ids), 1)
         params = chat_sampling_params(req, self.vocab_size, max_tokens, self.defaults)
         self._check_lengths([ids], req.n, params[0].max_tokens)
         spec = tool_structured_spec(plan, req)  # issue 25 hook: the tools' grammar, if any
@@ -230,17 +231,6 @@ class OpenAIServing:
     def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
         return self.chat_template.render(messages, add_generation_prompt)  # issue 25 hook
 
-    def _too_long(self, prompt_len: int, max_tokens: int) -> APIError:
-        limit = self.card.max_model_len
-        return APIError(
-            400,
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
-            f"completion). Please reduce the prompt or max_tokens.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-
     def _new_id(self, prefix: str, http: HTTPRequest, texts: list[str]) -> str:
         gen_id = f"{prefix}-{uuid.uuid4().hex}"
         http.state.request_id = gen_id  # errors from here on name it (server.errors)
@@ -258,7 +248,7 @@ class OpenAIServing:
             )
         for ids in prompts:
             if len(ids) + max_tokens > self.card.max_model_len:
-                raise self._too_long(len(ids), max_tokens)
+                raise context_too_long(self.card.max_model_len, len(ids), max_tokens)
 
     async def _generation(
         self,
@@ -419,7 +409,7 @@ class OpenAIServing:
                     gen.status = "aborted"
                 if self.metrics is not None:
                     self.metrics.finished.labels("abort").inc()
-        self._log_done(gen)
+        log.info("%s", gen.summary())
 
     def _release(self, gen: Generation) -> None:
         """Give back the generation's place in its client's concurrency count. Idempotent."""
@@ -444,21 +434,3 @@ class OpenAIServing:
         if c.first_time is None:
             c.first_time = now
         c.last_time = now
-
-    def _log_done(self, gen: Generation) -> None:
-        firsts = [c.first_time for c in gen.choices if c.first_time is not None]
-        lasts = [c.last_time for c in gen.choices if c.last_time is not None]
-        ttft = f"{min(firsts) - gen.arrival:.3f}s" if firsts else "-"
-        e2e = f"{(max(lasts) if lasts else time.monotonic()) - gen.arrival:.3f}s"
-        reasons = ",".join(sorted({c.finish_reason or "-" for c in gen.choices}))
-        log.info(
-            "%s choices=%d prompt_tokens=%d output_tokens=%d ttft=%s e2e=%s finish=%s status=%s",
-            gen.id,
-            len(gen.choices),
-            sum(len(p) for p in gen.prompts),
-            sum(c.num_tokens for c in gen.choices),
-            ttft,
-            e2e,
-            reasons,
-            gen.status,
-        )
