@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
-    BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
@@ -28,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from server.body import Text, _Body
 from server.tool_protocol import ToolCallParam, ToolChoice, Tools
 
 # Limits a single HTTP request may ask for. They bound the work one call can queue and the size
@@ -52,22 +51,6 @@ MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
 
 
-def _valid_unicode(value: str) -> str:
-    """JSON may carry a lone surrogate escape ("\\ud800"): valid JSON, but not text. It cannot be
-    encoded to UTF-8, so it would fail in the tokenizer, the log, or the error body echoing it."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(
-            f"contains invalid Unicode (a lone surrogate at position {e.start})"
-        ) from None
-    return value
-
-
-# Every client string that can reach a tokenizer, a log line or an error body is `Text`.
-Text = Annotated[str, AfterValidator(_valid_unicode)]
-
-
 def _integral(value: Any) -> Any:
     """JSON has one number type: 5.0 is the integer 5 (as JSON Schema, and so the OpenAPI
     document, says). Anything else, "5" and true included, is left to the strict int check."""
@@ -84,13 +67,6 @@ def int_in(**bounds: int) -> Any:
     """`Int` with bounds (ge, le, ...). The bounds sit on the int inside the validator, so the
     JSON schema says minimum/maximum (on the wrapped type it would say ge/le, not JSON Schema)."""
     return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
-
-
-class _Body(BaseModel):
-    # strict: booleans and integers must be JSON booleans and integers, as OpenAI requires
-    # ("stream": "yes" and "max_tokens": "5" are 400s, not coerced); an integer is still a
-    # valid float. No NaN or infinity (Python's JSON parser accepts them).
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):

@@ -11,36 +11,21 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from server.body import Text, _Body
 
 # OpenAI's rule for function names: what a template, a prompt and a grammar literal can carry.
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 MAX_TOOLS = 128  # OpenAI's limit on tools in one request
 
 
-def _valid_unicode(value: str) -> str:
-    # As server.protocol.Text: a lone surrogate is valid JSON but cannot become UTF-8.
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(
-            f"contains invalid Unicode (a lone surrogate at position {e.start})"
-        ) from None
-    return value
-
-
-_Text = Annotated[str, AfterValidator(_valid_unicode)]
 FunctionName = Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
-
-
-class _Body(BaseModel):
-    # As server.protocol's request bodies: strict types, unknown fields ignored.
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class FunctionDefinition(_Body):
     name: FunctionName
-    description: _Text | None = None
+    description: Text | None = None
     # A JSON Schema for the arguments object; absent: any object. Checked by server.tools.
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -66,14 +51,14 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ToolCallFunction(_Body):
-    name: _Text
-    arguments: _Text  # a JSON text, as the model wrote it
+    name: Text
+    arguments: Text  # a JSON text, as the model wrote it
 
 
 class ToolCallParam(_Body):
     """A call in an assistant message of the conversation so far."""
 
-    id: _Text = Field(min_length=1)
+    id: Text = Field(min_length=1)
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
