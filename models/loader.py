@@ -25,9 +25,9 @@ from models.quant import KernelOptions
 from models.tinygpt import build_tinygpt
 
 SUPPORTED = (
-    '"tinygpt", "smollm2-135m-instruct", a path to a Llama-architecture .gguf file, '
-    "or a Hugging Face model directory (config.json + *.safetensors) of the Llama family "
-    "(Llama, Mistral, Qwen2, SmolLM)"
+    '"tinygpt", "smollm2-135m-instruct", a path to a .gguf file, or a Hugging Face model '
+    "directory (config.json + *.safetensors), of Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, "
+    "Gemma 3 or SmolLM"
 )
 
 
@@ -117,6 +117,15 @@ def load_model(
             kv = torch.float16 if quantized else torch.float32
     else:
         kv = KV_DTYPES[kv_cache_dtype]
+    from models.llama import KERNEL_WINDOW
+
+    if kv == torch.int8 and lm.config.layer_windows is not None and not KERNEL_WINDOW:
+        # Windowed layers attend through the reference path, which cannot read int8 rows.
+        if kv_cache_dtype == "int8":
+            raise ModelLoadError(
+                "an int8 KV cache is not supported for models with sliding-window layers yet"
+            )
+        kv = torch.float16
     if kv == torch.int8 and lm.config.head_dim % 32:
         raise ModelLoadError(
             f"an int8 KV cache needs head_dim to be a multiple of 32 (this model's is "
