@@ -332,3 +332,63 @@ def test_phi3_longrope_is_refused(tmp_path):
     cfg.save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="longrope"):
         load_model(str(tmp_path))
+
+
+# -- the real Gemma 3 270M file ------------------------------------------------------------------
+
+
+def _gemma3_270m_path() -> Path:
+    """The Q4_K_M file: $CBSERVE_GEMMA3_GGUF, else where the model cache keeps it."""
+    from models.base import model_dir
+
+    env = os.environ.get("CBSERVE_GEMMA3_GGUF")
+    path = Path(env) if env else model_dir() / "gemma-3-270m-q4_k_m.gguf"
+    if not path.is_file():
+        pytest.skip(f"the Gemma 3 270M GGUF is not at {path}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m():
+    """(our pure-torch load, transformers' Gemma3ForCausalLM reading the same file)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from tests.test_models_real import faster_gguf_parsing
+
+    path = _gemma3_270m_path()
+    with faster_gguf_parsing():
+        cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        with torch.device("meta"):  # skip random init; every weight is assigned below
+            ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=ref)
+    ref.load_state_dict(tensors["tensors"], strict=False, assign=True)
+    # buffers built on meta above
+    ref.model.rotary_emb = type(ref.model.rotary_emb)(config=cfg)
+    ref.model.embed_tokens.embed_scale = torch.tensor(cfg.hidden_size**0.5)
+    ref.tie_weights()
+    return load_model(str(path), use_kernels=False), ref.eval()
+
+
+@pytest.mark.slow
+def test_gemma3_270m_gguf_matches_transformers_past_its_window(gemma3_270m):
+    """The real file (Q5_0 / Q4_K / Q6_K / Q8_0 blocks, window 512, 262k vocabulary) against
+    transformers reading the same file, over 600 tokens: beyond the window."""
+    lm, ref = gemma3_270m
+    assert lm.config.layer_windows == ((512,) * 5 + (0,)) * 3
+    assert lm.config.vocab_size == 262_144 and lm.config.head_dim == 256
+    ids = lm.tokenizer.encode(Path("README.md").read_text() * 3, add_special_tokens=True)[:600]
+    assert ids[0] == lm.config.bos_token_id == 2
+    assert_logits_match(our_logits(lm, ids), hf_logits(ref, ids))
+
+
+@pytest.mark.slow
+def test_gemma3_270m_completes_the_fox_and_chats(gemma3_270m):
+    lm, _ = gemma3_270m
+    tok = lm.tokenizer
+    out, _ = engine_logits(lm, tok.encode("The quick brown fox", add_special_tokens=True), 6)
+    assert tok.decode(out) == " jumps over the lazy dog."  # as llama.cpp on the same file
+    rendered = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert rendered == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert tok.encode(rendered)[:2] == [2, 105]  # BOS and <start_of_turn> as single ids
+    assert 106 in lm.eos_token_ids  # <end_of_turn> ends a chat turn
