@@ -392,3 +392,38 @@ def test_gemma3_270m_completes_the_fox_and_chats(gemma3_270m):
     assert rendered == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
     assert tok.encode(rendered)[:2] == [2, 105]  # BOS and <start_of_turn> as single ids
     assert 106 in lm.eos_token_ids  # <end_of_turn> ends a chat turn
+
+
+def test_multimodal_gemma3_directory_loads_its_language_model(tmp_path):
+    """model_type "gemma3" (image-text): the decoder is its text_config, its tensors sit under
+    the language model's prefix, and the vision tower's are left out."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from tests.test_models_real import byte_level_tokenizer, randomize_
+
+    text = gemma3_config().to_dict()
+    vision = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    cfg = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=VOCAB - 3,
+        eoi_token_index=VOCAB - 2,
+        image_token_index=VOCAB - 1,
+    )
+    torch.manual_seed(0)
+    ref = Gemma3ForConditionalGeneration(cfg).eval()
+    randomize_(ref, 7)
+    ref.save_pretrained(tmp_path)
+    byte_level_tokenizer().save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), use_kernels=False)
+    assert lm.config.layer_windows == (WINDOW,) * 5 + (0, WINDOW)
+    ids = random_ids(30, VOCAB - 3, seed=7)  # no image tokens
+    assert_logits_match(our_logits(lm, ids), hf_logits(ref, ids))
