@@ -348,6 +348,10 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
 
+    def __contains__(self, name: object) -> bool:
+        # (Mapping's default looks the value up: a dequantization or a read per membership test)
+        return name in self._tensors
+
     def __len__(self) -> int:
         return len(self._tensors)
 

@@ -264,6 +264,10 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
     def __iter__(self) -> Iterator[str]:
         return iter(self._handles)
 
+    def __contains__(self, name: object) -> bool:
+        # (Mapping's default looks the value up: a dequantization or a read per membership test)
+        return name in self._handles
+
     def __len__(self) -> int:
         return len(self._handles)
 

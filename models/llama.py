@@ -190,6 +190,23 @@ class PackedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, weights={kind}"
 
 
+class BlockEmbedding(nn.Module):
+    """An embedding table kept in its checkpoint's blocks (`QTensor`), rows dequantized as they
+    are looked up: a step reads a few rows, and a float copy of a 262,144 x 640 table (Gemma 3)
+    would hold 671 MB where its Q8_0 blocks take 178 MB."""
+
+    def __init__(self, table: QTensor) -> None:
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids).dequantize()
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, weights={KIND_NAMES[self.table.kind]}"
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -205,7 +222,8 @@ class RMSNorm(nn.Module):
 
 
 # Whether `torch.ops.cbserve.attention` masks sliding windows (its `window` argument). Until it
-# does, windowed layers take the reference path (`paged_attention`) even with the kernels on.
+# does, windowed layers take the reference path (`paged_attention`) even with the kernels on,
+# in steps where some query's context is longer than the window.
 KERNEL_WINDOW = False
 
 
@@ -230,6 +248,14 @@ def kernel_attention(
         meta.chunk_meta(), meta.chunk_tables(),
         n_heads, n_kv, head_dim, scale,
     )  # fmt: skip
+
+
+def _longest_context(meta: AttentionMetadata) -> int:
+    """The most tokens any query of the step attends to."""
+    longest = max((c.context_len for c in meta.prefills), default=0)
+    if meta.num_decode_tokens:
+        longest = max(longest, int(meta.decode_context_lens.max()))
+    return longest
 
 
 class Attention(nn.Module):
@@ -285,15 +311,12 @@ class Attention(nn.Module):
         """RoPE, K/V into the pool and attention for a fused qkv (T, (H + 2 KV) * hd): the
         kernel where it applies, else the reference path. Returns (T, H * hd)."""
         t = qkv.shape[0]
-        if (
-            rope.cos_half is not None
-            and kv_cache is not None
-            and (self.window == 0 or KERNEL_WINDOW)
-        ):
+        # A window no query's context exceeds masks nothing this step.
+        window = self.window if self.window and _longest_context(meta) > self.window else 0
+        if rope.cos_half is not None and kv_cache is not None and (not window or KERNEL_WINDOW):
             return kernel_attention(
-                qkv, rope, kv_cache, meta, self.n_heads, self.n_kv, self.hd, self.scale,
-                self.window,
-            )  # fmt: skip
+                qkv, rope, kv_cache, meta, self.n_heads, self.n_kv, self.hd, self.scale, window
+            )
         # Rotate q and k in one go: they are adjacent columns of the fused projection.
         qk = apply_rotary(
             qkv[:, : self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv, self.hd),
@@ -433,6 +456,8 @@ class LlamaForCausalLM(nn.Module):
 
     def num_parameters(self) -> int:
         n = sum(p.numel() for p in self.parameters())
+        if isinstance(self.embed_tokens, BlockEmbedding):
+            n += self.embed_tokens.num_embeddings * self.embed_tokens.embedding_dim
         for name, mod in self.named_modules():
             if isinstance(mod, PackedLinear) and name != "lm_head":
                 n += mod.in_features * mod.out_features + (
@@ -504,6 +529,14 @@ class LlamaForCausalLM(nn.Module):
             )
 
         silu = self.config.hidden_act == "silu"  # only SwiGLU rows interleave for the epilogue
+        embed_name = "model.embed_tokens.weight"
+        table = blocks(embed_name) if blocks is not None else None
+        if blocks is not None:  # the table's blocks serve both the tied head and the lookup
+            file_blocks = blocks
+
+            def blocks(name: str) -> QTensor | None:
+                return table if name == embed_name else file_blocks(name)
+
         for i, layer in enumerate(self.layers):
             src = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
@@ -528,6 +561,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = packed(
             self.lm_head, [["model.embed_tokens.weight" if tied else "lm_head.weight"]]
         )
+        if (
+            table is not None
+            and table.kind != F32
+            and tuple(table.shape) == tuple(self.embed_tokens.weight.shape)
+            and (not tied or isinstance(self.lm_head, PackedLinear))  # the float table is unshared
+        ):
+            self.embed_tokens = BlockEmbedding(table)
         for mod in self.modules():
             if isinstance(mod, RMSNorm):
                 mod.fused = True
