@@ -433,3 +433,30 @@ def test_multimodal_gemma3_directory_loads_its_language_model(tmp_path):
     assert lm.config.layer_windows == (WINDOW,) * 5 + (0, WINDOW)
     ids = random_ids(30, VOCAB - 3, seed=7)  # no image tokens
     assert_logits_match(our_logits(lm, ids), hf_logits(ref, ids))
+
+
+def test_a_gemma_vocabulary_without_a_template_chats_in_gemma_turns():
+    """Gemma GGUFs may carry no chat template (the 270M one does not): the turn format follows
+    from the vocabulary; a system message opens the first user turn."""
+    from models.hf_tokenizer import HFTokenizer
+    from tests.test_models_real import byte_level_tokenizer
+
+    hf = byte_level_tokenizer()
+    hf.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    assert hf.chat_template is None
+    tok = HFTokenizer(hf)
+    rendered = tok.apply_chat_template(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi "},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Bye"},
+        ]
+    )
+    assert rendered == (
+        "<|im_start|><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello.<end_of_turn>\n"
+        "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+    )
+    # other vocabularies without a template still have none
+    assert HFTokenizer(byte_level_tokenizer()).chat_template is None
