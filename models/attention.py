@@ -91,6 +91,16 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     return cache[block_table].view(-1, n_kv, hd)[:length]
 
 
+def _window_mask(qpos: torch.Tensor, length: int, window: int) -> torch.Tensor:
+    """(n, length) bool: key j is visible from query position p when j <= p and, with a window,
+    j > p - window."""
+    kpos = torch.arange(length)[None, :]
+    mask = kpos <= qpos[:, None]
+    if window:
+        mask &= kpos > qpos[:, None] - window
+    return mask
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -104,16 +114,22 @@ def paged_attention(
 
     With a pool, the new K/V are written first and every query then reads its context from the
     pool (so a chunk sees earlier chunks and cached prefixes). Without one (the naive engine's full
-    recompute), each prefill chunk attends causally over its own K/V. `window` > 0: a sliding
-    window (Gemma's local layers), a query at position p attends to keys at positions
-    (p - window, p] only.
+    recompute), each prefill chunk attends causally over its own K/V. `window` > 0 is sliding-window
+    attention: the query at position p sees keys at positions in (p - window, p].
+
+    Attention computes in float32 whatever the pool stores (a float16 pool is widened as read);
+    int8 pools hold scaled rows only the cbserve kernel reads.
     """
     out_dtype = q.dtype
     if kv_cache is not None:
         k_cache, v_cache = kv_cache
+        if k_cache.dtype == torch.int8:
+            raise ValueError("an int8 KV pool is read by the cbserve attention kernel only")
+        cdt = torch.float32 if k_cache.dtype == torch.float16 else k_cache.dtype
         # Attention runs in the pool's dtype (float32): bfloat16 weights still get fp32 attention.
-        q, k, v = q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        q = q.to(cdt)
+        write_kv(k_cache, v_cache, k.to(k_cache.dtype), v.to(k_cache.dtype), meta.slot_mapping)
+        k, v = k.to(cdt), v.to(cdt)
     out = torch.empty_like(q)
 
     nd = meta.num_decode_tokens
@@ -123,15 +139,17 @@ def paged_attention(
         bsz, nb = tables.shape
         block_size, n_kv, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         length = nb * block_size
-        keys = k_cache[tables].view(bsz, length, n_kv, hd).transpose(1, 2)  # (B, kv, L, hd)
-        vals = v_cache[tables].view(bsz, length, n_kv, hd).transpose(1, 2)  # (B, kv, L, hd)
-        if meta.decode_mask is None:
-            pos = torch.arange(length)
-            meta.decode_mask = (pos[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
-        mask = meta.decode_mask  # (B, 1, 1, L)
-        if window > 0:  # the query sits at position len - 1
-            first = (meta.decode_context_lens - window)[:, None, None, None]
-            mask = mask & (torch.arange(length) >= first)
+        keys = k_cache[tables].view(bsz, length, n_kv, hd).transpose(1, 2).to(cdt)
+        vals = v_cache[tables].view(bsz, length, n_kv, hd).transpose(1, 2).to(cdt)
+        if window:
+            mask = _window_mask(meta.decode_context_lens - 1, length, window)[:, None, None, :]
+        else:
+            if meta.decode_mask is None:
+                pos = torch.arange(length)
+                meta.decode_mask = (pos[None, :] < meta.decode_context_lens[:, None])[
+                    :, None, None, :
+                ]
+            mask = meta.decode_mask  # (B, 1, 1, L)
         qd = q[:nd].unsqueeze(2)  # (B, heads, 1, hd)
         o = F.scaled_dot_product_attention(
             qd, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True
@@ -146,17 +164,15 @@ def paged_attention(
             # The chunk is the whole context: its own K/V are exactly what the pool now holds.
             kc, vc = k[s : s + n], v[s : s + n]
         else:
-            kc = _gather(k_cache, chunk.block_table, chunk.context_len)
-            vc = _gather(v_cache, chunk.block_table, chunk.context_len)
+            kc = _gather(k_cache, chunk.block_table, chunk.context_len).to(q.dtype)
+            vc = _gather(v_cache, chunk.block_table, chunk.context_len).to(q.dtype)
         kc = kc.transpose(0, 1).unsqueeze(0)  # (1, kv, L, hd)
         vc = vc.transpose(0, 1).unsqueeze(0)  # (1, kv, L, hd)
-        if window > 0:
-            qpos = torch.arange(past, chunk.context_len)[:, None]
-            kpos = torch.arange(kc.shape[2])[None, :]
+        if window and chunk.context_len > window:
+            mask = _window_mask(torch.arange(past, chunk.context_len), chunk.context_len, window)
             o = F.scaled_dot_product_attention(
-                qc, kc, vc, attn_mask=(kpos <= qpos) & (kpos > qpos - window), scale=scale,
-                enable_gqa=True,
-            )  # fmt: skip
+                qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True
+            )
         elif past == 0:
             o = F.scaled_dot_product_attention(
                 qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True

@@ -63,6 +63,12 @@ class CausalLM(Protocol):
         """Take weights under Hugging Face tensor names; raises ValueError if any is missing."""
         ...
 
+    @classmethod
+    def hf_weight_names(cls, config: ModelConfig) -> set[str]:
+        """Every Hugging Face tensor name `load_hf_weights` may take for this config (loaders
+        refuse checkpoints holding others, which would be silently dropped)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:

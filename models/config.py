@@ -1,4 +1,4 @@
-"""ModelConfig: the shape and special tokens of one Llama-family decoder.
+"""ModelConfig: the shape, special tokens and per-family options of one decoder.
 
 Every loader (TinyGPT, GGUF, Hugging Face directories) produces one of these; the decoder, the
 engine (EOS ids, context length, the KV pool's `KVLayout`) and the server (model name) read it.
@@ -69,6 +69,17 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q/k/v projections
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each q and k head before RoPE
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    # Sliding-window attention per layer: layer i's queries at position p see keys in
+    # (p - layer_windows[i], p]; 0 = the whole context. None: every layer sees the whole context.
+    layer_windows: tuple[int, ...] | None = None
+    rope_local_theta: float | None = None  # Gemma 3: the RoPE base of windowed layers
+    # HF "linear" RoPE scaling (positions / factor); Gemma 3 applies it to its global layers only
+    rope_linear_factor: float = 1.0
+    embedding_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -82,6 +93,16 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.layer_windows is not None and len(self.layer_windows) != self.num_layers:
+            raise ValueError(
+                f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers"
+            )
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_tanh)")
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (0: it attends to the whole context)."""
+        return 0 if self.layer_windows is None else self.layer_windows[layer]
 
     @property
     def kv_dtype(self) -> torch.dtype:

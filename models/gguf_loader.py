@@ -1,13 +1,20 @@
-"""Loading Llama-architecture GGUF files (llama.cpp's format) into their `models.registry` class.
+"""Loading GGUF files (llama.cpp's format) into their `models.registry` class.
 
-Owns: reading GGUF metadata into a `ModelConfig`, dequantizing tensors to the compute dtype with
-`gguf.quants.dequantize` (numpy), undoing llama.cpp's Q/K row permutation, and mapping GGUF tensor
-names to Hugging Face names for `LlamaForCausalLM.load_hf_weights`. The tokenizer and chat template
-come from the same file through `models.hf_tokenizer`.
+Owns: reading each architecture's GGUF metadata (`{arch}.*` keys) into a `ModelConfig`,
+dequantizing tensors to the compute dtype with `gguf.quants.dequantize` (numpy), undoing llama.cpp's
+Q/K row permutation (only the "llama" architecture has it: its converter interleaves the rotary
+halves; NEOX-style families such as Qwen2/3, Phi-3 and Gemma 3 are written as Hugging Face holds
+them), and mapping each architecture's GGUF tensor names to Hugging Face names (and values: Gemma's
+norms are stored as w + 1) for the model's `load_hf_weights`. With the kernels, tensors in a format they multiply in place
+are never dequantized: `GGUFWeights.blocks` hands the model the file's rows (`models.quant`), and
+the float "weight" it sees is a zero-memory stand-in. The tokenizer and chat template come from
+the same file through `models.hf_tokenizer`.
 
-What is refused, by name: architectures other than "llama" (Llama 1-3, Mistral, SmolLM convert to
-it), mixture-of-experts, RoPE scaling other than llama.cpp's frequency factors, partial rotary
-dimensions, tensor types outside `SUPPORTED_TYPES`, and tensors this decoder has no place for.
+Architectures: llama (Llama 1-3, Mistral, SmolLM convert to it), qwen2, qwen3, phi3, gemma3. What
+is refused, by name: others, mixture-of-experts, RoPE scaling other than llama.cpp's frequency
+factors (and linear scaling of Gemma 3's global layers), Phi-3's long-context factors, partial
+rotary dimensions, tensor types outside `SUPPORTED_TYPES`, and tensors the decoder has no place
+for.
 """
 
 from __future__ import annotations
@@ -68,12 +75,30 @@ _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Per architecture, the block tensors whose names differ from the Llama ones above.
+_ARCH_BLOCK_NAMES = {
+    "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    # fused projections: [q; k; v] rows, and ffn_up holding [gate; up]
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma3": {
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
-# llama.cpp's `general.architecture` -> the `models.registry` name. Only "llama" is read: its
-# metadata keys (`llama.*`) and Q/K row permutation are what this module undoes; llama.cpp
-# converts Llama 1-3, Mistral and SmolLM to it.
-GGUF_ARCHITECTURES = {"llama": "llama"}
+# llama.cpp's `general.architecture` -> the `models.registry` name. llama.cpp converts Llama 1-3,
+# Mistral and SmolLM to "llama".
+GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma3": "gemma3_text",
+}
 
 
 class _Reader(GGUFReader):
@@ -122,31 +147,70 @@ class _Meta:
         return None if field is None else len(field.data)  # without decoding 49k strings
 
 
+def _gemma3_fields(meta: _Meta, hidden: int, n_heads: int, head_dim: int, n_layers: int) -> dict:
+    """Gemma 3's extras, as llama.cpp reads them: sliding windows on all but every sixth layer
+    (or per `attention.sliding_window_pattern`), RoPE base 10,000 on windowed layers, scales."""
+    window = int(meta.get("gemma3.attention.sliding_window", 0) or 0)
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # one flag per layer: windowed or not
+        if len(pattern) != n_layers:
+            raise ModelLoadError(
+                f"{meta.path.name}: sliding_window_pattern has {len(pattern)} entries for "
+                f"{n_layers} layers"
+            )
+        windowed = [bool(f) for f in pattern]
+    else:
+        n = int(pattern)
+        windowed = [n == 0 or i % n < n - 1 for i in range(n_layers)]
+    # query_pre_attn_scalar is not in the file: llama.cpp's rule (head_dim; hidden / heads for
+    # the 62-layer 27B).
+    scale = (hidden // n_heads if n_layers == 62 else head_dim) ** -0.5
+    return dict(
+        layer_windows=tuple(window if w and window else 0 for w in windowed),
+        rope_local_theta=float(meta.get("gemma3.rope.freq_base_swa", 10000.0)),
+        qk_norm=True,
+        hidden_act="gelu_tanh",
+        attention_scale=float(scale),
+        embedding_scale=float(hidden) ** 0.5,
+        final_logit_softcapping=meta.get("gemma3.final_logit_softcapping") or None,
+    )
+
+
 def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
     path = meta.path
     arch = meta.require("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
-            f"{path.name}: GGUF architecture {arch!r} is not supported; only 'llama' "
-            "(Llama 1/2/3, Mistral, SmolLM and other checkpoints llama.cpp converts to it)"
+            f"{path.name}: GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join(GGUF_ARCHITECTURES)} (the 'llama' one covers Llama 1/2/3, Mistral, "
+            "SmolLM and other checkpoints llama.cpp converts to it)"
         )
-    if (meta.get("llama.expert_count") or 0) > 0:
+    a = f"{arch}."
+    if (meta.get(a + "expert_count") or 0) > 0:
         raise ModelLoadError(f"{path.name}: mixture-of-experts GGUF models are not supported")
-    hidden = int(meta.require("llama.embedding_length"))
-    n_heads = int(meta.require("llama.attention.head_count"))
-    n_kv = int(meta.get("llama.attention.head_count_kv", n_heads))
-    head_dim = int(meta.get("llama.attention.key_length", hidden // n_heads))
-    if int(meta.get("llama.attention.value_length", head_dim)) != head_dim:
+    if any(n.startswith(("rope_factors_long", "rope_factors_short")) for n in tensors):
+        raise ModelLoadError(
+            f"{path.name}: long-context RoPE factors (Phi-3 'longrope') are not supported"
+        )
+    hidden = int(meta.require(a + "embedding_length"))
+    n_heads = int(meta.require(a + "attention.head_count"))
+    n_kv = int(meta.get(a + "attention.head_count_kv", n_heads))
+    n_layers = int(meta.require(a + "block_count"))
+    head_dim = int(meta.get(a + "attention.key_length", hidden // n_heads))
+    if int(meta.get(a + "attention.value_length", head_dim)) != head_dim:
         raise ModelLoadError(f"{path.name}: different key and value head sizes are not supported")
-    rot = meta.get("llama.rope.dimension_count")
+    rot = meta.get(a + "rope.dimension_count")
     if rot is not None and int(rot) != head_dim:
         raise ModelLoadError(
             f"{path.name}: partial rotary embeddings ({rot} of {head_dim} dims) are not supported"
         )
-    scaling = meta.get("llama.rope.scaling.type")
-    factor = float(meta.get("llama.rope.scaling.factor", 1.0))
+    scaling = meta.get(a + "rope.scaling.type")
+    factor = float(meta.get(a + "rope.scaling.factor", 1.0))
+    linear_factor = 1.0
     if scaling not in (None, "none") and factor != 1.0:
-        raise ModelLoadError(f"{path.name}: RoPE scaling {scaling!r} is not supported")
+        if not (arch == "gemma3" and scaling == "linear"):
+            raise ModelLoadError(f"{path.name}: RoPE scaling {scaling!r} is not supported")
+        linear_factor = factor
     freq_factors = None
     if "rope_freqs.weight" in tensors:
         # Llama 3.x carries its rope scaling as per-frequency divisors (llama.cpp's freq_factors).
@@ -164,33 +228,45 @@ def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
             f"{path.name}: {n_tokens} tokenizer tokens but token_embd has only {vocab} rows"
         )
     # q/k/v biases (Qwen2-style); any other bias is refused later by check_weight_names
-    qkv_bias = any(n.endswith(".attn_q.bias") for n in tensors)
+    qkv_bias = any(n.endswith((".attn_q.bias", ".attn_qkv.bias")) for n in tensors)
+    if arch == "gemma3":
+        extra = _gemma3_fields(meta, hidden, n_heads, head_dim, n_layers)
+    else:
+        extra = {"qk_norm": arch == "qwen3"}
+        window = int(meta.get(a + "attention.sliding_window", 0) or 0)
+        if arch == "phi3" and window:
+            extra["layer_windows"] = (window,) * n_layers  # as transformers' Phi-3
     return ModelConfig(
         name=name,
         vocab_size=vocab,
         hidden_size=hidden,
-        num_layers=int(meta.require("llama.block_count")),
+        num_layers=n_layers,
         num_heads=n_heads,
         num_kv_heads=n_kv,
         head_dim=head_dim,
-        intermediate_size=int(meta.require("llama.feed_forward_length")),
-        max_position_embeddings=int(meta.require("llama.context_length")),
-        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+        intermediate_size=int(meta.require(a + "feed_forward_length")),
+        max_position_embeddings=int(meta.require(a + "context_length")),
+        rope_theta=float(meta.get(a + "rope.freq_base", 10000.0)),
         rope_freq_factors=freq_factors,
-        rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_linear_factor=linear_factor,
+        rms_norm_eps=float(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=qkv_bias,
         dtype=torch.float32,
+        **extra,
     )
 
 
-def _hf_name(gguf_name: str, path: Path) -> str:
+def _hf_name(gguf_name: str, path: Path, arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
-    raise ModelLoadError(f"{path.name}: tensor {gguf_name!r} has no place in a Llama decoder")
+    if m:
+        names = _ARCH_BLOCK_NAMES.get(arch, {})
+        hf = names.get(m.group(2)) or _BLOCK_NAMES.get(m.group(2))
+        if hf is not None:
+            return f"model.layers.{m.group(1)}.{hf}.{m.group(3)}"
+    raise ModelLoadError(f"{path.name}: tensor {gguf_name!r} has no place in a {arch} decoder")
 
 
 _PROJECTION_RE = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.weight")
@@ -245,10 +321,17 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         reader: GGUFReader,
         config: ModelConfig,
         dtype: torch.dtype,
+        arch: str = "llama",
         in_place: bool = False,
     ) -> None:
         self.dtype = dtype
-        self._heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+        # Only llama.cpp's "llama" converter permutes q/k rows.
+        self._heads = (
+            {"q_proj": config.num_heads, "k_proj": config.num_kv_heads} if arch == "llama" else {}
+        )
+        # Gemma's converter stores norm weights as w + 1; Hugging Face's (and the model's
+        # loader's) convention is w.
+        self._norm_shift = -1.0 if arch == "gemma3" else 0.0
         self._tensors: dict[str, Any] = {}
         for t in reader.tensors:
             if t.name == "rope_freqs.weight":
@@ -258,7 +341,7 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
                     f"{path.name}: tensor {t.name} has type {t.tensor_type.name}, which is not "
                     f"supported (supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
                 )
-            self._tensors[_hf_name(t.name, path)] = t
+            self._tensors[_hf_name(t.name, path, arch)] = t
         self._unread = self._in_place_names() if in_place else frozenset()
 
     def _in_place_names(self) -> frozenset[str]:
@@ -293,6 +376,8 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
             n, k = (int(d) for d in reversed(self._tensors[name].shape.tolist()))
             return torch.zeros((), dtype=self.dtype).expand(n, k)
         value = _dequantize(self._tensors[name], self.dtype)
+        if self._norm_shift and name.endswith("norm.weight"):
+            value = value + self._norm_shift
         proj = name.split(".")[-2]
         if proj in self._heads:
             value = _unpermute(value, self._heads[proj])
@@ -317,6 +402,10 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
 
+    def __contains__(self, name: object) -> bool:
+        # (Mapping's default looks the value up: a dequantization or a read per membership test)
+        return name in self._tensors
+
     def __len__(self) -> int:
         return len(self._tensors)
 
@@ -327,7 +416,7 @@ def load_gguf(
     dtype: torch.dtype = torch.float32,
     kernels: KernelOptions | None = None,
 ) -> LoadedModel:
-    """Load a Llama-architecture GGUF file: weights, tokenizer, chat template, EOS ids.
+    """Load a GGUF file of a supported architecture: weights, tokenizer, chat template, EOS ids.
 
     `kernels`: how `LlamaForCausalLM.enable_kernels` packs the model, which then takes the
     file's own quantized blocks as they are (None: the pure-torch float model)."""
@@ -339,11 +428,13 @@ def load_gguf(
     meta = _Meta(reader, path)
     tensors = {t.name: t for t in reader.tensors}
     config = replace(_config(meta, tensors, name or path.stem), dtype=dtype)
+    gguf_arch = meta.require("general.architecture")
+    cls = model_class(GGUF_ARCHITECTURES[gguf_arch], path.name)
 
     # Checked before the tokenizer is converted: an unusable file fails fast.
     in_place = kernels is not None and kernels.quantization == "auto"
-    weights = GGUFWeights(path, reader, config, dtype, in_place)
-    check_weight_names(weights, config, path.name)
+    weights = GGUFWeights(path, reader, config, dtype, arch=gguf_arch, in_place=in_place)
+    check_weight_names(weights, config, path.name, cls)
 
     tok = load_gguf_tokenizer(path)
     declared = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
@@ -357,8 +448,7 @@ def load_gguf(
         pad_token_id=None if pad is None else int(pad),
         extra={"source": str(path), "file_type": meta.get("general.file_type")},
     )
-    arch = GGUF_ARCHITECTURES[meta.require("general.architecture")]
-    model = model_class(arch, path.name).without_weights(config)
+    model = cls.without_weights(config)
     try:
         model.load_hf_weights(weights, adopt=True)
     except ValueError as e:

@@ -1,13 +1,16 @@
-"""Loading Hugging Face model directories of the Llama family into their `models.registry` class.
+"""Loading Hugging Face model directories into their `models.registry` class.
 
-Owns: turning a `config.json` (Llama 2/3, Mistral, Qwen2, SmolLM; both the transformers 4
-`rope_theta`/`rope_scaling` and the transformers 5 `rope_parameters` spellings) into a
-`ModelConfig`, reading `*.safetensors` weights (sharded or not), the EOS ids from config.json,
-generation_config.json and the tokenizer, and the list of tensor names a config expects
-(`hf_weight_names`), which both loaders use to refuse tensors the decoder would silently drop.
+Owns: turning a `config.json` (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, SmolLM, Gemma 3 text
+and the text half of a multimodal Gemma 3; both the transformers 4 `rope_theta`/`rope_scaling`
+and the transformers 5 `rope_parameters` spellings) into a `ModelConfig`, reading
+`*.safetensors` weights (sharded or not), the EOS ids from config.json, generation_config.json and
+the tokenizer, and checking tensor names against what the model class takes
+(`check_weight_names`), which both loaders use to refuse tensors the decoder would silently drop.
 
-Refused by name: other model types, biases other than Qwen2's q/k/v, non-SiLU activations, RoPE
-scaling other than "llama3", quantized checkpoints, and directories without safetensors.
+Refused by name: other model types, biases other than Qwen2's q/k/v, activations other than SiLU
+(tanh GELU for Gemma), RoPE scaling other than "llama3" (and "linear" for Gemma 3), partial
+rotary dimensions, attention logit soft-capping, quantized checkpoints, and directories without
+safetensors.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 import torch
 
-from models.base import LoadedModel, ModelLoadError
+from models.base import CausalLM, LoadedModel, ModelLoadError
 from models.config import ModelConfig, RopeScaling
 from models.hf_tokenizer import HFTokenizer, end_token_ids, load_hf_tokenizer
 from models.registry import model_class
@@ -30,27 +33,11 @@ from models.registry import model_class
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def hf_weight_names(config: ModelConfig) -> set[str]:
-    """The Hugging Face tensor names `load_hf_weights` takes for this config."""
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not config.tie_word_embeddings:
-        names.add("lm_head.weight")
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        for proj in ("q", "k", "v", "o"):
-            names.add(f"{p}self_attn.{proj}_proj.weight")
-        if config.attention_bias:
-            names.update(f"{p}self_attn.{proj}_proj.bias" for proj in ("q", "k", "v"))
-        names.update(f"{p}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down"))
-        names.update(
-            f"{p}{norm}.weight" for norm in ("input_layernorm", "post_attention_layernorm")
-        )
-    return names
-
-
-def check_weight_names(weights: dict[str, Any], config: ModelConfig, source: str) -> None:
+def check_weight_names(
+    weights: Mapping[str, Any], config: ModelConfig, source: str, cls: type[CausalLM]
+) -> None:
     """Refuse checkpoints with tensors the decoder has no place for (they would be dropped)."""
-    expected = hf_weight_names(config)
+    expected = cls.hf_weight_names(config)
     unexpected = sorted(
         n for n in weights if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
     )
@@ -58,7 +45,7 @@ def check_weight_names(weights: dict[str, Any], config: ModelConfig, source: str
         unexpected.remove("lm_head.weight")  # a saved copy of the tied embedding
     if unexpected:
         raise ModelLoadError(
-            f"{source}: tensors this Llama decoder cannot use: {', '.join(unexpected[:5])}"
+            f"{source}: tensors this {cls.__name__} cannot use: {', '.join(unexpected[:5])}"
             + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
         )
 
@@ -70,37 +57,121 @@ def _read_json(path: Path) -> dict:
         raise ModelLoadError(f"cannot read {path}: {e}") from e
 
 
-def _rope(cfg: dict, where: str) -> tuple[float, RopeScaling | None]:
+def _rope(
+    cfg: dict, where: str, params: dict | None = None, default_theta: float = 10000.0
+) -> tuple[float, RopeScaling | None, float]:
+    """(theta, llama3 scaling, linear factor) of the config's RoPE, or of `params` (one layer
+    type's entry of a per-layer-type `rope_parameters`)."""
     # transformers 5 writes rope_parameters {rope_theta, rope_type, ...}; 4.x rope_theta + rope_scaling.
-    params = cfg.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if params is None:
+        params = cfg.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
+    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ModelLoadError(f"{where}: partial rotary embeddings are not supported")
     scaling = cfg.get("rope_scaling") or params
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
-        return theta, None
+        return theta, None, 1.0
+    if kind == "linear" and cfg.get("model_type") == "gemma3_text":
+        return theta, None, float(scaling["factor"])
     if kind == "llama3":
         try:
-            return theta, RopeScaling(
-                factor=float(scaling["factor"]),
-                low_freq_factor=float(scaling["low_freq_factor"]),
-                high_freq_factor=float(scaling["high_freq_factor"]),
-                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            return (
+                theta,
+                RopeScaling(
+                    factor=float(scaling["factor"]),
+                    low_freq_factor=float(scaling["low_freq_factor"]),
+                    high_freq_factor=float(scaling["high_freq_factor"]),
+                    original_max_position_embeddings=int(
+                        scaling["original_max_position_embeddings"]
+                    ),
+                ),
+                1.0,
             )
         except KeyError as e:
             raise ModelLoadError(f"{where}: llama3 rope scaling lacks {e}") from e
-    raise ModelLoadError(f"{where}: RoPE scaling {kind!r} is not supported (only 'llama3')")
+    raise ModelLoadError(
+        f"{where}: RoPE scaling {kind!r} is not supported (only 'llama3', and 'linear' for Gemma 3)"
+    )
+
+
+# The activation each family's config names for its gated MLP, as `ModelConfig.hidden_act`.
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _gemma3_fields(cfg: dict, where: str, n_layers: int, head_dim: int) -> dict:
+    """Gemma 3's extras: windows per layer type, local RoPE base, attention and embedding scales."""
+    if cfg.get("attn_logit_softcapping"):
+        raise ModelLoadError(f"{where}: attention logit soft-capping is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(
+            f"{where}: bidirectional attention (embedding models) is not supported"
+        )
+    window = int(cfg.get("sliding_window") or 0)
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
+        types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(n_layers)
+        ]
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers 5: RoPE per layer type
+        theta, scaling, factor = _rope(cfg, where, params["full_attention"], 1_000_000.0)
+        local_theta, _, local_factor = _rope(cfg, where, params["sliding_attention"])
+        if local_factor != 1.0:
+            raise ModelLoadError(f"{where}: RoPE scaling of sliding layers is not supported")
+    else:
+        theta, scaling, factor = _rope(cfg, where, None, 1_000_000.0)
+        local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
+    return dict(
+        layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rope_linear_factor=factor,
+        rope_local_theta=local_theta,
+        qk_norm=True,
+        attention_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+        embedding_scale=float(cfg["hidden_size"]) ** 0.5,
+        final_logit_softcapping=cfg.get("final_logit_softcapping") or None,
+    )
+
+
+def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int, ...] | None:
+    """Per-layer sliding windows of the Llama-decoder families (None: none anywhere)."""
+    window = int(cfg.get("sliding_window") or 0)
+    if not window:
+        return None
+    if model_type == "phi3":  # transformers' Phi-3 windows every layer
+        return (window,) * n_layers
+    types = cfg.get("layer_types")
+    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and types:
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
+    return None
+
+
+def text_config(cfg: dict) -> dict:
+    """The decoder's config: a multimodal Gemma 3's `text_config` (model_type gemma3_text)."""
+    if cfg.get("model_type") == "gemma3":
+        return {"model_type": "gemma3_text", **(cfg.get("text_config") or {})}
+    return cfg
 
 
 def config_from_hf(cfg: dict, name: str, where: str) -> ModelConfig:
     """A `ModelConfig` from a parsed config.json, or `ModelLoadError` naming what is unsupported."""
+    outer = cfg
+    cfg = text_config(cfg)
     model_type = cfg.get("model_type")
     model_class(model_type, where)  # refuse an unknown architecture before reading its fields
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "?")
+    if outer.get("quantization_config"):
+        method = outer["quantization_config"].get("quant_method", "?")
         raise ModelLoadError(f"{where}: quantized checkpoints ({method}) are not supported")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported (only silu)")
+    gemma = model_type == "gemma3_text"
+    act = cfg.get(
+        "hidden_activation" if gemma else "hidden_act", "gelu_pytorch_tanh" if gemma else "silu"
+    )
+    if act not in _ACTIVATIONS or (act == "silu") == gemma:
+        raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported for {model_type}")
     if cfg.get("mlp_bias"):
         raise ModelLoadError(f"{where}: MLP biases are not supported")
     # Llama's attention_bias puts a bias on o_proj too, which this decoder lacks; Qwen2 always
@@ -111,29 +182,43 @@ def config_from_hf(cfg: dict, name: str, where: str) -> ModelConfig:
         hidden = int(cfg["hidden_size"])
         n_heads = int(cfg["num_attention_heads"])
         n_kv = int(cfg.get("num_key_value_heads") or n_heads)
-        theta, scaling = _rope(cfg, where)
+        n_layers = int(cfg["num_hidden_layers"])
+        head_dim = int(cfg.get("head_dim") or hidden // n_heads)
         max_pos = int(cfg.get("max_position_embeddings", 2048))
-        # Sliding-window attention equals full attention for contexts no longer than the window,
-        # so cap the context there instead of computing something else beyond it.
-        window = cfg.get("sliding_window")
-        if window and (model_type == "mistral" or cfg.get("use_sliding_window")):
-            max_pos = min(max_pos, int(window))
+        if gemma:
+            extra = _gemma3_fields(cfg, where, n_layers, head_dim)
+        else:
+            theta, scaling, factor = _rope(cfg, where)
+            extra = dict(
+                rope_theta=theta,
+                rope_scaling=scaling,
+                rope_linear_factor=factor,
+                qk_norm=model_type == "qwen3",
+                layer_windows=_windows(cfg, model_type, n_layers),
+            )
+            # Mistral's sliding window equals full attention for contexts no longer than the
+            # window, so cap the context there instead of computing something else beyond it.
+            window = cfg.get("sliding_window")
+            if window and model_type == "mistral":
+                max_pos = min(max_pos, int(window))
         return ModelConfig(
             name=name,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=n_layers,
             num_heads=n_heads,
             num_kv_heads=n_kv,
-            head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+            head_dim=head_dim,
             intermediate_size=int(cfg["intermediate_size"]),
             max_position_embeddings=max_pos,
-            rope_theta=theta,
-            rope_scaling=scaling,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(
+                cfg.get("tie_word_embeddings", outer.get("tie_word_embeddings", gemma))
+            ),
             attention_bias=model_type == "qwen2",
+            hidden_act=_ACTIVATIONS[act],
             dtype=torch.float32,
+            **extra,
         )
     except KeyError as e:
         raise ModelLoadError(f"{where}: config.json lacks {e}") from e
@@ -179,8 +264,48 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
     def __iter__(self) -> Iterator[str]:
         return iter(self._handles)
 
+    def __contains__(self, name: object) -> bool:
+        # (Mapping's default looks the value up: a dequantization or a read per membership test)
+        return name in self._handles
+
     def __len__(self) -> int:
         return len(self._handles)
+
+
+class LanguageModelWeights(Mapping[str, torch.Tensor]):
+    """The language model's tensors of a multimodal checkpoint (Gemma 3 image-text) under the
+    text model's names; the vision tower and projector are left out."""
+
+    # transformers 5 names first, then 4.x's
+    _PREFIXES = (
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    )
+    _SKIPPED = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
+                "multi_modal_projector.")  # fmt: skip
+
+    def __init__(self, inner: Mapping[str, torch.Tensor]) -> None:
+        self._inner = inner
+        self._names: dict[str, str] = {}
+        for name in inner:
+            if name.startswith(self._SKIPPED):
+                continue
+            for old, new in self._PREFIXES:
+                if name.startswith(old):
+                    self._names[new + name[len(old) :]] = name
+                    break
+            else:
+                self._names[name] = name  # (an unexpected name: check_weight_names refuses it)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._inner[self._names[name]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def load_hf_directory(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
@@ -205,9 +330,13 @@ def load_hf_directory(path: str | Path, dtype: torch.dtype = torch.float32) -> L
         extra={"source": str(directory)},
     )
 
-    weights = SafetensorsWeights(directory)
-    check_weight_names(weights, config, str(directory))
-    model = model_class(cfg["model_type"], str(directory)).without_weights(config)
+    weights: Mapping[str, torch.Tensor] = SafetensorsWeights(directory)
+    arch = text_config(cfg)["model_type"]
+    if cfg.get("model_type") != arch:  # a multimodal checkpoint: its language model's tensors
+        weights = LanguageModelWeights(weights)
+    cls = model_class(arch, str(directory))
+    check_weight_names(weights, config, str(directory), cls)
+    model = cls.without_weights(config)
     try:
         model.load_hf_weights(weights, adopt=True)
     except ValueError as e:

@@ -34,6 +34,23 @@ END_TOKENS = (
 )
 
 
+# Gemma's turns: "<start_of_turn>{user|model}\n...<end_of_turn>\n" after BOS; a system message
+# has no role of its own and opens the first user turn.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set ns = namespace(system='') %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.system = m['content'] + '\n\n' %}"
+    "{% else %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{% if m['role'] == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
+    "{{ m['content'] | trim }}<end_of_turn>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
 class HFTokenizer:
     """A transformers tokenizer as a `models.tokenizer.Tokenizer`."""
 
@@ -48,6 +65,10 @@ class HFTokenizer:
         template = tok.chat_template
         if isinstance(template, dict):  # older checkpoints: named templates
             template = template.get("default")
+        if not template and "<start_of_turn>" in tok.get_added_vocab():
+            # Gemma GGUF files may carry no template (the Gemma 3 270M one does not); its turn
+            # format is fixed by the vocabulary, as llama.cpp also assumes.
+            template = GEMMA_CHAT_TEMPLATE
         self.chat_template: str | None = template or None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -62,7 +83,10 @@ class HFTokenizer:
         if self.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template")
         return self.hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=self.chat_template,
         )
 
     def token_bytes(self, token_id: int) -> bytes | None:

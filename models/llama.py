@@ -1,9 +1,13 @@
-"""The Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""The Llama-family decoder and the pieces other families build from: RMSNorm, RoPE,
+grouped-query attention (optionally QK-normed and sliding-window), gated MLPs (SwiGLU, GeGLU).
 
-One implementation serves TinyGPT, SmolLM2, Llama 2/3, Mistral and Qwen2-style checkpoints; they
-differ only in `ModelConfig`. Attention goes through `models.attention` with explicit metadata, so
-the module itself holds no per-request state. Q/K/V and gate/up are fused into one projection each:
-one matmul instead of three (or two) per layer, which matters on CPU where every op has overhead.
+One implementation serves TinyGPT, SmolLM2, Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and Phi-3
+checkpoints; they differ only in `ModelConfig` (biases, QK-norm, windows, head_dim) and in the
+checkpoint's tensor names (Phi-3 stores q/k/v and gate/up fused, which is this module's own
+layout). Families with another layer shape (`models.gemma3`) subclass the model and its layer.
+Attention goes through `models.attention` with explicit metadata, so the module itself holds no
+per-request state. Q/K/V and gate/up are fused into one projection each: one matmul instead of
+three (or two) per layer, which matters on CPU where every op has overhead.
 """
 
 from __future__ import annotations
@@ -37,9 +41,15 @@ from models.quant import Q4_1 as Q4_1_KIND
 from models.quant import Q8_0 as Q8_0_KIND
 
 
-def _inv_freq(config: ModelConfig) -> torch.Tensor:
+def _inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """RoPE frequencies; `local`: of sliding-window layers (Gemma 3: their own base, unscaled)."""
     hd = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    if local:
+        return inv
+    if config.rope_linear_factor != 1.0:
+        inv = inv / config.rope_linear_factor
     rs: RopeScaling | None = config.rope_scaling
     if rs is not None:
         # Llama 3: leave high frequencies alone, divide low ones by `factor`, blend in between.
@@ -84,32 +94,31 @@ class _SkipInit(torch.overrides.TorchFunctionMode):
 
 
 class Rotary(nn.Module):
-    """Precomputed cos/sin for every position up to the context length (HF 'rotate_half' layout)."""
+    """cos/sin of RoPE for the step's positions (HF 'rotate_half' layout), computed per step:
+    a table for the whole context would hold context x head_dim values twice per RoPE base
+    (Gemma 3's 32k context x 256 x 2 bases: 128 MB), where a step needs a few rows."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, local: bool = False) -> None:
         super().__init__()
-        t = torch.arange(config.max_position_embeddings, dtype=torch.float64)
-        freqs = torch.outer(t, _inv_freq(config))  # (P, hd/2)
-        emb = torch.cat([freqs, freqs], dim=-1)  # (P, hd)
-        self.register_buffer("cos", emb.cos().to(config.dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(config.dtype), persistent=False)
+        self.dtype = config.dtype
+        self.register_buffer("inv_freq", _inv_freq(config, local), persistent=False)  # float64
 
     def forward(self, positions: torch.Tensor, halves: bool = False) -> RopeTables:
-        """cos and signed sin for these positions, (T, 1, hd) each: looked up once per step and
+        """cos and signed sin for these positions, (T, 1, hd) each: computed once per step and
         shared by every layer; with `halves`, also the plain (T, hd/2) tables the fused
         attention kernel takes."""
-        half = self.cos.shape[-1] // 2
-        cos = self.cos[positions].unsqueeze(1)  # (T, 1, hd)
-        sin = self.sin[positions].unsqueeze(1)  # (T, 1, hd)
+        freqs = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # (T, hd/2)
+        cos_h, sin_h = freqs.cos(), freqs.sin()
         # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: fold the sign in here.
-        signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        cos = torch.cat([cos_h, cos_h], dim=-1).to(self.dtype).unsqueeze(1)  # (T, 1, hd)
+        signed = torch.cat([-sin_h, sin_h], dim=-1).to(self.dtype).unsqueeze(1)
         if not halves:
             return RopeTables(cos, signed)
         return RopeTables(
             cos,
             signed,
-            cos[:, 0, :half].float().contiguous(),
-            sin[:, 0, :half].float().contiguous(),
+            cos_h.to(self.dtype).float().contiguous(),
+            sin_h.to(self.dtype).float().contiguous(),
         )
 
 
@@ -163,6 +172,15 @@ class Linear(nn.Linear):
         gate, up = self(x).chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate) * up for a fused [gate; up] projection (GeGLU)."""
+        return _gelu_mul(self(x))
+
+
+def _gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
 
 class PackedLinear(nn.Module):
     """A projection whose weight lives in packed blocks (`models.quant`), multiplied by the
@@ -188,6 +206,11 @@ class PackedLinear(nn.Module):
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, None, Act.SILU_MUL)
 
+    def gelu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        # The kernel's epilogue has no GELU: [gate; up] comes out unfused (packed without the
+        # silu interleave) and GeGLU runs in torch.
+        return _gelu_mul(self._run(x, None, Act.NONE))
+
     def extra_repr(self) -> str:
         kind = KIND_NAMES[self.packed.kind]
         return f"in={self.in_features}, out={self.out_features}, weights={kind}"
@@ -207,8 +230,32 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+def _qk_norm(qkv: torch.Tensor, weight: torch.Tensor, hd: int, eps: float) -> None:
+    """RMSNorm each q and k head of a fused qkv (T, (H + 2 KV) hd) in place, before RoPE (which
+    the attention kernel applies): `weight` (H + KV, hd) from `Attention.qk_weight`."""
+    heads = qkv.view(qkv.shape[0], -1, hd)[:, : weight.shape[0]]
+    heads.copy_(F.rms_norm(heads, (hd,), eps=eps) * weight)
+
+
+class _Step(NamedTuple):
+    """One layer of `LlamaForCausalLM._forward_planned`."""
+
+    norms: tuple[torch.Tensor, ...]  # the layer's RMSNorm weights in `NORMS` order (2 or 4)
+    qkv: tuple  # (op, qs, d, m, kind, out_features, bias) of each packed projection
+    o: tuple
+    gate_up: tuple
+    down: tuple
+    qk_norm: torch.Tensor | None  # `Attention.qk_weight`
+    local_rope: bool
+    window: int
+    gelu: bool
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Self-attention of one layer: fused QKV projection, optional per-head QK-norm (Qwen3,
+    Gemma 3), RoPE, paged attention over the layer's window, output projection."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.hd = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = self.n_heads * self.hd, self.n_kv * self.hd
@@ -216,7 +263,14 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        self.scale = self.hd**-0.5
+        self.scale = config.attention_scale or self.hd**-0.5
+        self.window = config.window(layer)
+        # Windowed layers rotate with the local RoPE tables where the family has them.
+        self.local_rope = self.window > 0 and config.rope_local_theta is not None
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, config.rms_norm_eps)
 
     def forward(
         self,
@@ -227,47 +281,78 @@ class Attention(nn.Module):
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Self-attention of x (T, d) over the pool, plus `residual` when given."""
-        t = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, (H + 2 KV) * hd)
+        if self.q_norm is not None:
+            self._norm_qk(qkv)
+        return self.o_proj(self.attend(qkv, rope, kv_cache, meta), residual)
+
+    def qk_weight(self) -> torch.Tensor | None:
+        """The QK-norm weights as one (H + KV, hd) table, q heads then k heads (`_qk_norm`)."""
+        if self.q_norm is None:
+            return None
+        q, k = self.q_norm.weight, self.k_norm.weight
+        return torch.cat([q.expand(self.n_heads, -1), k.expand(self.n_kv, -1)]).contiguous()
+
+    def _norm_qk(self, qkv: torch.Tensor) -> None:
+        _qk_norm(qkv, self.qk_weight(), self.hd, self.q_norm.eps)
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        rope: RopeTables,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """RoPE, K/V into the pool and attention for a fused qkv (T, (H + 2 KV) * hd): the
+        kernel when the model runs it, else the reference path. Returns (T, H * hd)."""
         if rope.cos_half is not None and kv_cache is not None:
-            # One kernel: RoPE, K/V into the pool, attention reading the pool's blocks in place.
-            o = ops.attention(
+            # One kernel: RoPE, K/V into the pool, attention reading the pool's blocks in place
+            # (keys outside a sliding window masked there too).
+            return ops.attention(
                 qkv, cos=rope.cos_half, sin=rope.sin_half, k_cache=kv_cache[0], v_cache=kv_cache[1],
                 slots=meta.slot_mapping, num_decode=meta.num_decode_tokens,
                 decode_tables=_or_empty(meta.decode_block_tables, 2),
                 decode_lens=_or_empty(meta.decode_context_lens, 1),
                 chunk_meta=meta.chunk_meta(), chunk_tables=meta.chunk_tables(),
                 num_heads=self.n_heads, num_kv_heads=self.n_kv, head_dim=self.hd, scale=self.scale,
+                window=self.window,
             )  # fmt: skip
-            return self.o_proj(o, residual)
-        rope_full = (rope.cos, rope.sin)
+        t = qkv.shape[0]
         # Rotate q and k in one go: they are adjacent columns of the fused projection.
         qk = apply_rotary(
             qkv[:, : self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv, self.hd),
-            *rope_full,
+            rope.cos,
+            rope.sin,
         )
         q, k = qk.split([self.n_heads, self.n_kv], dim=1)  # (T, H, hd), (T, KV, hd)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.n_kv, self.hd)  # (T, KV, hd)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # (T, H, hd)
-        return self.o_proj(o.reshape(t, self.q_size), residual)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale, window=self.window)
+        return o.reshape(t, self.q_size)
 
 
 class MLP(nn.Module):
+    """The gated MLP: down(act(gate) * up) with SiLU (SwiGLU) or tanh GELU (GeGLU)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.ffn = config.intermediate_size
+        self.gelu = config.hidden_act == "gelu_tanh"
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.ffn, bias=False)
         self.down_proj = Linear(self.ffn, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.silu_mul(x), residual)
+        up = self.gate_up_proj
+        return self.down_proj(up.gelu_mul(x) if self.gelu else up.silu_mul(x), residual)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    # The layer's RMSNorms, by their Hugging Face names (the loaders read these).
+    NORMS: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -280,16 +365,24 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder over a flat token batch. `forward` returns hidden states; `compute_logits` the head."""
 
+    layer_class: type[nn.Module] = DecoderLayer
+    # Added to every RMSNorm weight a Hugging Face checkpoint holds (Gemma stores w and
+    # multiplies by 1 + w; this module multiplies by its weight).
+    hf_norm_offset = 0.0
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config)
+        self.rotary_local = None
+        if any(layer.self_attn.local_rope for layer in self.layers):
+            self.rotary_local = Rotary(config, local=True)
 
     def forward(
         self,
@@ -300,41 +393,64 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: (T,). Returns final hidden states (T, d_model)."""
         x = self.embed_tokens(input_ids)  # (T, d)
+        if self.config.embedding_scale is not None:
+            # in the embedding dtype, as transformers computes it
+            x = x * torch.tensor(self.config.embedding_scale).to(x.dtype)
         rope = self.rotary(positions, halves=self.kernels)
+        local = rope if self.rotary_local is None else self.rotary_local(positions, self.kernels)
         if self._plan is not None and kv_caches is not None:
-            return self._forward_planned(x, rope, kv_caches, meta)
+            return self._forward_planned(x, rope, local, kv_caches, meta)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, None if kv_caches is None else kv_caches[i], meta)
+            layer_rope = local if layer.self_attn.local_rope else rope
+            x = layer(x, layer_rope, None if kv_caches is None else kv_caches[i], meta)
         return self.norm(x)
 
-    _plan: list[tuple] | None = None  # set by enable_kernels when every layer is fully packed
+    _plan: list[_Step] | None = None  # set by enable_kernels when every layer is fully packed
 
-    def _forward_planned(self, x, rope, kv_caches, meta) -> torch.Tensor:
-        """The layer loop as straight calls of the kernel ops (what `DecoderLayer.forward`
+    def _forward_planned(self, x, rope, local, kv_caches, meta) -> torch.Tensor:
+        """The layer loop as straight calls of the kernel ops (what the layers' `forward`
         computes, op for op) without nn.Module dispatch: ~10 module calls a layer cost ~2 ms a
-        step on SmolLM2, a quarter of a batch-1 decode step."""
+        step on SmolLM2, a quarter of a batch-1 decode step. Covers both layer shapes: Llama's
+        (the skip connections ride into the projections' epilogues) and Gemma 3's (each branch
+        normed before it joins the stream), with QK-norm, windows, local RoPE and GeGLU."""
         attention, norm = ops.attention, ops.rms_norm
         c = self.config
         eps, h, kvh, hd = c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim
         scale = self.layers[0].self_attn.scale
-        cos, sin, slots, nd = (
-            rope.cos_half,
-            rope.sin_half,
-            meta.slot_mapping,
-            meta.num_decode_tokens,
+        tables_by_locality = (
+            (rope.cos_half, rope.sin_half),
+            (local.cos_half, local.sin_half),
         )
+        slots, nd = meta.slot_mapping, meta.num_decode_tokens
         tables = _or_empty(meta.decode_block_tables, 2)
         lens = _or_empty(meta.decode_context_lens, 1)
         chunk_meta, chunk_tables = meta.chunk_meta(), meta.chunk_tables()
-        for (n1, qkv_w, o_w, n2, gu_w, down_w), (kc, vc) in zip(self._plan, kv_caches, strict=True):
-            qkv = qkv_w[0](norm(x, n1, eps), *qkv_w[1:], None, 0)
+        for st, (kc, vc) in zip(self._plan, kv_caches, strict=True):
+            qkv_w, o_w, gu_w, down_w = st.qkv, st.o, st.gate_up, st.down
+            qkv = qkv_w[0](norm(x, st.norms[0], eps), *qkv_w[1:], None, Act.NONE)
+            if st.qk_norm is not None:
+                _qk_norm(qkv, st.qk_norm, hd, eps)
+            cos, sin = tables_by_locality[st.local_rope]
             o = attention(
                 qkv, cos, sin, kc, vc, slots, nd, tables, lens, chunk_meta, chunk_tables,
-                h, kvh, hd, scale,
+                h, kvh, hd, scale, st.window,
             )  # fmt: skip
-            x = o_w[0](o, *o_w[1:], x, 0)
-            g = gu_w[0](norm(x, n2, eps), *gu_w[1:], None, 1)
-            x = down_w[0](g, *down_w[1:], x, 0)
+            if len(st.norms) == 2:  # Llama: x + o_proj(o), x + down(act(gate_up(norm(x))))
+                x = o_w[0](o, *o_w[1:], x, Act.NONE)
+                y = norm(x, st.norms[1], eps)
+                if st.gelu:
+                    g = _gelu_mul(gu_w[0](y, *gu_w[1:], None, Act.NONE))
+                else:
+                    g = gu_w[0](y, *gu_w[1:], None, Act.SILU_MUL)
+                x = down_w[0](g, *down_w[1:], x, Act.NONE)
+            else:  # Gemma 3: x + norm(o_proj(o)), x + norm(down(act(gate_up(norm(x)))))
+                x = x + norm(o_w[0](o, *o_w[1:], None, Act.NONE), st.norms[1], eps)
+                y = norm(x, st.norms[2], eps)
+                if st.gelu:
+                    g = _gelu_mul(gu_w[0](y, *gu_w[1:], None, Act.NONE))
+                else:
+                    g = gu_w[0](y, *gu_w[1:], None, Act.SILU_MUL)
+                x = x + norm(down_w[0](g, *down_w[1:], None, Act.NONE), st.norms[3], eps)
         return self.norm(x)
 
     @classmethod
@@ -351,7 +467,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, d_model) -> (N, vocab) in fp32."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def num_parameters(self) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -401,10 +519,16 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("the kernels run float32 activations; load the model in float32")
         target = {"auto": None, "none": F32, "q8_0": Q8_0_KIND, "q4_1": Q4_1_KIND}[scheme]
 
-        def packed(linear: nn.Module, names: list[str], gate_up: bool = False) -> nn.Module:
+        def packed(linear: nn.Module, sources: list[list[str]], gate_up: bool = False) -> nn.Module:
+            """`sources`: the checkpoint tensors that hold this projection, fused or in parts."""
             if isinstance(linear, PackedLinear) or linear.weight.shape[1] % QB:
                 return linear
-            parts = [blocks(n) for n in names] if blocks is not None and scheme != "none" else []
+            parts: list = []
+            if blocks is not None and scheme != "none":
+                for names in sources:
+                    parts = [blocks(n) for n in names]
+                    if all(p is not None for p in parts):
+                        break
             usable = (
                 parts
                 and all(p is not None for p in parts)
@@ -419,43 +543,71 @@ class LlamaForCausalLM(nn.Module):
             )
             return PackedLinear(pack(qt, gate_up=gate_up, int8=int8), linear.bias)
 
+        silu = self.config.hidden_act == "silu"  # only SwiGLU rows interleave for the epilogue
+        embed_name = "model.embed_tokens.weight"
+        table = blocks(embed_name) if blocks is not None and scheme != "none" else None
+        if blocks is not None:  # the table's blocks serve both the tied head and the lookup
+            file_blocks = blocks
+
+            def blocks(name: str) -> QTensor | GGMLTensor | None:
+                return table if name == embed_name else file_blocks(name)
+
         for i, layer in enumerate(self.layers):
             src = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_proj = packed(
-                attn.qkv_proj, [f"{src}self_attn.{n}_proj.weight" for n in "qkv"]
+                attn.qkv_proj,
+                [
+                    [f"{src}self_attn.qkv_proj.weight"],
+                    [f"{src}self_attn.{n}_proj.weight" for n in "qkv"],
+                ],
             )
-            attn.o_proj = packed(attn.o_proj, [f"{src}self_attn.o_proj.weight"])
+            attn.o_proj = packed(attn.o_proj, [[f"{src}self_attn.o_proj.weight"]])
             mlp.gate_up_proj = packed(
-                mlp.gate_up_proj, [f"{src}mlp.{n}_proj.weight" for n in ("gate", "up")], True
+                mlp.gate_up_proj,
+                [
+                    [f"{src}mlp.gate_up_proj.weight"],
+                    [f"{src}mlp.{n}_proj.weight" for n in ("gate", "up")],
+                ],
+                silu,
             )
-            mlp.down_proj = packed(mlp.down_proj, [f"{src}mlp.down_proj.weight"])
+            mlp.down_proj = packed(mlp.down_proj, [[f"{src}mlp.down_proj.weight"]])
         tied = self.config.tie_word_embeddings
-        self.lm_head = packed(
-            self.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"]
-        )
-        table = blocks("model.embed_tokens.weight") if blocks is not None else None
-        if isinstance(table, GGMLTensor) and len(table.parts) == 1:
+        # A tied head takes the table's blocks too: Q8_0 / Q4_0 / Q4_1 tables as panels (a second
+        # copy beside the lookup's rows, but faster than the rows at every batch size).
+        self.lm_head = packed(self.lm_head, [[embed_name if tied else "lm_head.weight"]])
+        if (
+            isinstance(table, GGMLTensor)
+            and len(table.parts) == 1
+            and tuple(table.shape) == tuple(self.embed_tokens.weight.shape)
+        ):
+            # looked up from the file's rows (`ggml_rows` decodes only the rows a step reads)
             self.embed_tokens = RowsEmbedding(table)
         for mod in self.modules():
             if isinstance(mod, RMSNorm):
                 mod.fused = True
         self.kernels = True
+        self._plan = self._make_plan()
+
+    def _make_plan(self) -> list[_Step] | None:
+        """`_forward_planned`'s per-layer arguments, or None unless every projection is packed."""
 
         def args(m: nn.Module) -> tuple:
             p = m.packed
             return (p.op, p.qs, p.d, p.m, p.kind, p.out_features, m.bias)
 
-        linears = [
-            (ly.self_attn.qkv_proj, ly.self_attn.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj)
-            for ly in self.layers
-        ]
-        if all(isinstance(m, PackedLinear) for group in linears for m in group):
-            self._plan = [
-                (layer.input_layernorm.weight, args(qkv), args(o),
-                 layer.post_attention_layernorm.weight, args(gu), args(down))
-                for layer, (qkv, o, gu, down) in zip(self.layers, linears, strict=True)
-            ]  # fmt: skip
+        steps = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(m, PackedLinear) for m in linears):
+                return None
+            norms = tuple(getattr(layer, n).weight for n in layer.NORMS)
+            steps.append(
+                _Step(norms, *(args(m) for m in linears), attn.qk_weight(), attn.local_rope,
+                      attn.window, mlp.gelu)
+            )  # fmt: skip
+        return steps
 
     def weight_formats(self) -> dict[str, int]:
         """Bytes of projection and head weights by format ("f32", "q4_1", ...)."""
@@ -471,15 +623,35 @@ class LlamaForCausalLM(nn.Module):
 
     # -- loading -------------------------------------------------------------------------------
 
+    @classmethod
+    def hf_weight_names(cls, config: ModelConfig) -> set[str]:
+        """The Hugging Face tensor names `load_hf_weights` may take for this config: q/k/v and
+        gate/up either apart (Llama, Qwen) or fused (Phi-3's qkv_proj and gate_up_proj)."""
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not config.tie_word_embeddings:
+            names.add("lm_head.weight")
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            for proj in ("q", "k", "v", "o", "qkv"):
+                names.add(f"{p}self_attn.{proj}_proj.weight")
+            if config.attention_bias:
+                names.update(f"{p}self_attn.{proj}_proj.bias" for proj in ("q", "k", "v", "qkv"))
+            if config.qk_norm:
+                names.update(f"{p}self_attn.{n}_norm.weight" for n in "qk")
+            names.update(f"{p}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down", "gate_up"))
+            names.update(f"{p}{norm}.weight" for norm in cls.layer_class.NORMS)
+        return names
+
     @torch.no_grad()
     def load_hf_weights(self, tensors: Mapping[str, torch.Tensor], adopt: bool = False) -> None:
-        """Load Hugging Face Llama-style names (model.layers.N.self_attn.q_proj.weight, ...).
+        """Load Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...).
 
-        Separate q/k/v and gate/up tensors are fused into this module's projections. Missing or
-        unexpected tensors raise, so a checkpoint is never half-loaded. `adopt=True` makes the
-        parameters use the given tensors' memory instead of copying into their own: for loaders
-        whose mapping hands out fresh tensors (touching a second copy of fresh memory costs
-        seconds per 500 MB on a VM); the caller must not reuse them.
+        Separate q/k/v and gate/up tensors are fused into this module's projections; fused ones
+        (qkv_proj, gate_up_proj) are taken as they are. Missing or unexpected tensors raise, so a
+        checkpoint is never half-loaded. `adopt=True` makes the parameters use the given
+        tensors' memory instead of copying into their own: for loaders whose mapping hands out
+        fresh tensors (touching a second copy of fresh memory costs seconds per 500 MB on a VM);
+        the caller must not reuse them.
         """
         c = self.config
         params = dict(self.named_parameters())
@@ -502,26 +674,37 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint is missing tensor {name}")
             return tensors[name]
 
+        def fused(name: str, parts: list[str]) -> torch.Tensor:
+            if name in tensors:
+                return tensors[name]
+            # (_cat_rows keeps the loader's stand-ins for weights the kernels read in place)
+            return _cat_rows([take(p) for p in parts])
+
+        def norm(name: str) -> torch.Tensor:
+            w = take(name)
+            return w.float() + self.hf_norm_offset if self.hf_norm_offset else w
+
         put("embed_tokens.weight", take("model.embed_tokens.weight"))
-        put("norm.weight", take("model.norm.weight"))
+        put("norm.weight", norm("model.norm.weight"))
         if not c.tie_word_embeddings:
             put("lm_head.weight", take("lm_head.weight"))
         for i in range(c.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
-            qkv = [take(f"{src}self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
-            put(f"{dst}self_attn.qkv_proj.weight", _cat_rows(qkv))
+            attn = f"{src}self_attn."
+            qkv = [f"{attn}{n}_proj.weight" for n in "qkv"]
+            put(f"{dst}self_attn.qkv_proj.weight", fused(f"{attn}qkv_proj.weight", qkv))
             if c.attention_bias:
-                qkv_b = [take(f"{src}self_attn.{n}_proj.bias") for n in ("q", "k", "v")]
-                put(f"{dst}self_attn.qkv_proj.bias", torch.cat(qkv_b, dim=0))
-            put(f"{dst}self_attn.o_proj.weight", take(f"{src}self_attn.o_proj.weight"))
-            gate_up = [take(f"{src}mlp.{n}_proj.weight") for n in ("gate", "up")]
-            put(f"{dst}mlp.gate_up_proj.weight", _cat_rows(gate_up))
+                qkv_b = [f"{attn}{n}_proj.bias" for n in "qkv"]
+                put(f"{dst}self_attn.qkv_proj.bias", fused(f"{attn}qkv_proj.bias", qkv_b))
+            if c.qk_norm:
+                put(f"{dst}self_attn.q_norm.weight", norm(f"{attn}q_norm.weight"))
+                put(f"{dst}self_attn.k_norm.weight", norm(f"{attn}k_norm.weight"))
+            put(f"{dst}self_attn.o_proj.weight", take(f"{attn}o_proj.weight"))
+            gate_up = [f"{src}mlp.{n}_proj.weight" for n in ("gate", "up")]
+            put(f"{dst}mlp.gate_up_proj.weight", fused(f"{src}mlp.gate_up_proj.weight", gate_up))
             put(f"{dst}mlp.down_proj.weight", take(f"{src}mlp.down_proj.weight"))
-            put(f"{dst}input_layernorm.weight", take(f"{src}input_layernorm.weight"))
-            put(
-                f"{dst}post_attention_layernorm.weight",
-                take(f"{src}post_attention_layernorm.weight"),
-            )
+            for n in self.layer_class.NORMS:
+                put(f"{dst}{n}.weight", norm(f"{src}{n}.weight"))
         missing = set(params) - loaded
         if c.tie_word_embeddings:
             missing.discard("lm_head.weight")

@@ -3,7 +3,7 @@
 Returns a `LoadedModel`: the torch module, its tokenizer and its config. Names: "tinygpt"
 (built in); "smollm2-135m-instruct", "gemma-3-270m" (GGUF files `python -m models.fetch NAME`
 puts in the model cache, fetched on first use if they are not there yet: `models.fetch.MODELS`);
-a path to a `.gguf` file or a Hugging Face model directory of the Llama family.
+a path to a `.gguf` file or a Hugging Face model directory of a supported family.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from models.quant import KernelOptions
 from models.tinygpt import build_tinygpt
 
 SUPPORTED = (
-    '"tinygpt", "smollm2-135m-instruct", "gemma-3-270m", a path to a .gguf file, '
-    "or a Hugging Face model directory (config.json + *.safetensors) of the Llama family "
-    "(Llama, Mistral, Qwen2, SmolLM)"
+    '"tinygpt", "smollm2-135m-instruct", "gemma-3-270m", a path to a .gguf file, or a Hugging '
+    "Face model directory (config.json + *.safetensors), of Llama 2/3, Mistral, Qwen2/2.5, Qwen3, "
+    "Phi-3, Gemma 3 or SmolLM"
 )
 
 

@@ -1,20 +1,25 @@
 """The architectures this project can run: a name -> the class that implements it.
 
 Names are Hugging Face `model_type`s (config.json); the GGUF loader maps llama.cpp's
-`general.architecture` onto them. Mistral and Qwen2 are configurations of the Llama decoder
-(Qwen2's q/k/v biases are `ModelConfig.attention_bias`). A new family is one module with a class
-that implements `models.base.CausalLM`, plus one line here.
+`general.architecture` onto them. Mistral, Qwen2/2.5, Qwen3 and Phi-3 are configurations of the
+Llama decoder (Qwen2's q/k/v biases, Qwen3's QK-norm and Phi-3's fused projections are
+`ModelConfig` options and tensor names); Gemma 3 has its own layer. A new family is one module
+with a class that implements `models.base.CausalLM`, plus one line here.
 """
 
 from __future__ import annotations
 
 from models.base import CausalLM, ModelLoadError
+from models.gemma3 import Gemma3ForCausalLM
 from models.llama import LlamaForCausalLM
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
 }
 
 
@@ -24,6 +29,7 @@ def model_class(architecture: str, where: str) -> type[CausalLM]:
     if cls is None:
         raise ModelLoadError(
             f"{where}: model_type {architecture!r} is not supported; supported: "
-            f"{', '.join(ARCHITECTURES)} (Llama 2/3, Mistral, Qwen2, SmolLM)"
+            f"{', '.join(ARCHITECTURES)}, gemma3 (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, "
+            "Gemma 3, SmolLM)"
         )
     return cls

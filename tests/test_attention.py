@@ -180,3 +180,76 @@ def test_sliding_window_rows_and_chunks_match_transformers_mask(window):
     alone = AttentionMetadata(None, 0, None, None, [PrefillChunk(0, fresh, fresh, None)])
     got = paged_attention(q, k, v, None, alone, SCALE, window=window)
     torch.testing.assert_close(got, want[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_masks_keys_outside_it_for_decode_rows_and_chunks():
+    """A decode row, a first chunk and a chunk with a past in one flat batch, window 5 (not a
+    multiple of the block size): each query at p sees exactly keys p - 4 .. p."""
+    torch.manual_seed(3)
+    window = 5
+    cache = _pool()
+    dq, dk, dv = (
+        torch.randn(11, HEADS, HD),
+        torch.randn(11, KV_HEADS, HD),
+        torch.randn(11, KV_HEADS, HD),
+    )
+    fq, fk, fv = (
+        torch.randn(7, HEADS, HD),
+        torch.randn(7, KV_HEADS, HD),
+        torch.randn(7, KV_HEADS, HD),
+    )
+    pq, pk, pv = (
+        torch.randn(13, HEADS, HD),
+        torch.randn(13, KV_HEADS, HD),
+        torch.randn(13, KV_HEADS, HD),
+    )
+    dtable, ftable, ptable = [2, 9, 17], [14, 15], [20, 21, 22, 23]
+    _fill(cache, dtable, dk[:10], dv[:10])
+    _fill(cache, ptable, pk[:6], pv[:6])  # 6 tokens of the third sequence already in the pool
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(
+            _slots(dtable, [10]) + _slots(ftable, range(7)) + _slots(ptable, range(6, 13))
+        ),
+        num_decode_tokens=1,
+        decode_block_tables=torch.tensor([dtable]),
+        decode_context_lens=torch.tensor([11]),
+        prefills=[
+            PrefillChunk(1, 7, 7, torch.tensor(ftable)),
+            PrefillChunk(8, 7, 13, torch.tensor(ptable)),
+        ],
+    )
+    got = paged_attention(
+        torch.cat([dq[10:], fq, pq[6:]]),
+        torch.cat([dk[10:], fk, pk[6:]]),
+        torch.cat([dv[10:], fv, pv[6:]]),
+        cache,
+        meta,
+        SCALE,
+        window=window,
+    )
+    want = [
+        reference(dq[10:], dk, dv, torch.tensor([10]), window),
+        reference(fq, fk, fv, torch.arange(7), window),
+        reference(pq[6:], pk, pv, torch.arange(6, 13), window),
+    ]
+    torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)
+    # and the window changed something: full attention differs for the decode row
+    assert not torch.allclose(want[0], reference(dq[10:], dk, dv, torch.tensor([10])), atol=1e-3)
+
+
+def test_a_float16_pool_is_read_in_float32():
+    torch.manual_seed(4)
+    k, v, q = torch.randn(6, KV_HEADS, HD), torch.randn(6, KV_HEADS, HD), torch.randn(6, HEADS, HD)
+    cache = tuple(c.half() for c in _pool())
+    table = [3, 4]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(_slots(table, range(6))),
+        num_decode_tokens=0,
+        decode_block_tables=None,
+        decode_context_lens=None,
+        prefills=[PrefillChunk(0, 6, 6, torch.tensor(table))],
+    )
+    got = paged_attention(q, k, v, cache, meta, SCALE)
+    assert got.dtype == torch.float32
+    want = reference(q, k.half().float(), v.half().float(), torch.arange(6))
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)

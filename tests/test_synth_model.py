@@ -26,9 +26,10 @@ import torch
 from gguf import GGUFReader
 from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES, GGMLQuantizationType
 
-from models import AttentionMetadata, ModelLoadError, PrefillChunk, load_model
+from models import AttentionMetadata, ModelLoadError, PrefillChunk, kernels, load_model
 from models.fetch import model_path
 from models.hf_tokenizer import load_gguf_tokenizer
+from tests.test_models_arch import engine_logits
 from tools import synth_model
 from tools.synth_model import ARCHES, random_state_dict, read_tokenizer, write_gguf
 
@@ -92,6 +93,35 @@ def test_a_tiny_llama_synthetic_file_loads_and_generates_varied_text(tmp_path, s
     assert all(len(tokens) == 16 and len(set(tokens)) >= 2 for tokens in outs), outs
     assert len({t for tokens in outs for t in tokens}) >= 16, outs
     assert len({tuple(tokens) for tokens in outs}) == 4
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_each_architecture_multiplies_its_file_blocks_in_place(tmp_path, smol_tokenizer, arch):
+    """With the kernels, every projection, the embedding and the head of a K-quant file of each
+    architecture (Phi-3's fused qkv / gate_up, Qwen2's biases, Gemma's tied head and scaled
+    embedding) run on the file's own blocks, no float copy, and give the logits of the float
+    model dequantized from the same blocks (gguf's dequantize, pure torch)."""
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason() or "no kernels")
+    layers = 6 if arch == "gemma3" else 2  # Gemma: five windowed layers and a global one
+    path = synth_model.write_synthetic(
+        tmp_path / f"{arch}.gguf", PRESET[arch], "Q4_K_M", seed=4, tokenizer=smol_tokenizer,
+        **dict(TINY, num_hidden_layers=layers, sliding_window=8),
+    )  # fmt: skip
+    packed = load_model(str(path), activations="float32", kv_cache_dtype="float32")
+    formats = packed.model.weight_formats()
+    assert formats and all(name.startswith("q") for name in formats), formats
+    assert type(packed.model.embed_tokens).__name__ == "RowsEmbedding"
+    assert packed.model._plan is not None  # the module-free layer loop
+    floats = load_model(str(path), use_kernels=False)
+    ids = [1, *range(40, 70)]  # 31 tokens: past the window of 8
+    want = our_logits(floats, ids)
+    torch.testing.assert_close(our_logits(packed, ids), want, rtol=0, atol=2e-4 * want.abs().max())
+    # in the engine (the planned loop over the paged pool: prefill chunks with a past, decode
+    # rows), each sampled position's logits are the float model's over the same tokens
+    got, rows = engine_logits(packed, ids[:20], 12)
+    want = our_logits(floats, ids[:20] + got)[19:-1]
+    torch.testing.assert_close(torch.stack(rows), want, rtol=0, atol=2e-4 * want.abs().max())
 
 
 def _hf_llama(tied: bool, rope_scaling: dict | None):

@@ -1,0 +1,462 @@
+"""Gemma 3, Qwen3, Qwen2, Phi-3 and Llama 3 against transformers' own classes, on tiny random
+configs (nothing downloaded): a random model of each is saved as a Hugging Face directory, and,
+written by the llama.cpp converter's rules, as a GGUF file; both load here and must give
+transformers' logits over a prompt, through a full forward and through the engine (chunked
+prefill over small blocks, then decode over the paged pool), with the CPU kernels where they run
+and without. Gemma's prompts are longer than its sliding window (8) so the window matters.
+
+Tolerance as tests/test_models_real.py: 1e-3 absolute on fp32 logits, argmax equal everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers: nothing here touches a hub
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFWriter
+
+from engine import ContinuousBatchEngine, Request, SamplingParams
+from models import ModelLoadError, kernels, load_model
+from tests.test_models_real import (
+    ATOL,
+    assert_logits_match,
+    hf_logits,
+    our_logits,
+    random_ids,
+    write_hf_checkpoint,
+)
+
+VOCAB = 272  # > the byte-level tokenizer's 259 ids: a padded embedding, as real checkpoints have
+WINDOW = 8
+
+
+def _base(**kw) -> dict:
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+    )
+    return {**base, **kw}
+
+
+def gemma3_config():
+    from transformers import Gemma3TextConfig
+
+    # 7 layers: the sixth global, the others windowed (transformers' default pattern); head_dim
+    # and query_pre_attn_scalar unlike hidden / heads, so each scale is checked
+    return Gemma3TextConfig(
+        **{
+            **_base(num_key_value_heads=1, head_dim=32, sliding_window=WINDOW),
+            "num_hidden_layers": 7,
+            "query_pre_attn_scalar": 24,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 100_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1_000.0},
+            },
+        }
+    )
+
+
+def qwen3_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**_base(head_dim=32, tie_word_embeddings=False))
+
+
+def qwen2_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**_base(tie_word_embeddings=True))
+
+
+def phi3_config():
+    from transformers import Phi3Config
+
+    return Phi3Config(
+        **_base(sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    )
+
+
+def llama3_config():
+    from transformers import LlamaConfig
+
+    scaling = {
+        "rope_type": "llama3",
+        "rope_theta": 500_000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,  # short: the prompts reach the scaled range
+    }
+    return LlamaConfig(**_base(rope_parameters=scaling))
+
+
+CONFIGS = {
+    "gemma3": gemma3_config,
+    "qwen3": qwen3_config,
+    "qwen2": qwen2_config,
+    "phi3": phi3_config,
+    "llama3": llama3_config,
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    """(name, HF directory, the transformers model that wrote it)."""
+    name = request.param
+    path = tmp_path_factory.mktemp(name)
+    ref = write_hf_checkpoint(path, CONFIGS[name](), seed=len(name))
+    return name, path, ref
+
+
+def engine_logits(lm, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy continuation in the engine (prefill in chunks of 16 over blocks of 4, then decode)
+    and the logits of every sampled position, recorded at the head."""
+    rows: list[torch.Tensor] = []
+    head = lm.model.compute_logits
+
+    def recording(hidden):
+        out = head(hidden)
+        rows.append(out[-1].clone())
+        return out
+
+    engine = ContinuousBatchEngine(
+        lm.model, max_batch_size=2, block_size=4, max_num_batched_tokens=16, num_blocks=64
+    )
+    req = Request(prompt_token_ids=prompt, params=SamplingParams(max_tokens=n, ignore_eos=True))
+    engine.add_request(req)
+    out: list[int] = []
+    lm.model.compute_logits = recording
+    try:
+        with torch.inference_mode():
+            while engine.has_work():
+                out += [t for o in engine.step() for t in o.token_ids]
+    finally:
+        del lm.model.compute_logits
+    return out, rows
+
+
+def check_against(lm, ref, seed: int) -> None:
+    ids = random_ids(40, VOCAB, seed=seed)  # 40 > WINDOW
+    assert_logits_match(our_logits(lm, ids), hf_logits(ref, ids))
+    # the engine: the same tokens as transformers' greedy continuation, and its logits at each
+    prompt = ids[:30]
+    got, rows = engine_logits(lm, prompt, 6)
+    seq = prompt + got
+    expected = hf_logits(ref, seq)[len(prompt) - 1 : -1]
+    assert torch.equal(torch.stack(rows).argmax(-1), expected.argmax(-1))
+    assert (torch.stack(rows) - expected).abs().max().item() <= ATOL
+    # a prompt shorter than the window whose decode grows past it (K/V written while the
+    # window masks nothing are read once it does)
+    got, rows = engine_logits(lm, ids[:5], 8)
+    expected = hf_logits(ref, ids[:5] + got)[4:-1]
+    assert torch.equal(torch.stack(rows).argmax(-1), expected.argmax(-1))
+    assert (torch.stack(rows) - expected).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
+def test_hf_directory_matches_transformers(checkpoint, use_kernels):
+    name, path, ref = checkpoint
+    if use_kernels and not kernels.available():
+        pytest.skip(kernels.unavailable_reason() or "no kernels")
+    lm = load_model(str(path), use_kernels=use_kernels)
+    assert getattr(lm.model, "kernels", False) == use_kernels
+    check_against(lm, ref, seed=len(name))
+
+
+def test_gemma3_config_reads_windows_scales_and_rope_bases(checkpoint):
+    name, path, _ = checkpoint
+    if name != "gemma3":
+        pytest.skip("Gemma 3 only")
+    c = load_model(str(path), use_kernels=False).config
+    assert c.layer_windows == (WINDOW,) * 5 + (0, WINDOW)
+    assert (c.rope_theta, c.rope_local_theta) == (100_000.0, 1_000.0)
+    assert c.attention_scale == pytest.approx(24**-0.5) and c.qk_norm
+    assert c.embedding_scale == pytest.approx(8.0) and c.hidden_act == "gelu_tanh"
+    assert c.tie_word_embeddings
+
+
+# -- GGUF files, written as llama.cpp's converter writes them ------------------------------------
+
+_GGUF_ARCH = {"gemma3": "gemma3", "qwen3": "qwen3", "qwen2": "qwen2", "phi3": "phi3"}
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",  # Phi-3: [gate; up] in one tensor
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+}
+
+
+def _gguf_block_name(arch: str, hf: str) -> str:
+    if arch == "gemma3":
+        special = {
+            "post_attention_layernorm": "post_attention_norm",
+            "pre_feedforward_layernorm": "ffn_norm",
+            "post_feedforward_layernorm": "post_ffw_norm",
+        }
+        if hf in special:
+            return special[hf]
+    if hf == "post_attention_layernorm":
+        return "ffn_norm"
+    return _GGUF_NAMES[hf]
+
+
+def write_gguf_from_hf(path: Path, arch: str, ref) -> Path:
+    """`ref`'s weights as a float32 GGUF of `arch` with the byte-level tokenizer."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    cfg = ref.config
+    w = GGUFWriter(str(path), arch)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = specials + list(bytes_to_unicode().values()) + ["Ġt", "Ġth", "Ġthe"]
+    tokens += [f"<unused{i}>" for i in range(cfg.vocab_size - len(tokens))]  # one per row
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    n_bytes = len(tokens) - len(specials) - (cfg.vocab_size - 262)
+    w.add_token_types([3] * len(specials) + [1] * n_bytes + [5] * (cfg.vocab_size - 262))
+    w.add_token_merges(["Ġ t", "Ġt h", "Ġth e"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    rope = cfg.rope_parameters
+    if arch == "gemma3":
+        w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_float32("gemma3.rope.freq_base_swa", rope["sliding_attention"]["rope_theta"])
+    else:
+        w.add_rope_freq_base(rope["rope_theta"])
+    if arch == "phi3" and cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
+    for name, t in ref.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        arr = t.float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            arr = arr + 1  # llama.cpp's Gemma converter stores 1 + w
+        if name == "model.embed_tokens.weight":
+            gguf = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gguf = "output.weight"
+        else:
+            parts = name.split(".")  # model.layers.N.<module...>.weight|bias
+            gguf = f"blk.{parts[2]}.{_gguf_block_name(arch, '.'.join(parts[3:-1]))}.{parts[-1]}"
+        w.add_tensor(gguf, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
+def test_gguf_file_matches_transformers(checkpoint, use_kernels, tmp_path, monkeypatch):
+    name, _, ref = checkpoint
+    if name not in _GGUF_ARCH:
+        pytest.skip("Llama 3 GGUFs carry rope_freqs (tests/test_models_real.py)")
+    if use_kernels and not kernels.available():
+        pytest.skip(kernels.unavailable_reason() or "no kernels")
+    monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))
+    path = write_gguf_from_hf(tmp_path / f"{name}.gguf", _GGUF_ARCH[name], ref)
+    lm = load_model(str(path), use_kernels=use_kernels)
+    if name == "gemma3":
+        # A GGUF carries no query_pre_attn_scalar: llama.cpp (and so the loader) scale by
+        # head_dim ** -0.5, so the reference runs with that scale here.
+        attns = [layer.self_attn for layer in ref.model.layers]
+        monkeypatch.setattr(attns[0], "scaling", attns[0].scaling)  # restored after the test
+        for a in attns:
+            monkeypatch.setattr(a, "scaling", a.head_dim**-0.5)
+    check_against(lm, ref, seed=len(name) + 1)
+
+
+def test_gemma3_gguf_as_transformers_reads_it(checkpoint, tmp_path, monkeypatch):
+    """transformers' own GGUF reader (its name map and its norm - 1) on the file written here
+    gives back the checkpoint's tensors: the writer above is this test's own, so a second
+    reader keeps its names and its + 1 honest."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from tests.test_models_real import faster_gguf_parsing
+
+    name, _, ref = checkpoint
+    if name != "gemma3":
+        pytest.skip("Gemma 3 only")
+    path = write_gguf_from_hf(tmp_path / "g.gguf", "gemma3", ref)
+    with faster_gguf_parsing():
+        cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        theirs = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=shell)
+    theirs = theirs["tensors"]
+    expected = ref.state_dict()
+    assert set(expected) - {"lm_head.weight"} <= set(theirs)
+    for key, value in theirs.items():
+        if key in expected:
+            assert torch.allclose(value, expected[key], atol=1e-6), key
+
+
+def test_phi3_longrope_is_refused(tmp_path):
+    from transformers import Phi3Config
+
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": [1.0] * 8,
+        "long_factor": [2.0] * 8,
+        "original_max_position_embeddings": 64,
+    }
+    cfg = Phi3Config(**_base(rope_parameters=scaling))
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="longrope"):
+        load_model(str(tmp_path))
+
+
+# -- the real Gemma 3 270M file ------------------------------------------------------------------
+
+
+def _gemma3_270m_path() -> Path:
+    """The Q4_K_M file: $CBSERVE_GEMMA3_GGUF, else where the model cache keeps it."""
+    from models.base import model_dir
+
+    env = os.environ.get("CBSERVE_GEMMA3_GGUF")
+    path = Path(env) if env else model_dir() / "gemma-3-270m-q4_k_m.gguf"
+    if not path.is_file():
+        pytest.skip(f"the Gemma 3 270M GGUF is not at {path}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m():
+    """(our pure-torch load, transformers' Gemma3ForCausalLM reading the same file)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from tests.test_models_real import faster_gguf_parsing
+
+    path = _gemma3_270m_path()
+    with faster_gguf_parsing():
+        cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        with torch.device("meta"):  # skip random init; every weight is assigned below
+            ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=ref)
+    ref.load_state_dict(tensors["tensors"], strict=False, assign=True)
+    # buffers built on meta above
+    ref.model.rotary_emb = type(ref.model.rotary_emb)(config=cfg)
+    ref.model.embed_tokens.embed_scale = torch.tensor(cfg.hidden_size**0.5)
+    ref.tie_weights()
+    return load_model(str(path), use_kernels=False), ref.eval()
+
+
+@pytest.mark.slow
+def test_gemma3_270m_gguf_matches_transformers_past_its_window(gemma3_270m):
+    """The real file (Q5_0 / Q4_K / Q6_K / Q8_0 blocks, window 512, 262k vocabulary) against
+    transformers reading the same file, over 600 tokens: beyond the window."""
+    lm, ref = gemma3_270m
+    assert lm.config.layer_windows == ((512,) * 5 + (0,)) * 3
+    assert lm.config.vocab_size == 262_144 and lm.config.head_dim == 256
+    ids = lm.tokenizer.encode(Path("README.md").read_text() * 3, add_special_tokens=True)[:600]
+    assert ids[0] == lm.config.bos_token_id == 2
+    assert_logits_match(our_logits(lm, ids), hf_logits(ref, ids))
+
+
+@pytest.mark.slow
+def test_gemma3_270m_completes_the_fox_and_chats(gemma3_270m):
+    lm, _ = gemma3_270m
+    tok = lm.tokenizer
+    out, _ = engine_logits(lm, tok.encode("The quick brown fox", add_special_tokens=True), 6)
+    assert tok.decode(out) == " jumps over the lazy dog."  # as llama.cpp on the same file
+    rendered = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert rendered == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert tok.encode(rendered)[:2] == [2, 105]  # BOS and <start_of_turn> as single ids
+    assert 106 in lm.eos_token_ids  # <end_of_turn> ends a chat turn
+
+
+def test_multimodal_gemma3_directory_loads_its_language_model(tmp_path):
+    """model_type "gemma3" (image-text): the decoder is its text_config, its tensors sit under
+    the language model's prefix, and the vision tower's are left out."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from tests.test_models_real import byte_level_tokenizer, randomize_
+
+    text = gemma3_config().to_dict()
+    vision = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    cfg = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=VOCAB - 3,
+        eoi_token_index=VOCAB - 2,
+        image_token_index=VOCAB - 1,
+    )
+    torch.manual_seed(0)
+    ref = Gemma3ForConditionalGeneration(cfg).eval()
+    randomize_(ref, 7)
+    ref.save_pretrained(tmp_path)
+    byte_level_tokenizer().save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), use_kernels=False)
+    assert lm.config.layer_windows == (WINDOW,) * 5 + (0, WINDOW)
+    ids = random_ids(30, VOCAB - 3, seed=7)  # no image tokens
+    assert_logits_match(our_logits(lm, ids), hf_logits(ref, ids))
+
+
+def test_a_gemma_vocabulary_without_a_template_chats_in_gemma_turns():
+    """Gemma GGUFs may carry no chat template (the 270M one does not): the turn format follows
+    from the vocabulary; a system message opens the first user turn."""
+    from models.hf_tokenizer import HFTokenizer
+    from tests.test_models_real import byte_level_tokenizer
+
+    hf = byte_level_tokenizer()
+    hf.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    assert hf.chat_template is None
+    tok = HFTokenizer(hf)
+    rendered = tok.apply_chat_template(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi "},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Bye"},
+        ]
+    )
+    assert rendered == (
+        "<|im_start|><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello.<end_of_turn>\n"
+        "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+    )
+    # other vocabularies without a template still have none
+    assert HFTokenizer(byte_level_tokenizer()).chat_template is None
