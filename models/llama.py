@@ -24,11 +24,12 @@ from models import ops
 from models.attention import AttentionMetadata, paged_attention
 from models.config import ModelConfig, RopeScaling
 from models.cpu import has_native_bf16
-from models.ops import Act
+from models.ops import Act, Kind
 from models.quant import (
     F32,
     KIND_NAMES,
     QB,
+    SCHEME_KINDS,
     GGMLTensor,
     PackedWeight,
     QTensor,
@@ -37,8 +38,6 @@ from models.quant import (
     pack,
     quantize,
 )
-from models.quant import Q4_1 as Q4_1_KIND
-from models.quant import Q8_0 as Q8_0_KIND
 
 
 def _inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
@@ -517,7 +516,7 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.config.matmul_dtype not in (None, torch.float32):
             raise ValueError("the kernels run float32 activations; load the model in float32")
-        target = {"auto": None, "none": F32, "q8_0": Q8_0_KIND, "q4_1": Q4_1_KIND}[scheme]
+        target = SCHEME_KINDS[scheme]
 
         def packed(linear: nn.Module, sources: list[list[str]], gate_up: bool = False) -> nn.Module:
             """`sources`: the checkpoint tensors that hold this projection, fused or in parts."""
@@ -608,6 +607,10 @@ class LlamaForCausalLM(nn.Module):
                       attn.window, mlp.gelu)
             )  # fmt: skip
         return steps
+
+    def packed_kinds(self) -> set[Kind]:
+        """The layout (`models.ops.Kind`) of every packed projection and head."""
+        return {m.packed.kind for m in self.modules() if isinstance(m, PackedLinear)}
 
     def weight_formats(self) -> dict[str, int]:
         """Bytes of projection and head weights by format ("f32", "q4_1", ...)."""

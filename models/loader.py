@@ -71,7 +71,7 @@ def load_model(
     on CPUs with AVX512-BF16; its tokens are not float32's.
     """
     from models import kernels
-    from models.quant import ACTIVATIONS, SCHEMES
+    from models.quant import ACTIVATIONS, F32, INT8_KINDS, SCHEME_KINDS, SCHEMES
 
     if quantization not in SCHEMES:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {SCHEMES}")
@@ -87,7 +87,7 @@ def load_model(
         dtype = DTYPES[dtype]
     wants_bf16 = dtype is not None and dtype != torch.float32
     use_kernels = use_kernels and not wants_bf16 and kernels.available()
-    if quantization in ("q8_0", "q4_1") and not use_kernels:
+    if SCHEME_KINDS[quantization] not in (None, F32) and not use_kernels:
         why = "it runs float32" if wants_bf16 else kernels.unavailable_reason() or "turned off"
         raise ModelLoadError(f"--quantization {quantization} needs the CPU kernels: {why}")
     if activations == "int8" and not use_kernels:
@@ -105,10 +105,10 @@ def load_model(
         model.enable_kernels(quantization, activations=activations)
     if wants_bf16:
         lm = _to_bfloat16(lm, dtype)  # type: ignore[arg-type]
-    formats = model.weight_formats() if use_kernels else {}
-    quantized = any(name.startswith("q") for name in formats)
+    layouts = model.packed_kinds() if use_kernels else set()
+    quantized = bool(layouts - {F32})
     # (attention's q.k runs on integer dot products over an int8 pool only with AVX512-VNNI)
-    integer_dots = kernels.has_int8_dot() and any(name.endswith("+a8") for name in formats)
+    integer_dots = kernels.has_int8_dot() and bool(layouts & INT8_KINDS)
     if kv_cache_dtype == "auto":
         # int8 where the projections already multiply int8 activations (quantized weights on an
         # AVX512-VNNI CPU, where attention's q.k runs on integer dot products too): its

@@ -52,7 +52,12 @@ KIND_NAMES = {
     GGML: "ggml",
     GGML_A8: "ggml+a8",
 }
-SCHEMES = ("auto", "none", "q8_0", "q4_1")  # --quantization choices
+# --quantization choices -> the panel kind weights are rounded to (None: keep a GGUF file's own
+# blocks where the kernels read them, else float)
+SCHEME_KINDS: dict[str, Kind | None] = {"auto": None, "none": F32, "q8_0": Q8_0, "q4_1": Q4_1}
+SCHEMES = tuple(SCHEME_KINDS)
+# The layouts whose projections multiply int8 activations
+INT8_KINDS = frozenset({Q8_0X, Q4_1X, GGML_A8})
 ACTIVATIONS = ("auto", "int8", "float32")  # --activation-dtype choices
 
 

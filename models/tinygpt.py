@@ -1,4 +1,5 @@
-"""TinyGPT: the reference configuration of the seed's measurements (random weights, seed 0).
+"""TinyGPT: the reference configuration of the continuous-batching chapter's measurements (random
+weights, seed 0), the model its workload and figures were taken with.
 
 5,838,080 parameters: vocab 260 (bytes + BOS/EOS/PAD), 6 layers, d_model 256, 8 query heads,
 2 KV heads, head_dim 32, SwiGLU hidden 1024, RoPE theta 10000, RMSNorm eps 1e-5, untied head,
