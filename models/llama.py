@@ -434,21 +434,19 @@ class LlamaForCausalLM(nn.Module):
                 qkv, cos, sin, kc, vc, slots, nd, tables, lens, chunk_meta, chunk_tables,
                 h, kvh, hd, scale, st.window,
             )  # fmt: skip
-            if len(st.norms) == 2:  # Llama: x + o_proj(o), x + down(act(gate_up(norm(x))))
+            llama = len(st.norms) == 2
+            if llama:  # x + o_proj(o), x + down(act(gate_up(norm(x))))
                 x = o_w[0](o, *o_w[1:], x, Act.NONE)
-                y = norm(x, st.norms[1], eps)
-                if st.gelu:
-                    g = _gelu_mul(gu_w[0](y, *gu_w[1:], None, Act.NONE))
-                else:
-                    g = gu_w[0](y, *gu_w[1:], None, Act.SILU_MUL)
-                x = down_w[0](g, *down_w[1:], x, Act.NONE)
             else:  # Gemma 3: x + norm(o_proj(o)), x + norm(down(act(gate_up(norm(x)))))
                 x = x + norm(o_w[0](o, *o_w[1:], None, Act.NONE), st.norms[1], eps)
-                y = norm(x, st.norms[2], eps)
-                if st.gelu:
-                    g = _gelu_mul(gu_w[0](y, *gu_w[1:], None, Act.NONE))
-                else:
-                    g = gu_w[0](y, *gu_w[1:], None, Act.SILU_MUL)
+            y = norm(x, st.norms[1 if llama else 2], eps)
+            if st.gelu:
+                g = _gelu_mul(gu_w[0](y, *gu_w[1:], None, Act.NONE))
+            else:
+                g = gu_w[0](y, *gu_w[1:], None, Act.SILU_MUL)
+            if llama:
+                x = down_w[0](g, *down_w[1:], x, Act.NONE)
+            else:
                 x = x + norm(down_w[0](g, *down_w[1:], None, Act.NONE), st.norms[3], eps)
         return self.norm(x)
 
