@@ -83,6 +83,7 @@ class RSSWatcher(threading.Thread):
 _RUN = [0]
 _SAME_SEED = [False]
 _SAMPLING = [GREEDY]  # the sampling fields every request sends (--sampling)
+_TOKEN_IDS = [TraceSpec.token_ids]  # the prompts' id range (--token-ids)
 
 
 def _spec(long: bool, rate: float, n: int) -> TraceSpec:
@@ -93,9 +94,21 @@ def _spec(long: bool, rate: float, n: int) -> TraceSpec:
     seed = 7 if _SAME_SEED[0] else 6 + _RUN[0]
     if long:
         return TraceSpec(
-            num_requests=n, rate=rate, prompt_len=(1024, 1536), output_len=(64, 128), seed=seed
+            num_requests=n,
+            rate=rate,
+            prompt_len=(1024, 1536),
+            output_len=(64, 128),
+            seed=seed,
+            token_ids=_TOKEN_IDS[0],
         )
-    return TraceSpec(num_requests=n, rate=rate, prompt_len=(32, 96), output_len=(16, 48), seed=seed)
+    return TraceSpec(
+        num_requests=n,
+        rate=rate,
+        prompt_len=(32, 96),
+        output_len=(16, 48),
+        seed=seed,
+        token_ids=_TOKEN_IDS[0],
+    )
 
 
 _HITS, _QUERIES = "cbserve_prefix_cache_hits_total", "cbserve_prefix_cache_queries_total"
@@ -190,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         default="fresh",
         help="fresh: each run its own prompts (default); same: seed 7 every run (peers.md)",
     )
+    ap.add_argument(
+        "--token-ids",
+        default=None,
+        metavar="LO:HI",
+        help="range of random prompt token ids (default: the trace's, which suits GPT-2-style "
+        "vocabularies; Gemma's ids below ~110 are control tokens: use e.g. 1000:20000)",
+    )
     add_sampling_argument(ap)
     ap.add_argument("--keep-going", action="store_true", help="do not stop a sweep past the knee")
     ap.add_argument("--out", type=Path, default=None, help="write the summaries as JSON")
@@ -204,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     _SAME_SEED[0] = args.seeds == "same"
     _SAMPLING[0] = args.sampling
+    if args.token_ids:
+        lo, _, hi = args.token_ids.partition(":")
+        _TOKEN_IDS[0] = (int(lo), int(hi))
     pids = {}
     for item in args.pid:
         name, _, value = item.partition("=")
