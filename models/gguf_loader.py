@@ -8,7 +8,8 @@ them), and mapping each architecture's GGUF tensor names to Hugging Face names (
 norms are stored as w + 1) for the model's `load_hf_weights`. With the kernels, tensors in a format they multiply in place
 are never dequantized: `GGUFWeights.blocks` hands the model the file's rows (`models.quant`), and
 the float "weight" it sees is a zero-memory stand-in. The tokenizer and chat template come from
-the same file through `models.hf_tokenizer`.
+the same file: Gemma's SentencePiece vocabularies through `models.spm_tokenizer` (no derived
+merges table), every other one through transformers' conversion (`models.hf_tokenizer`).
 
 Architectures: llama (Llama 1-3, Mistral, SmolLM convert to it), qwen2, qwen3, phi3, gemma3. What
 is refused, by name: others, mixture-of-experts, RoPE scaling other than llama.cpp's frequency
@@ -20,6 +21,7 @@ for.
 from __future__ import annotations
 
 import re
+import struct
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
@@ -34,9 +36,11 @@ from gguf.quants import dequantize
 from models.base import LoadedModel, ModelLoadError
 from models.config import ModelConfig
 from models.hf_loader import check_weight_names
-from models.hf_tokenizer import HFTokenizer, end_token_ids, load_gguf_tokenizer
+from models.hf_tokenizer import HFTokenizer, end_ids, end_token_ids, load_gguf_tokenizer
 from models.quant import GGML_BLOCKS, GGMLTensor, KernelOptions, gguf_rows
 from models.registry import model_class
+from models.spm_tokenizer import SPMTokenizer, read_gguf_tokenizer_metadata, uses_spm_tokenizer
+from models.tokenizer import Tokenizer
 
 Q = GGMLQuantizationType
 # Types we dequantize and have checked against transformers / round trips; others are refused by
@@ -436,9 +440,8 @@ def load_gguf(
     weights = GGUFWeights(path, reader, config, dtype, arch=gguf_arch, in_place=in_place)
     check_weight_names(weights, config, path.name, cls)
 
-    tok = load_gguf_tokenizer(path)
-    declared = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    eos = end_token_ids(tok, declared)
+    tok = _tokenizer(path, meta)
+    eos = tok.eos_token_ids
     bos = meta.get("tokenizer.ggml.bos_token_id", tok.bos_token_id)
     pad = meta.get("tokenizer.ggml.padding_token_id", tok.pad_token_id)
     config = replace(
@@ -461,4 +464,24 @@ def load_gguf(
         if unread:
             raise ModelLoadError(f"{path.name}: {unread[0]} was neither loaded nor packed")
     config.extra["load_seconds"] = round(time.perf_counter() - t0, 3)
-    return LoadedModel(config.name, model, HFTokenizer(tok, eos), config)
+    return LoadedModel(config.name, model, tok, config)
+
+
+def _tokenizer(path: Path, meta: _Meta) -> Tokenizer:
+    """The file's tokenizer, its end-of-generation ids set from the file's declared ones."""
+    declared = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    spm = {
+        "general.architecture": meta.get("general.architecture"),
+        "tokenizer.ggml.model": meta.get("tokenizer.ggml.model"),
+    }
+    if meta.array_len("tokenizer.ggml.merges") is not None:
+        spm["tokenizer.ggml.merges"] = True
+    if uses_spm_tokenizer(spm):
+        try:
+            tok = SPMTokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(path))
+        except (ValueError, KeyError, OSError, struct.error) as e:
+            raise ModelLoadError(f"cannot read the tokenizer stored in {path}: {e}") from e
+        tok.eos_token_ids = end_ids(declared, tok.eos_token_id, tok.added_vocab)
+        return tok
+    hf = load_gguf_tokenizer(path)
+    return HFTokenizer(hf, end_token_ids(hf, declared))

@@ -3,7 +3,7 @@
 `Tokenizer` is the small interface the server uses (encode, decode, special ids, chat template,
 and what a tokenizer can say about single tokens: raw bytes, a streaming byte decoder).
 `ByteTokenizer` is TinyGPT's: bytes 0-255 plus BOS/EOS/PAD. Real models wrap a Hugging Face
-tokenizer (models.hf_tokenizer). `IncrementalDetokenizer` turns a growing list of ids into text
+tokenizer (models.hf_tokenizer) or, for Gemma's GGUF vocabularies, models.spm_tokenizer. `IncrementalDetokenizer` turns a growing list of ids into text
 deltas without ever emitting half a character, for any tokenizer: byte-level pieces whose text only
 appears once later ids arrive are held back until they decode cleanly.
 """
@@ -38,8 +38,9 @@ class Tokenizer(Protocol):
         ...
 
     def incremental_decoder(self) -> codecs.IncrementalDecoder | None:
-        """A streaming decoder over `token_bytes` for tokenizers whose ids are bytes, which
-        detokenizes exactly; None: detokenize by decoding windows of ids."""
+        """A streaming decoder over `token_bytes` for tokenizers whose every token has bytes of
+        its own (bytes, SentencePiece pieces), which detokenizes exactly; None: detokenize by
+        decoding windows of ids."""
         ...
 
 
@@ -108,7 +109,8 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
-        # Byte tokenizers decode exactly with a streaming UTF-8 decoder; others use the window.
+        # Tokenizers whose tokens are bytes decode exactly with a streaming UTF-8 decoder over
+        # them; others use the window.
         self._utf8 = tokenizer.incremental_decoder()
         self.ids: list[int] = list(prompt_ids or [])
         # Start the window a few ids before the end of the prompt so the first generated piece
@@ -121,7 +123,8 @@ class IncrementalDetokenizer:
         """Append ids; return the newly completed text (possibly empty)."""
         self.ids.extend(new_ids)
         if self._utf8 is not None:
-            delta = self._utf8.decode(bytes(i for i in new_ids if 0 <= i < 256))
+            piece = self.tokenizer.token_bytes
+            delta = self._utf8.decode(b"".join(piece(i) or b"" for i in new_ids))
             self.text += delta
             return delta
         decode = self.tokenizer.decode
