@@ -31,7 +31,7 @@ from models.spm_tokenizer import (
 
 CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
 TURNS = ["<start_of_turn>", "<end_of_turn>", "<unused0>", "<unused1>", "<unused12>"]
-USER = ["[multimodal]", "\n", "\n\n", "\n\n\n", "\t", "\t\t", "</div>", "<div>", "<b>"]
+USER = ["[multimodal]", "\n", "\n\n", "\n\n\n", "\t", "\t\t", "</div>", "<div>", "<b>", "</s>"]
 SPACES = ["  ", "   ", "    "]  # Gemma stores these with real spaces, as user-defined tokens
 CHARS = list("abcdehilnorstwxyzT.,!?<>/éü東京") + ["\u2581"]
 # Merged tokens in an order that is not by length, with scores that disagree with it: the
@@ -150,7 +150,7 @@ def test_the_loader_picks_this_tokenizer_for_gemma_vocabularies_only(synthetic, 
     path, _, _ = synthetic
     tok = _tokenizer(path, _Meta(_open(path), path))
     assert isinstance(tok, SPMTokenizer)
-    assert tok.eos_token_ids == (1, 7)  # <eos>, then <end_of_turn>
+    assert tok.eos_token_ids == (1, 7)  # <eos>, <end_of_turn>; not the HTML tag "</s>"
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == (
         "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
     )
@@ -158,6 +158,25 @@ def test_the_loader_picks_this_tokenizer_for_gemma_vocabularies_only(synthetic, 
     assert uses_spm_tokenizer(meta)
     assert not uses_spm_tokenizer(dict(meta, **{"general.architecture": "llama"}))
     assert not uses_spm_tokenizer(dict(meta, **{"tokenizer.ggml.model": "gpt2"}))
+
+
+def test_the_loaders_reader_counts_the_tokenizer_arrays_and_parses_the_rest(synthetic):
+    """The loader's GGUF reader leaves the tokenizer's arrays to the tokenizer (one ndarray per
+    item in gguf's reader: ~330 MB for Gemma's); every other field is gguf's own parse."""
+    from gguf import GGUFReader
+
+    path, ours, _ = synthetic
+    fast, full = _open(path), GGUFReader(str(path))
+    arrays = {
+        k for k in full.fields if k.startswith("tokenizer.ggml.") and len(full.fields[k].data) > 1
+    }
+    assert fast.array_lengths == {k: len(full.fields[k].data) for k in arrays}
+    assert fast.array_lengths["tokenizer.ggml.tokens"] == ours.vocab_size
+    assert set(fast.fields) == set(full.fields) - arrays
+    for key, field in fast.fields.items():
+        assert field.contents() == full.fields[key].contents(), key
+    assert _Meta(fast, path).array_len("tokenizer.ggml.tokens") == ours.vocab_size
+    assert fast.data_offset == full.data_offset
 
 
 def test_a_damaged_file_is_a_clear_error(tmp_path):
