@@ -521,6 +521,13 @@ def load_gguf(
     return LoadedModel(config.name, model, tok, config)
 
 
+def load_gguf_file_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer `load_gguf` gives a GGUF file, without its weights (models.fetch: prepare
+    it once after a download)."""
+    path = Path(path)
+    return _tokenizer(path, _Meta(_open(path), path))
+
+
 def _tokenizer(path: Path, meta: _Meta) -> Tokenizer:
     """The file's tokenizer, its end-of-generation ids set from the file's declared ones."""
     declared = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]

@@ -11,6 +11,7 @@ appears once later ids arrive are held back until they decode cleanly.
 from __future__ import annotations
 
 import codecs
+import datetime
 from typing import Protocol, runtime_checkable
 
 import jinja2.sandbox
@@ -51,11 +52,22 @@ BYTE_CHAT_TEMPLATE = (
 )
 
 
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
 def render_chat_template(
     template: str, messages: list[dict], add_generation_prompt: bool, **kw
 ) -> str:
-    """Render a Jinja chat template in a sandbox, as transformers does."""
+    """Render a Jinja chat template in a sandbox, as transformers does (with its globals:
+    templates such as Gemma's call `raise_exception` on roles that do not alternate)."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
     return env.from_string(template).render(
         messages=messages, add_generation_prompt=add_generation_prompt, **kw
     )

@@ -21,7 +21,7 @@ import pytest
 from gguf import GGUFWriter
 
 from models import IncrementalDetokenizer
-from models.gguf_loader import _Meta, _open, _tokenizer
+from models.gguf_loader import _Meta, _open, load_gguf_file_tokenizer
 from models.spm_tokenizer import (
     SPMTokenizer,
     load_spm_tokenizer,
@@ -148,7 +148,7 @@ def test_streamed_text_is_the_full_decode(synthetic):
 
 def test_the_loader_picks_this_tokenizer_for_gemma_vocabularies_only(synthetic, tmp_path):
     path, _, _ = synthetic
-    tok = _tokenizer(path, _Meta(_open(path), path))
+    tok = load_gguf_file_tokenizer(path)
     assert isinstance(tok, SPMTokenizer)
     assert tok.eos_token_ids == (1, 7)  # <eos>, <end_of_turn>; not the HTML tag "</s>"
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == (
@@ -177,6 +177,25 @@ def test_the_loaders_reader_counts_the_tokenizer_arrays_and_parses_the_rest(synt
         assert field.contents() == full.fields[key].contents(), key
     assert _Meta(fast, path).array_len("tokenizer.ggml.tokens") == ours.vocab_size
     assert fast.data_offset == full.data_offset
+
+
+def test_a_files_chat_template_gets_transformers_globals():
+    """Gemma's instruction-tuned template writes `bos_token` and calls `raise_exception` when
+    roles do not alternate (the server turns that error into a 400)."""
+    import jinja2
+
+    template = (
+        "{{ bos_token }}{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 "
+        "== 0) %}{{ raise_exception('roles must alternate') }}{% endif %}{{ m['content'] }}"
+        "{% endfor %}"
+    )
+    tok = SPMTokenizer(
+        ["<pad>", "<eos>", "<bos>"], [3, 3, 3], bos_token_id=2, chat_template=template
+    )
+    user, model = {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}
+    assert tok.apply_chat_template([user, model]) == "<bos>ab"
+    with pytest.raises(jinja2.TemplateError, match="roles must alternate"):
+        tok.apply_chat_template([model])
 
 
 def test_a_damaged_file_is_a_clear_error(tmp_path):
