@@ -155,6 +155,17 @@ class SPMTokenizer:
             re.compile("[" + "".join(re.escape(c) for c in by_first) + "]") if by_first else None
         )
         self._bytes = [self._ids.get(f"<0x{b:02X}>") for b in range(256)]
+        # Merging a whole text at once is the conversion's semantics, but no merge can cross
+        # the start of a U+2581 run unless some token holds the character before it followed by
+        # U+2581 (in Gemma's vocabulary only ">" does, in ">\u2581</"): split the text there
+        # into words, merge each on its own (the same result) and cache them.
+        inner = (t for t in self._tokens if SPACE in t[1:])
+        before = {t[k - 1] for t in inner for k in range(1, len(t)) if t[k] == SPACE}
+        before.add(SPACE)
+        self._word_starts = re.compile(
+            "(?<=[^" + "".join(re.escape(c) for c in sorted(before)) + "])(?=" + SPACE + ")"
+        )
+        self._cache: dict[str, tuple[int, ...]] = {}
         self.unk_token_id = unk_token_id
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
@@ -221,9 +232,23 @@ class SPMTokenizer:
                 pos = i + 1
 
     def _bpe(self, text: str) -> list[int]:
+        """The ids of a piece of text between added tokens: its words merged one by one."""
+        out: list[int] = []
+        cache = self._cache
+        for word in self._word_starts.split(text.replace(" ", SPACE)):
+            ids = cache.get(word)
+            if ids is None:
+                ids = self._merge(word)
+                if len(cache) >= 20_000:  # a few MB at most
+                    cache.clear()
+                cache[word] = ids
+            out.extend(ids)
+        return out
+
+    def _merge(self, text: str) -> tuple[int, ...]:
         ids, bits = self._ids, self._max_len_bits
         syms: list[str | None] = []
-        for c in text.replace(" ", SPACE):
+        for c in text:
             if c in ids:
                 syms.append(c)
             else:
@@ -276,7 +301,7 @@ class SPMTokenizer:
             if not (t == unk and out and out[-1] == unk):  # consecutive unknowns fuse
                 out.append(t)
             i = nxt[i]
-        return out
+        return tuple(out)
 
     def _fallback(self, c: str) -> list[str]:
         """The symbols of a character missing from the vocabulary: its bytes, else unknown."""

@@ -51,6 +51,7 @@ TEXTS = [
     "東京 and 京都 and 東 with ü, é and ö 🐙👩‍💻",
     "Thé hello!!! ??? ...",
     "\x00\x7f€",
+    "box x y xx  x,x",  # "x\u2581" is a token: a merge across the start of a space run
     "",
     " ",
 ]
@@ -86,7 +87,7 @@ def write_gemma_vocab_gguf(path: Path) -> Path:
 
 def random_texts(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
-    alphabet = list("abehlortwd .,!\n\t<>/é東京ö🐙") + ["  ", "<start_of_turn>", "</div>", "aba"]
+    alphabet = list("abehlortwdx .,!\n\t<>/é東京ö🐙") + ["  ", "<start_of_turn>", "</div>", "aba"]
     return ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30))) for _ in range(n)]
 
 
