@@ -19,7 +19,13 @@ How a text is encoded (the conversion's steps, in its order):
    with U+2581 and does not match them as added tokens, so neither do we.
 2. In each remaining piece spaces become U+2581; the piece starts as one symbol per character (a
    character missing from the vocabulary becomes its UTF-8 bytes as `<0xXX>` tokens).
-3. Repeatedly merge the adjacent pair with the best rank (leftmost among equals), with a heap.
+3. Repeatedly merge the adjacent pair with the best rank (leftmost among equals), with a heap,
+   word by word where no merge can cross a word's start (see `SPMTokenizer.__init__`).
+
+As in the conversion, merges rank by the merged token's place in the file, not by its score as
+llama.cpp's SentencePiece tokenizer does (Gemma's normal tokens are stored best score first, so
+the two rarely differ), and the file's add_space_prefix flag is not applied (Gemma's files set
+it false).
 """
 
 from __future__ import annotations
