@@ -14,7 +14,8 @@ Two halves, split by where they run:
 
 Why llguidance (not xgrammar): one 3 MB abi3 wheel with no dependencies, where xgrammar pulls in
 triton and apache-tvm-ffi; it builds its token trie from our own tokenizers (a `tokenizers`
-JSON for SmolLM2's converted GGUF tokenizer, raw bytes for TinyGPT's byte tokenizer); grammars
+JSON for SmolLM2's converted GGUF tokenizer, each token's raw bytes for TinyGPT's byte tokenizer
+and Gemma's SentencePiece one); grammars
 compile lazily in about a millisecond, so there is nothing to precompute per schema; and a mask
 for SmolLM2's 49k vocabulary takes well under a millisecond on one core. vLLM, SGLang and
 llama.cpp's server use it as a backend too.
@@ -22,6 +23,7 @@ llama.cpp's server use it as a backend too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections import OrderedDict
@@ -165,8 +167,8 @@ def _ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> Any:
         import llguidance.hf
 
         return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
-    # A byte-level vocabulary (TinyGPT's ByteTokenizer): each id's raw bytes; ids without bytes
-    # are special, which llguidance spells as a 0xFF byte before a name.
+    # Tokens with bytes of their own (TinyGPT's bytes, SentencePiece pieces): each id's raw
+    # bytes; ids without bytes are special, which llguidance spells as a 0xFF byte before a name.
     tokens: list[bytes] = []
     specials: list[int] = []
     for i in range(vocab_size):
@@ -200,21 +202,44 @@ def _ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> Any:
 class GrammarCompiler:
     """Compiles specs for one tokenizer and caches the result (a template matcher per spec, an
     LRU of `cache_size`). Thread-safe; meant to run in a worker thread, not on the event loop or
-    the engine's step thread (the tokenizer's trie takes ~1 s to build, once; a new schema about
-    a millisecond; a cached one microseconds)."""
+    the engine's step thread (the tokenizer's trie takes 1-4 s to build, once: `prepare` starts
+    that at server startup; a new schema about a millisecond; a cached one microseconds)."""
 
     def __init__(self, tokenizer: Tokenizer, cache_size: int = 256) -> None:
         self.tokenizer = tokenizer
         self.cache_size = cache_size
         self._ll_tok: Any = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache and counters
+        self._build_lock = threading.Lock()  # the tokenizer's trie: built once, by one thread
+        self._preparing: threading.Thread | None = None
         self.hits = 0
         self.misses = 0
 
+    def prepare(self) -> threading.Thread | None:
+        """Start building llguidance's tokenizer in a daemon thread, so the first structured
+        request does not pay for it (a request that comes first waits for it to finish).
+
+        Meant for server startup, before traffic: llguidance holds the GIL while it builds
+        (~4 s for a 262k vocabulary), so built lazily it would stall every stream in the
+        middle of serving instead."""
+        with self._lock:
+            if self._ll_tok is not None or self._preparing is not None:
+                return self._preparing
+            self._preparing = threading.Thread(
+                target=self._prepare, name="grammar-tokenizer", daemon=True
+            )
+        self._preparing.start()
+        return self._preparing
+
+    def _prepare(self) -> None:
+        # A failure is raised again, to a request, by its own access.
+        with contextlib.suppress(Exception):
+            _ = self.ll_tokenizer
+
     @property
     def ll_tokenizer(self) -> Any:
-        with self._lock:
+        with self._build_lock:
             if self._ll_tok is None:
                 self._ll_tok = _ll_tokenizer(self.tokenizer, self.tokenizer.vocab_size)
             return self._ll_tok

@@ -8,7 +8,8 @@ them), and mapping each architecture's GGUF tensor names to Hugging Face names (
 norms are stored as w + 1) for the model's `load_hf_weights`. With the kernels, tensors in a format they multiply in place
 are never dequantized: `GGUFWeights.blocks` hands the model the file's rows (`models.quant`), and
 the float "weight" it sees is a zero-memory stand-in. The tokenizer and chat template come from
-the same file through `models.hf_tokenizer`.
+the same file: Gemma's SentencePiece vocabularies through `models.spm_tokenizer` (no derived
+merges table), every other one through transformers' conversion (`models.hf_tokenizer`).
 
 Architectures: llama (Llama 1-3, Mistral, SmolLM convert to it), qwen2, qwen3, phi3, gemma3. What
 is refused, by name: others, mixture-of-experts, RoPE scaling other than llama.cpp's frequency
@@ -20,6 +21,7 @@ for.
 from __future__ import annotations
 
 import re
+import struct
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
@@ -28,15 +30,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
 from gguf.quants import dequantize
 
 from models.base import LoadedModel, ModelLoadError
 from models.config import ModelConfig
 from models.hf_loader import check_weight_names
-from models.hf_tokenizer import HFTokenizer, end_token_ids, load_gguf_tokenizer
+from models.hf_tokenizer import HFTokenizer, end_ids, end_token_ids, load_gguf_tokenizer
 from models.quant import GGML_BLOCKS, GGMLTensor, KernelOptions, gguf_rows
 from models.registry import model_class
+from models.spm_tokenizer import SPMTokenizer, read_gguf_tokenizer_metadata, uses_spm_tokenizer
+from models.tokenizer import Tokenizer
 
 Q = GGMLQuantizationType
 # Types we dequantize and have checked against transformers / round trips; others are refused by
@@ -110,6 +114,10 @@ class _Reader(GGUFReader):
     0.7 s. The reader assigns `self.data` once in `__init__`; this property converts it there.
     """
 
+    def __init__(self, path: Path, skip_tokenizer_arrays: bool = False) -> None:
+        self.skip_tokenizer_arrays = skip_tokenizer_arrays
+        super().__init__(path)
+
     @property
     def data(self) -> np.ndarray:
         return self._array
@@ -118,10 +126,57 @@ class _Reader(GGUFReader):
     def data(self, value: np.ndarray) -> None:
         self._array = value.view(np.ndarray) if isinstance(value, np.memmap) else value
 
+    def _build_fields(self, offs: int, count: int) -> int:
+        """GGUFReader's, except that with `skip_tokenizer_arrays` the tokenizer's arrays are only
+        counted (`array_lengths`), not parsed.
+
+        GGUFReader makes an ndarray per array item: for Gemma's 262,144 tokens, scores and types
+        that is ~1M objects, 330 MB of RSS held as long as the reader, and ~10 s. The loader's
+        tokenizer reads those arrays itself (models.spm_tokenizer, or transformers), so it skips
+        them here; every other field is parsed as GGUFReader does.
+        """
+        self.array_lengths: dict[str, int] = {}
+        if not self.skip_tokenizer_arrays or self.byte_order == "S":  # (S: byte-swapped file)
+            return super()._build_fields(offs, count)
+        for _ in range(count):
+            start = offs
+            key_len, key = self._get_str(offs)
+            offs += int(key_len.nbytes + key.nbytes)
+            kind = self._get(offs, np.uint32)
+            offs += int(kind.nbytes)
+            name = str(bytes(key), encoding="utf-8")
+            if kind[0] == GGUFValueType.ARRAY and name.startswith("tokenizer.ggml."):
+                item, n = int(self._get(offs, np.uint32)[0]), int(self._get(offs + 4, np.uint64)[0])
+                offs = _skip_array(self.data, offs + 12, item, n)
+                self.array_lengths[name] = n
+                continue
+            size, parts, idxs, types = self._get_field_parts(offs, kind[0])
+            self._push_field(
+                ReaderField(
+                    start, name, [key_len, key, kind, *parts], [i + 3 for i in idxs], types
+                ),
+                skip_sum=True,
+            )
+            offs += size
+        return offs
+
+
+def _skip_array(data: np.ndarray, offs: int, item: int, n: int) -> int:
+    """The offset just past a GGUF array of `n` items of type `item` starting at `offs`."""
+    if item == GGUFValueType.STRING:
+        buf = memoryview(data)
+        for _ in range(n):
+            offs += 8 + struct.unpack_from("<Q", buf, offs)[0]
+        return offs
+    size = GGUFReader.gguf_scalar_to_np.get(GGUFValueType(item))
+    if size is None:  # arrays of arrays: no tokenizer key has them
+        raise ValueError(f"unsupported GGUF array item type {item}")
+    return offs + n * np.dtype(size).itemsize
+
 
 def _open(path: Path) -> GGUFReader:
     try:
-        return _Reader(path)
+        return _Reader(path, skip_tokenizer_arrays=True)
     except (ValueError, OSError, KeyError, IndexError) as e:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
 
@@ -143,6 +198,9 @@ class _Meta:
         return value
 
     def array_len(self, key: str) -> int | None:
+        n = getattr(self.reader, "array_lengths", {}).get(key)  # the tokenizer's, only counted
+        if n is not None:
+            return n
         field = self.reader.fields.get(key)
         return None if field is None else len(field.data)  # without decoding 49k strings
 
@@ -436,9 +494,8 @@ def load_gguf(
     weights = GGUFWeights(path, reader, config, dtype, arch=gguf_arch, in_place=in_place)
     check_weight_names(weights, config, path.name, cls)
 
-    tok = load_gguf_tokenizer(path)
-    declared = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    eos = end_token_ids(tok, declared)
+    tok = _tokenizer(path, meta)
+    eos = tok.eos_token_ids
     bos = meta.get("tokenizer.ggml.bos_token_id", tok.bos_token_id)
     pad = meta.get("tokenizer.ggml.padding_token_id", tok.pad_token_id)
     config = replace(
@@ -461,4 +518,34 @@ def load_gguf(
         if unread:
             raise ModelLoadError(f"{path.name}: {unread[0]} was neither loaded nor packed")
     config.extra["load_seconds"] = round(time.perf_counter() - t0, 3)
-    return LoadedModel(config.name, model, HFTokenizer(tok, eos), config)
+    return LoadedModel(config.name, model, tok, config)
+
+
+def load_gguf_file_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer `load_gguf` gives a GGUF file, without its weights (models.fetch: prepare
+    it once after a download)."""
+    path = Path(path)
+    return _tokenizer(path, _Meta(_open(path), path))
+
+
+def _tokenizer(path: Path, meta: _Meta) -> Tokenizer:
+    """The file's tokenizer, its end-of-generation ids set from the file's declared ones."""
+    declared = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    spm = {
+        "general.architecture": meta.get("general.architecture"),
+        "tokenizer.ggml.model": meta.get("tokenizer.ggml.model"),
+    }
+    if meta.array_len("tokenizer.ggml.merges") is not None:
+        spm["tokenizer.ggml.merges"] = True
+    if uses_spm_tokenizer(spm):
+        try:
+            tok = SPMTokenizer.from_gguf_metadata(read_gguf_tokenizer_metadata(path))
+        except (ValueError, KeyError, OSError, struct.error) as e:
+            raise ModelLoadError(f"cannot read the tokenizer stored in {path}: {e}") from e
+        # Known end tokens only among its control tokens: Gemma's "</s>" is a user-defined HTML
+        # tag (strikethrough), not an end of text.
+        control = {t: i for t, i in tok.added_vocab.items() if i in tok.special_ids}
+        tok.eos_token_ids = end_ids(declared, tok.eos_token_id, control)
+        return tok
+    hf = load_gguf_tokenizer(path)
+    return HFTokenizer(hf, end_token_ids(hf, declared))

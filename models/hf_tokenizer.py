@@ -12,7 +12,7 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -101,10 +101,18 @@ def end_token_ids(tok: Any, declared: Iterable[int | None]) -> tuple[int, ...]:
 
     `declared`: EOS ids from config.json / generation_config.json / GGUF metadata, in that order.
     """
+    # get_added_vocab: special and added tokens, text -> id
+    return end_ids(declared, tok.eos_token_id, tok.get_added_vocab())
+
+
+def end_ids(
+    declared: Iterable[int | None], eos_token_id: int | None, added: Mapping[str, int]
+) -> tuple[int, ...]:
+    """`end_token_ids` for any tokenizer: the declared ids, its EOS, then the known end tokens
+    among its added (special) tokens `added` (text -> id)."""
     ids: list[int] = [int(i) for i in declared if i is not None]
-    if tok.eos_token_id is not None:
-        ids.append(tok.eos_token_id)
-    added = tok.get_added_vocab()  # special and added tokens: text -> id
+    if eos_token_id is not None:
+        ids.append(eos_token_id)
     ids.extend(added[text] for text in END_TOKENS if text in added)
     return tuple(dict.fromkeys(ids))  # dedupe, keep order
 

@@ -3,7 +3,7 @@
 `Tokenizer` is the small interface the server uses (encode, decode, special ids, chat template,
 and what a tokenizer can say about single tokens: raw bytes, a streaming byte decoder).
 `ByteTokenizer` is TinyGPT's: bytes 0-255 plus BOS/EOS/PAD. Real models wrap a Hugging Face
-tokenizer (models.hf_tokenizer). `IncrementalDetokenizer` turns a growing list of ids into text
+tokenizer (models.hf_tokenizer) or, for Gemma's GGUF vocabularies, models.spm_tokenizer. `IncrementalDetokenizer` turns a growing list of ids into text
 deltas without ever emitting half a character, for any tokenizer: byte-level pieces whose text only
 appears once later ids arrive are held back until they decode cleanly.
 """
@@ -11,6 +11,7 @@ appears once later ids arrive are held back until they decode cleanly.
 from __future__ import annotations
 
 import codecs
+import datetime
 from typing import Protocol, runtime_checkable
 
 import jinja2.sandbox
@@ -38,8 +39,9 @@ class Tokenizer(Protocol):
         ...
 
     def incremental_decoder(self) -> codecs.IncrementalDecoder | None:
-        """A streaming decoder over `token_bytes` for tokenizers whose ids are bytes, which
-        detokenizes exactly; None: detokenize by decoding windows of ids."""
+        """A streaming decoder over `token_bytes` for tokenizers whose every token has bytes of
+        its own (bytes, SentencePiece pieces), which detokenizes exactly; None: detokenize by
+        decoding windows of ids."""
         ...
 
 
@@ -50,11 +52,22 @@ BYTE_CHAT_TEMPLATE = (
 )
 
 
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
 def render_chat_template(
     template: str, messages: list[dict], add_generation_prompt: bool, **kw
 ) -> str:
-    """Render a Jinja chat template in a sandbox, as transformers does."""
+    """Render a Jinja chat template in a sandbox, as transformers does (with its globals:
+    templates such as Gemma's call `raise_exception` on roles that do not alternate)."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
     return env.from_string(template).render(
         messages=messages, add_generation_prompt=add_generation_prompt, **kw
     )
@@ -108,7 +121,8 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
-        # Byte tokenizers decode exactly with a streaming UTF-8 decoder; others use the window.
+        # Tokenizers whose tokens are bytes decode exactly with a streaming UTF-8 decoder over
+        # them; others use the window.
         self._utf8 = tokenizer.incremental_decoder()
         self.ids: list[int] = list(prompt_ids or [])
         # Start the window a few ids before the end of the prompt so the first generated piece
@@ -121,7 +135,8 @@ class IncrementalDetokenizer:
         """Append ids; return the newly completed text (possibly empty)."""
         self.ids.extend(new_ids)
         if self._utf8 is not None:
-            delta = self._utf8.decode(bytes(i for i in new_ids if 0 <= i < 256))
+            piece = self.tokenizer.token_bytes
+            delta = self._utf8.decode(b"".join(piece(i) or b"" for i in new_ids))
             self.text += delta
             return delta
         decode = self.tokenizer.decode

@@ -63,15 +63,18 @@ def structured_spec(req: SamplingFields) -> StructuredSpec | None:
 
 
 class StructuredOutputs:
-    """The server's grammar compiler: one per tokenizer, its cache shared by all requests."""
+    """The server's grammar compiler: one per tokenizer, its cache shared by all requests.
+    `prepare`: start building the tokenizer's trie now, in the background (server startup)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, prepare: bool = True) -> None:
         self.compiler = GrammarCompiler(tokenizer)
+        if prepare:
+            self.compiler.prepare()
 
     async def constraints(self, spec: StructuredSpec, count: int) -> list[TokenConstraint]:
         """`count` fresh grammar states for `spec`, compiled in a worker thread so neither the
-        event loop nor the engine's step waits for a compile (the first request also builds the
-        tokenizer's trie, ~1 s for SmolLM2)."""
+        event loop nor the engine's step waits for a compile (a request that comes before the
+        trie built at startup is done waits for it)."""
         return await asyncio.to_thread(
             lambda: [self.compiler.constraint(spec) for _ in range(count)]
         )

@@ -195,6 +195,61 @@ def test_compiled_grammars_are_cached_and_each_constraint_has_its_own_state(comp
     assert allowed_tokens(mask, 260)[0].nonzero().flatten().tolist() == [ord("{")]
 
 
+def test_the_tokenizer_trie_is_built_in_the_background_and_a_first_request_waits(
+    tiny_lm, monkeypatch
+):
+    import threading
+
+    import engine.structured as structured
+
+    release, calls = threading.Event(), []
+    real = structured._ll_tokenizer
+
+    def slow(tokenizer, vocab_size):
+        calls.append(threading.current_thread().name)
+        release.wait(10)
+        return real(tokenizer, vocab_size)
+
+    monkeypatch.setattr(structured, "_ll_tokenizer", slow)
+    compiler = GrammarCompiler(tiny_lm.tokenizer)
+    builder = compiler.prepare()
+    assert builder.is_alive() and compiler.prepare() is builder  # started once, not waited for
+    got = []
+    request = threading.Thread(
+        target=lambda: got.append(compiler.constraint(StructuredSpec("json_object")))
+    )
+    request.start()
+    request.join(0.3)
+    assert request.is_alive() and not got  # the first request waits for the build...
+    release.set()
+    request.join(10)
+    builder.join(10)
+    assert len(got) == 1 and calls == ["grammar-tokenizer"]  # ...which ran once, in the background
+    mask = torch.zeros(1, (260 + 31) // 32, dtype=torch.int32)
+    got[0].fill_bitmask(mask, 0)
+    assert allowed_tokens(mask, 260)[0].nonzero().flatten().tolist() == [ord("{")]
+
+
+def test_a_sentencepiece_vocabulary_constrains_by_its_pieces(tmp_path):
+    """Gemma's tokenizer (models.spm_tokenizer) gives llguidance each piece's bytes: a regex
+    allows the pieces that start a match (whole words, single letters, byte tokens), no others."""
+    from models.spm_tokenizer import load_spm_tokenizer
+    from tests.test_spm_tokenizer import write_gemma_vocab_gguf
+
+    tok = load_spm_tokenizer(write_gemma_vocab_gguf(tmp_path / "v.gguf"))
+    compiler = GrammarCompiler(tok)
+    compiler.prepare().join(30)
+    c = compiler.constraint(StructuredSpec("regex", "h[a-z]+ world"))
+    mask = torch.zeros(1, (tok.vocab_size + 31) // 32, dtype=torch.int32)
+    c.fill_bitmask(mask, 0)
+    allowed = set(allowed_tokens(mask, tok.vocab_size)[0].nonzero().flatten().tolist())
+    starts = {i for i in range(tok.vocab_size) if re.fullmatch(rb"h[a-z]*", tok.token_bytes(i))}
+    assert allowed == starts and {"h", "hello", "<0x68>"} <= {tok._tokens[i] for i in starts}
+    for i in tok.encode("hello world"):
+        assert c.accept(i)
+    assert c.is_finished
+
+
 def test_allowed_tokens_unpacks_bits_and_pads_the_vocabulary():
     bits = torch.tensor([[0b101, -(2**31)]], dtype=torch.int32)  # tokens 0, 2 and 63
     allowed = allowed_tokens(bits, 70)

@@ -79,6 +79,7 @@ class EngineReplica:
         await self.driver.start()
         # issue 25: grammars arrive as specs and are compiled here (server.remote_grammar)
         self.grammars = GrammarCompiler(lm.tokenizer)
+        self.grammars.prepare()  # the tokenizer's trie, in the background
         self.served = 0
         self.aborted_on_cancel = 0
         log.info("engine replica %s ready: %s, %s engine", self.replica, lm.name, self.engine.name)
