@@ -35,7 +35,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from models.base import ModelLoadError, model_dir
-from models.hf_tokenizer import load_gguf_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,7 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"{model.title}: {path}")
     try:
-        load_gguf_tokenizer(path)
+        # The tokenizer the server will build from this file, once, to show it loads (Gemma's
+        # SentencePiece vocabulary needs no conversion; the others' conversion is cached).
+        from models.gguf_loader import load_gguf_file_tokenizer
+
+        load_gguf_file_tokenizer(path)
     except ModelLoadError as e:
         print(
             f"models.fetch: the model file is in place but its tokenizer failed: {e}",

@@ -109,7 +109,11 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 **extra,
             )
-        return render_chat_template(self.source, dicts, add_generation_prompt, tools=tools, **extra)
+        # The tokenizer's own names for its special tokens (bos_token, ...), as its path passes them.
+        names = getattr(self.tokenizer, "template_tokens", dict)()
+        return render_chat_template(
+            self.source, dicts, add_generation_prompt, tools=tools, **{**names, **extra}
+        )
 
 
 def check_tool_turns(messages: list[Any]) -> None:
