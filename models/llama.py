@@ -36,7 +36,9 @@ from models.quant import (
     RowsEmbedding,
     int8_by_default,
     pack,
+    pack_rows,
     quantize,
+    tied_head_from_rows,
 )
 
 
@@ -603,9 +605,11 @@ class LlamaForCausalLM(nn.Module):
             )
             mlp.down_proj = packed(mlp.down_proj, [[f"{src}mlp.down_proj.weight"]])
         tied = self.config.tie_word_embeddings
-        # A tied head takes the table's blocks too: Q8_0 / Q4_0 / Q4_1 tables as panels (a second
-        # copy beside the lookup's rows, but faster than the rows at every batch size).
-        self.lm_head = packed(self.lm_head, [[embed_name if tied else "lm_head.weight"]])
+        if tied and scheme == "auto" and tied_head_from_rows(table, activations):
+            # the lookup's own rows (no second copy of the table)
+            self.lm_head = PackedLinear(pack_rows(table, int8=True), None)  # type: ignore[arg-type]
+        else:  # the table's (or the head's) blocks, packed like any projection
+            self.lm_head = packed(self.lm_head, [[embed_name if tied else "lm_head.weight"]])
         if (
             isinstance(table, GGMLTensor)
             and len(table.parts) == 1
