@@ -36,7 +36,9 @@ from models.quant import (
     RowsEmbedding,
     int8_by_default,
     pack,
+    pack_rows,
     quantize,
+    tied_head_from_rows,
 )
 
 
@@ -101,6 +103,12 @@ class Rotary(nn.Module):
         super().__init__()
         self.dtype = config.dtype
         self.register_buffer("inv_freq", _inv_freq(config, local), persistent=False)  # float64
+
+    def halves(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Only the (T, hd/2) float32 cos and sin the fused attention kernel takes (what
+        `forward(..., halves=True)` adds), for the planned layer loop, which needs no others."""
+        freqs = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # (T, hd/2)
+        return freqs.cos().to(self.dtype).float(), freqs.sin().to(self.dtype).float()
 
     def forward(self, positions: torch.Tensor, halves: bool = False) -> RopeTables:
         """cos and signed sin for these positions, (T, 1, hd) each: computed once per step and
@@ -229,11 +237,19 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def _qk_norm(qkv: torch.Tensor, weight: torch.Tensor, hd: int, eps: float) -> None:
+def _qk_norm(
+    qkv: torch.Tensor, weight: torch.Tensor, hd: int, eps: float, ones: torch.Tensor | None = None
+) -> None:
     """RMSNorm each q and k head of a fused qkv (T, (H + 2 KV) hd) in place, before RoPE (which
-    the attention kernel applies): `weight` (H + KV, hd) from `Attention.qk_weight`."""
-    heads = qkv.view(qkv.shape[0], -1, hd)[:, : weight.shape[0]]
-    heads.copy_(F.rms_norm(heads, (hd,), eps=eps) * weight)
+    the attention kernel applies): `weight` (H + KV, hd) from `Attention.qk_weight`. With `ones`
+    (hd,) the kernel normalizes (two ops, where torch's rms_norm and the copy back are ~10)."""
+    heads = qkv.view(qkv.shape[0], -1, hd).narrow(1, 0, weight.shape[0])  # (T, H + KV, hd)
+    if ones is None:
+        heads.copy_(F.rms_norm(heads, (hd,), eps=eps) * weight)
+        return
+    # (a view for one token; a copy of the heads for more)
+    normed = ops.rms_norm(heads.reshape(-1, hd), ones, eps)
+    torch.mul(normed.view(heads.shape), weight, out=heads)
 
 
 class _Step(NamedTuple):
@@ -293,7 +309,10 @@ class Attention(nn.Module):
         return torch.cat([q.expand(self.n_heads, -1), k.expand(self.n_kv, -1)]).contiguous()
 
     def _norm_qk(self, qkv: torch.Tensor) -> None:
-        _qk_norm(qkv, self.qk_weight(), self.hd, self.q_norm.eps)
+        ones = None
+        if self.q_norm.fused and qkv.dtype == torch.float32:  # as the planned loop does
+            ones = torch.ones(self.hd)
+        _qk_norm(qkv, self.qk_weight(), self.hd, self.q_norm.eps, ones)
 
     def attend(
         self,
@@ -393,62 +412,78 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: (T,). Returns final hidden states (T, d_model)."""
         x = self.embed_tokens(input_ids)  # (T, d)
         if self.config.embedding_scale is not None:
-            # in the embedding dtype, as transformers computes it
-            x = x * torch.tensor(self.config.embedding_scale).to(x.dtype)
+            x = x * self._embedding_scale(x.dtype)
+        if self._plan is not None and kv_caches is not None:
+            tables = self.rotary.halves(positions)
+            local_tables = (
+                tables if self.rotary_local is None else self.rotary_local.halves(positions)
+            )
+            return self._forward_planned(x, tables, local_tables, kv_caches, meta)
         rope = self.rotary(positions, halves=self.kernels)
         local = rope if self.rotary_local is None else self.rotary_local(positions, self.kernels)
-        if self._plan is not None and kv_caches is not None:
-            return self._forward_planned(x, rope, local, kv_caches, meta)
         for i, layer in enumerate(self.layers):
             layer_rope = local if layer.self_attn.local_rope else rope
             x = layer(x, layer_rope, None if kv_caches is None else kv_caches[i], meta)
         return self.norm(x)
 
     _plan: list[_Step] | None = None  # set by enable_kernels when every layer is fully packed
+    _plan_ones: torch.Tensor | None = None  # (head_dim,) ones: QK-norm's kernel weight
 
-    def _forward_planned(self, x, rope, local, kv_caches, meta) -> torch.Tensor:
+    def _embedding_scale(self, dtype: torch.dtype) -> float:
+        """The embedding multiplier rounded to the embedding dtype, as transformers computes it
+        (a Python float: one op a step, where a fresh 0-d tensor cost three)."""
+        scales = self.__dict__.setdefault("_embedding_scales", {})
+        if dtype not in scales:
+            scales[dtype] = float(torch.tensor(self.config.embedding_scale).to(dtype))
+        return scales[dtype]
+
+    def _forward_planned(self, x, tables, local_tables, kv_caches, meta) -> torch.Tensor:
         """The layer loop as straight calls of the kernel ops (what the layers' `forward`
         computes, op for op) without nn.Module dispatch: ~10 module calls a layer cost ~2 ms a
         step on SmolLM2, a quarter of a batch-1 decode step. Covers both layer shapes: Llama's
         (the skip connections ride into the projections' epilogues) and Gemma 3's (each branch
-        normed before it joins the stream), with QK-norm, windows, local RoPE and GeGLU."""
-        attention, norm = ops.attention, ops.rms_norm
+        normed before it joins the stream), with QK-norm, windows, local RoPE and GeGLU.
+        `tables`, `local_tables`: (cos, sin) halves (`Rotary.halves`) of the global and the
+        sliding-window layers. Every op here costs a few microseconds of dispatch whatever its
+        size, so the loop issues as few as it can: no views or temporaries it can do without."""
+        attention, norm, none = ops.attention, ops.rms_norm, Act.NONE
         c = self.config
         eps, h, kvh, hd = c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim
         scale = self.layers[0].self_attn.scale
-        tables_by_locality = (
-            (rope.cos_half, rope.sin_half),
-            (local.cos_half, local.sin_half),
-        )
+        tables_by_locality = (tables, local_tables)
         slots, nd = meta.slot_mapping, meta.num_decode_tokens
-        tables = _or_empty(meta.decode_block_tables, 2)
+        block_tables = _or_empty(meta.decode_block_tables, 2)
         lens = _or_empty(meta.decode_context_lens, 1)
         chunk_meta, chunk_tables = meta.chunk_meta(), meta.chunk_tables()
+        ones = self._plan_ones
         for st, (kc, vc) in zip(self._plan, kv_caches, strict=True):
             qkv_w, o_w, gu_w, down_w = st.qkv, st.o, st.gate_up, st.down
-            qkv = qkv_w[0](norm(x, st.norms[0], eps), *qkv_w[1:], None, Act.NONE)
+            qkv = qkv_w[0](norm(x, st.norms[0], eps), *qkv_w[1:], None, none)
             if st.qk_norm is not None:
-                _qk_norm(qkv, st.qk_norm, hd, eps)
+                _qk_norm(qkv, st.qk_norm, hd, eps, ones)
             cos, sin = tables_by_locality[st.local_rope]
             o = attention(
-                qkv, cos, sin, kc, vc, slots, nd, tables, lens, chunk_meta, chunk_tables,
+                qkv, cos, sin, kc, vc, slots, nd, block_tables, lens, chunk_meta, chunk_tables,
                 h, kvh, hd, scale, st.window,
             )  # fmt: skip
             llama = len(st.norms) == 2
             if llama:  # x + o_proj(o), x + down(act(gate_up(norm(x))))
-                x = o_w[0](o, *o_w[1:], x, Act.NONE)
+                x = o_w[0](o, *o_w[1:], x, none)
             else:  # Gemma 3: x + norm(o_proj(o)), x + norm(down(act(gate_up(norm(x)))))
-                x = x + norm(o_w[0](o, *o_w[1:], None, Act.NONE), st.norms[1], eps)
+                # (the adds go into the norms' fresh outputs: the same sums, no allocation)
+                x = norm(o_w[0](o, *o_w[1:], None, none), st.norms[1], eps).add_(x)
             y = norm(x, st.norms[1 if llama else 2], eps)
-            if st.gelu:
-                g = _gelu_mul(gu_w[0](y, *gu_w[1:], None, Act.NONE))
+            if st.gelu:  # GeGLU in torch (the kernel's epilogue has SiLU only)
+                gu = gu_w[0](y, *gu_w[1:], None, none)
+                f = gu.shape[1] // 2
+                g = F.gelu(gu.narrow(1, 0, f), approximate="tanh").mul_(gu.narrow(1, f, f))
             else:
                 g = gu_w[0](y, *gu_w[1:], None, Act.SILU_MUL)
             if llama:
-                x = down_w[0](g, *down_w[1:], x, Act.NONE)
+                x = down_w[0](g, *down_w[1:], x, none)
             else:
-                x = x + norm(down_w[0](g, *down_w[1:], None, Act.NONE), st.norms[3], eps)
-        return self.norm(x)
+                x = norm(down_w[0](g, *down_w[1:], None, none), st.norms[3], eps).add_(x)
+        return norm(x, self.norm.weight, self.norm.eps)
 
     @classmethod
     def without_weights(cls, config: ModelConfig) -> LlamaForCausalLM:
@@ -570,9 +605,11 @@ class LlamaForCausalLM(nn.Module):
             )
             mlp.down_proj = packed(mlp.down_proj, [[f"{src}mlp.down_proj.weight"]])
         tied = self.config.tie_word_embeddings
-        # A tied head takes the table's blocks too: Q8_0 / Q4_0 / Q4_1 tables as panels (a second
-        # copy beside the lookup's rows, but faster than the rows at every batch size).
-        self.lm_head = packed(self.lm_head, [[embed_name if tied else "lm_head.weight"]])
+        if tied and scheme == "auto" and tied_head_from_rows(table, activations):
+            # the lookup's own rows (no second copy of the table)
+            self.lm_head = PackedLinear(pack_rows(table, int8=True), None)  # type: ignore[arg-type]
+        else:  # the table's (or the head's) blocks, packed like any projection
+            self.lm_head = packed(self.lm_head, [[embed_name if tied else "lm_head.weight"]])
         if (
             isinstance(table, GGMLTensor)
             and len(table.parts) == 1
@@ -593,6 +630,7 @@ class LlamaForCausalLM(nn.Module):
             p = m.packed
             return (p.op, p.qs, p.d, p.m, p.kind, p.out_features, m.bias)
 
+        self._plan_ones = torch.ones(self.config.head_dim)
         steps = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp

@@ -26,6 +26,8 @@ can emit silu(gate) * up for 8 outputs per panel without a second pass.
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -227,7 +229,9 @@ class GGMLTensor:
         out: list[tuple[int, torch.Tensor]] = []
         for t in tensors:
             for typ, raw in t.parts:
-                if out and out[-1][0] == typ:
+                # (parts that are views of one file map stay apart: `pack_rows` reads them
+                # where they lie, where joining them would copy them)
+                if out and out[-1][0] == typ and not _one_storage([out[-1][1], raw]):
                     out[-1] = (typ, torch.cat([out[-1][1], raw]))
                 else:
                     out.append((typ, raw))
@@ -255,13 +259,56 @@ class GGMLTensor:
 
 
 def gguf_rows(data: np.ndarray, ggml_type: int, n: int, k: int) -> GGMLTensor | None:
-    """A GGUF tensor's raw blocks (uint8, n rows of k values) as a GGMLTensor (copied out of the
-    file map), or None for formats the kernels do not read."""
+    """A GGUF tensor's raw blocks (uint8, n rows of k values) as a GGMLTensor, or None for
+    formats the kernels do not read. Bytes of a read-only file map (a GGUF reader's) stay where
+    they are (`_file_view`); others are copied."""
     if ggml_type not in GGML_BLOCKS or k % GGML_BLOCKS[ggml_type][0]:
         return None
     values, nbytes = GGML_BLOCKS[ggml_type]
-    raw = np.array(data, dtype=np.uint8, copy=True).reshape(n, k // values * nbytes)
-    return GGMLTensor([(ggml_type, torch.from_numpy(raw))], k)
+    raw = _file_view(data)
+    if raw is None:
+        raw = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
+    return GGMLTensor([(ggml_type, raw.view(n, k // values * nbytes))], k)
+
+
+def _file_view(data: np.ndarray) -> torch.Tensor | None:
+    """`data`, bytes of a read-only memory map, as a uint8 tensor over the same memory, sliced
+    from one tensor over the whole map so that every tensor of a file shares one storage
+    (`pack_rows` then addresses a fused projection's parts by offset, without joining them).
+    The weights' memory is then the file's pages: the page cache's, shared with other processes
+    mapping the file, never a second copy. None when `data` is not such a view.
+
+    The map must never be written: the kernels only read their weights."""
+    root = data
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if (
+        root.flags.writeable
+        or root.dtype != np.uint8
+        or root.ndim != 1
+        or not data.flags.c_contiguous
+        or data.dtype != np.uint8
+    ):
+        return None
+    start = data.ctypes.data - root.ctypes.data
+    if not 0 <= start <= root.nbytes - data.nbytes:
+        return None
+    with warnings.catch_warnings():  # (torch warns that the array is not writable: see above)
+        warnings.simplefilter("ignore", UserWarning)
+        whole = torch.from_numpy(root)
+    return whole[start : start + data.nbytes]
+
+
+def _one_storage(raws: list[torch.Tensor]) -> bool:
+    """Every tensor of `raws` is a contiguous view of one storage (the file map, `_file_view`)."""
+    storage = raws[0].untyped_storage()
+    base, size = storage.data_ptr(), storage.nbytes()
+    return all(
+        t.is_contiguous()
+        and t.untyped_storage().data_ptr() == base
+        and t.untyped_storage().nbytes() == size
+        for t in raws
+    )
 
 
 def from_gguf_blocks(data: np.ndarray, ggml_type: int, n: int, k: int) -> QTensor | None:
@@ -319,6 +366,9 @@ class PackedWeight:
     in_features: int
 
     def nbytes(self) -> int:
+        """Bytes of the weight (GGUF rows: of its own rows, not of the file map they lie in)."""
+        if self.kind in (GGML, GGML_A8):
+            return sum(self.formats().values())
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
 
     @property
@@ -340,16 +390,23 @@ class PackedWeight:
 
 
 def pack_rows(w: GGMLTensor, int8: bool) -> PackedWeight:
-    """GGUF rows for `ggml_linear`: the parts' bytes back to back, `m` their (type, rows,
-    byte offset) table."""
-    table, offset = [], 0
-    for typ, raw in w.parts:
-        table.append((typ, raw.shape[0], offset))
-        offset += raw.numel()
-    qs = torch.cat([raw.reshape(-1) for _, raw in w.parts]) if len(w.parts) > 1 else w.parts[0][1]
+    """GGUF rows for `ggml_linear`: `qs` bytes and `m` the parts' (type, rows, byte offset into
+    qs) table. Parts that are views of one file map are read where they lie (`qs` the whole map,
+    the offsets theirs in it); other parts are joined into one tensor, back to back."""
+    raws = [raw for _, raw in w.parts]
+    if len(raws) == 1:
+        qs, offsets = raws[0].reshape(-1).contiguous(), [0]
+    elif _one_storage(raws):
+        whole = raws[0].untyped_storage().nbytes()
+        qs = raws[0].as_strided((whole,), (1,), 0)  # the map, as one uint8 tensor
+        offsets = [raw.data_ptr() - qs.data_ptr() for raw in raws]
+    else:
+        qs = torch.cat([raw.reshape(-1) for raw in raws])
+        offsets = np.cumsum([0] + [raw.numel() for raw in raws[:-1]]).tolist()
+    table = [(typ, raw.shape[0], off) for (typ, raw), off in zip(w.parts, offsets, strict=True)]
     n, k = w.shape
     kind = GGML_A8 if int8 else GGML
-    return PackedWeight(kind, qs.reshape(-1).contiguous(), None, torch.tensor(table), n, k)
+    return PackedWeight(kind, qs, None, torch.tensor(table), n, k)
 
 
 def _vnni() -> bool:
@@ -365,6 +422,30 @@ def int8_by_default(w: QTensor | GGMLTensor) -> bool:
     Q4_1 and Q8_0 keep float32 activations on AVX2, where the panels' FMA kernel is as fast as
     the int8 rows at one row and faster for prefill."""
     return _vnni() or w.kind == GGML
+
+
+# A tied head over an embedding table the file holds as Q8_0, Q4_0 or Q4_1 (Gemma 3's 262,144 x
+# 640 Q8_0: 170 MB). "rows" multiplies the file's rows, the ones the embedding lookup reads,
+# with int8 activations (`ggml_linear`, as llama.cpp does): the table is resident once.
+# "panels" (the default) packs a second copy into float-activation panels: as fast as the rows
+# for one token, faster for several (the rows' direct int8 dots cover a few activation rows).
+# CBSERVE_TIED_HEAD=rows chooses the rows; `tied_head_from_rows` says where they apply.
+TIED_HEAD_FROM_ROWS = os.environ.get("CBSERVE_TIED_HEAD", "panels") == "rows"
+
+
+def tied_head_from_rows(table: QTensor | GGMLTensor | None, activations: str) -> bool:
+    """A tied head multiplies `table`'s file rows (`TIED_HEAD_FROM_ROWS`) rather than panels:
+    for a one-tensor Q8_0 / Q4_0 / Q4_1 table (the K formats are rows anyway) whose head may
+    take int8 activations ("auto" or "int8"), on AVX2 (with AVX512-VNNI the panels' int8
+    kernel is the one measured)."""
+    return (
+        TIED_HEAD_FROM_ROWS
+        and isinstance(table, GGMLTensor)
+        and len(table.parts) == 1
+        and table.kind in (Q8_0, Q4_1)
+        and activations in ("auto", "int8")
+        and not _vnni()
+    )
 
 
 def _gate_up_order(n: int) -> torch.Tensor:

@@ -1,0 +1,92 @@
+"""GGUF weights computed where the file's map holds them (`models.quant._file_view`), and a tied
+head over the embedding's own rows (`models.quant.TIED_HEAD_FROM_ROWS`): no second copy of a
+quantized matrix. The oracle is the float model dequantized from the same file (gguf's
+dequantize, pure torch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from models import ModelLoadError, kernels, load_model, quant
+from models.fetch import model_path
+from models.llama import PackedLinear
+from models.quant import GGML, GGML_A8, gguf_rows
+from tests.test_synth_model import our_logits
+from tools import synth_model
+from tools.synth_model import read_tokenizer
+
+TINY = dict(
+    num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=1,
+    intermediate_size=512, head_dim=64, vocab_size=512, max_position_embeddings=1024,
+    sliding_window=8,
+)  # fmt: skip
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no kernels")
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    try:
+        path = model_path("smollm2-135m-instruct")
+    except ModelLoadError:
+        pytest.skip("SmolLM2 was never fetched here: no tokenizer to copy")
+    return read_tokenizer(path)
+
+
+def gemma_file(tmp_path, tokenizer, fmt: str):
+    return synth_model.write_synthetic(
+        tmp_path / f"gemma-{fmt}.gguf", "gemma-3-270m", fmt, seed=4, tokenizer=tokenizer, **TINY
+    )
+
+
+def test_rows_of_a_read_only_map_are_views_and_other_arrays_are_copied(tmp_path):
+    data = np.arange(4 * 34, dtype=np.uint8)
+    path = tmp_path / "blocks.bin"
+    data.tofile(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    view = gguf_rows(mapped[34:].view(np.ndarray).reshape(3, 34), 8, 3, 32)  # Q8_0 rows
+    assert view.parts[0][1].data_ptr() == mapped.ctypes.data + 34
+    owned = np.array(data[34:]).reshape(3, 34)
+    copied = gguf_rows(owned, 8, 3, 32)
+    assert copied.parts[0][1].data_ptr() != owned.ctypes.data
+    assert torch.equal(view.parts[0][1], copied.parts[0][1])
+
+
+def test_k_quant_projections_and_embedding_read_the_file_map_in_place(tmp_path, smol_tokenizer):
+    """Fused q/k/v and gate/up included: their parts are addressed where they lie in the map."""
+    path = gemma_file(tmp_path, smol_tokenizer, "Q4_K_M")
+    lm = load_model(str(path), activations="float32", kv_cache_dtype="float32")
+    model = lm.model
+    size = path.stat().st_size
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert {m.packed.kind for m in linears} == {GGML}
+    rows = [m.packed.qs for m in linears] + [model.embed_tokens.qs]
+    storages = {qs.untyped_storage().data_ptr() for qs in rows}
+    assert len(storages) == 1 and rows[0].untyped_storage().nbytes() == size
+    assert len(model.layers[0].self_attn.qkv_proj.packed.m) == 3  # q, k, v where they lie
+    floats = load_model(str(path), use_kernels=False)
+    ids = [1, *range(40, 60)]
+    want = our_logits(floats, ids)
+    torch.testing.assert_close(our_logits(lm, ids), want, rtol=0, atol=2e-4 * want.abs().max())
+
+
+@pytest.mark.parametrize("choice", ["rows", "panels"])
+def test_a_tied_q8_0_head_is_the_embeddings_rows_or_a_packed_copy(
+    tmp_path, smol_tokenizer, monkeypatch, choice
+):
+    path = gemma_file(tmp_path, smol_tokenizer, "Q8_0")
+    monkeypatch.setattr(quant, "TIED_HEAD_FROM_ROWS", choice == "rows")
+    lm = load_model(str(path), kv_cache_dtype="float32")
+    head, table = lm.model.lm_head.packed, lm.model.embed_tokens.qs
+    shared = head.qs.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()
+    assert shared == (choice == "rows")
+    assert (head.kind == GGML_A8) == (choice == "rows")
+    floats = load_model(str(path), use_kernels=False)
+    ids = [1, *range(40, 60)]
+    want = our_logits(floats, ids)
+    got = our_logits(lm, ids)
+    # int8 activations (per 32 inputs) in the head: within a few hundredths of the logits' range
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max())
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
