@@ -344,6 +344,30 @@ void dot_a8_b32_rows(const uint8_t* w, const Acts& a, int64_t r0, int64_t nb, fl
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const int64_t ng = b32_groups(nb);
   for (int64_t g = 0; g < ng; ++g) {
+    if constexpr (R == 1) {  // one activation row: group_a8_b32's operations, the blocks in registers
+      if (8 * g + 8 <= nb) {
+        const int64_t rb = r0 * a.nb32 + 8 * g;
+        const int8_t* xr = a.q32 + rb * 32;
+        const __m256i ones = _mm256_set1_epi16(1);
+        float ws[8], wo[8];
+        __m256i p[8];
+        for (int j = 0; j < 8; ++j) {
+          const __m256i wv = block32<T>(w + (8 * g + j) * block_bytes(T), ws[j], wo[j]);
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32 * j));
+          if constexpr (T == Q8_0)
+            p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
+          else
+            p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+        }
+        const __m256 vws = _mm256_setr_ps(ws[0], ws[1], ws[2], ws[3], ws[4], ws[5], ws[6], ws[7]);
+        const __m256 dx = _mm256_loadu_ps(a.d32 + rb);
+        acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums8(p)), _mm256_mul_ps(vws, dx), acc[0]);
+        if constexpr (T != Q8_0)
+          acc[0] = _mm256_fmadd_ps(_mm256_setr_ps(wo[0], wo[1], wo[2], wo[3], wo[4], wo[5], wo[6], wo[7]),
+                                   _mm256_loadu_ps(a.s32 + rb), acc[0]);
+        continue;
+      }
+    }
     alignas(32) uint8_t u[256];
     alignas(32) float ws[8], wo[8];
     const int n = static_cast<int>(std::min<int64_t>(8, nb - 8 * g));
