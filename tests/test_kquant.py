@@ -120,6 +120,26 @@ def test_int8_activations_are_the_matmul_of_the_rounded_activations(qtype, m):
     assert ((got.double() - exact).norm() / exact.norm()).item() < 0.02
 
 
+B32_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+
+
+@pytest.mark.parametrize("qtype", B32_TYPES)
+def test_int8_dots_of_32_value_formats_agree_on_the_files_rows_and_unpacked(qtype):
+    """Up to 4 activation rows the int8 kernel reads the file's blocks; from 5 it unpacks each
+    weight row once for all of them. K = 640 is 20 blocks: the last group of eight is partial.
+    Both paths give the float reference, and the same bits for a row whichever path it takes."""
+    torch.manual_seed(int(qtype))
+    n, k = 19, 640
+    w = random_rows(qtype, n, k, seed=int(qtype) + 1)
+    packed = pack_rows(w, int8=True)
+    x = torch.randn(6, k) * torch.linspace(0.2, 3, k)
+    ref = (round_activations(x, 32).double() @ w.dequantize().double().T).float()
+    alone = torch.cat([linear(x[i : i + 1], packed) for i in range(6)])
+    torch.testing.assert_close(alone, ref, rtol=1e-5, atol=2e-4)
+    for m in (2, 3, 4, 5, 6):
+        assert torch.equal(linear(x[:m], packed), alone[:m]), f"M = {m} changed a row"
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("int8", [False, True])
 def test_a_rows_result_does_not_depend_on_the_batch_around_it(qtype, int8):

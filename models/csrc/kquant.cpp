@@ -14,6 +14,8 @@
 //   them in vpmaddubsw (unsigned weight x signed activation pairs) then vpmaddwd with the block's
 //   integer sub-scales; fp32 only once per block (per 256 inputs for the K formats). A format's
 //   zero point or minimum enters through the activation block sums.
+//   The 32-value formats' dots read the file's rows for a few activation rows (decode) and a
+//   copy unpacked once per weight row for more (prefill); both do the same arithmetic.
 // A row's result does not depend on the batch: every activation row goes through the same
 // sequence of operations whatever MR tile it falls in, and its sums run in one fixed order.
 #include <ATen/ATen.h>
@@ -41,6 +43,7 @@ constexpr int64_t GGML_F32 = cbserve::GGML, GGML_A8 = cbserve::GGML_A8;
 constexpr int64_t NONE = cbserve::NONE, SILU_MUL = cbserve::SILU_MUL;
 
 constexpr int MR = 4;  // activation rows per weight-row decode
+constexpr int64_t ROWS_MAX_M = MR;  // up to this many activation rows, no unpacked copy of a row
 
 inline int64_t block_values(int64_t t) { return t >= Q4_K ? 256 : 32; }
 inline int64_t block_bytes(int64_t t) {
@@ -295,34 +298,87 @@ inline __m256i sums8(const __m256i* p) {
 // The 32-value formats, eight blocks at a time: each block's integer dot product is reduced to
 // one int32, and the eight then meet their scales (weight s x activation d) and the zero point or
 // minimum (weight o x activation d sum(q)) as vectors, rather than a float multiply-add a block.
-// `w`: a row unpacked by unpack_b32.
+// u: the group's 8 x 32 value bytes (unsigned, or signed for Q8_0); ws, wo: their s and o.
+template <bool SIGNED, int R>
+inline void group_a8_b32(const uint8_t* u, __m256 vws, __m256 vwo, const Acts& a, int64_t r0, int64_t g,
+                         __m256* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) {
+    const int64_t rb = (r0 + r) * a.nb32 + 8 * g;
+    const int8_t* xr = a.q32 + rb * 32;
+    __m256i p[8];
+    for (int j = 0; j < 8; ++j) {
+      const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(u + 32 * j));
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32 * j));
+      if constexpr (SIGNED)  // |w| * (x with w's sign) = w x, within vpmaddubsw's operands
+        p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
+      else
+        p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+    }
+    const __m256 dx = _mm256_loadu_ps(a.d32 + rb);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums8(p)), _mm256_mul_ps(vws, dx), acc[r]);
+    if constexpr (!SIGNED) acc[r] = _mm256_fmadd_ps(vwo, _mm256_loadu_ps(a.s32 + rb), acc[r]);
+  }
+}
+
+// `w`: a row unpacked by unpack_b32 (prefill: unpacked once, met by every activation row).
 template <bool SIGNED, int R>
 void dot_a8_b32(const uint8_t* w, const Acts& a, int64_t r0, int64_t nb, float* res) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
   const int64_t ng = b32_groups(nb);
   const float* ws = reinterpret_cast<const float*>(w + ng * 8 * 32);
   const float* wo = ws + ng * 8;
+  for (int64_t g = 0; g < ng; ++g)
+    group_a8_b32<SIGNED, R>(w + g * 256, _mm256_load_ps(ws + 8 * g), _mm256_load_ps(wo + 8 * g), a, r0, g, acc);
+  for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]);
+}
+
+// `w`: the file's row itself (decode, a few activation rows: unpacking the row first would cost
+// a store and reload of every weight for one use). Each group of eight blocks is unpacked into
+// registers / L1 exactly as unpack_b32 lays it out, so the sums are the same operations on the
+// same values whichever path a row takes.
+template <int T, int R>
+void dot_a8_b32_rows(const uint8_t* w, const Acts& a, int64_t r0, int64_t nb, float* res) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const int64_t ng = b32_groups(nb);
   for (int64_t g = 0; g < ng; ++g) {
-    const uint8_t* u = w + g * 256;
-    const __m256 vws = _mm256_load_ps(ws + 8 * g), vwo = _mm256_load_ps(wo + 8 * g);
-    for (int r = 0; r < R; ++r) {
-      const int64_t rb = (r0 + r) * a.nb32 + 8 * g;
-      const int8_t* xr = a.q32 + rb * 32;
-      __m256i p[8];
-      for (int j = 0; j < 8; ++j) {
-        const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(u + 32 * j));
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32 * j));
-        if constexpr (SIGNED)  // |w| * (x with w's sign) = w x, within vpmaddubsw's operands
-          p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
-        else
-          p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+    if constexpr (R == 1) {  // one activation row: group_a8_b32's operations, the blocks in registers
+      if (8 * g + 8 <= nb) {
+        const int64_t rb = r0 * a.nb32 + 8 * g;
+        const int8_t* xr = a.q32 + rb * 32;
+        const __m256i ones = _mm256_set1_epi16(1);
+        float ws[8], wo[8];
+        __m256i p[8];
+        for (int j = 0; j < 8; ++j) {
+          const __m256i wv = block32<T>(w + (8 * g + j) * block_bytes(T), ws[j], wo[j]);
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32 * j));
+          if constexpr (T == Q8_0)
+            p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
+          else
+            p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+        }
+        const __m256 vws = _mm256_setr_ps(ws[0], ws[1], ws[2], ws[3], ws[4], ws[5], ws[6], ws[7]);
+        const __m256 dx = _mm256_loadu_ps(a.d32 + rb);
+        acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums8(p)), _mm256_mul_ps(vws, dx), acc[0]);
+        if constexpr (T != Q8_0)
+          acc[0] = _mm256_fmadd_ps(_mm256_setr_ps(wo[0], wo[1], wo[2], wo[3], wo[4], wo[5], wo[6], wo[7]),
+                                   _mm256_loadu_ps(a.s32 + rb), acc[0]);
+        continue;
       }
-      const __m256 dx = _mm256_loadu_ps(a.d32 + rb);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums8(p)), _mm256_mul_ps(vws, dx), acc[r]);
-      if constexpr (!SIGNED) acc[r] = _mm256_fmadd_ps(vwo, _mm256_loadu_ps(a.s32 + rb), acc[r]);
     }
+    alignas(32) uint8_t u[256];
+    alignas(32) float ws[8], wo[8];
+    const int n = static_cast<int>(std::min<int64_t>(8, nb - 8 * g));
+    for (int j = 0; j < n; ++j)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(u + 32 * j),
+                         block32<T>(w + (8 * g + j) * block_bytes(T), ws[j], wo[j]));
+    for (int j = n; j < 8; ++j) {  // the zero blocks unpack_b32 pads a row with
+      _mm256_store_si256(reinterpret_cast<__m256i*>(u + 32 * j), _mm256_setzero_si256());
+      ws[j] = wo[j] = 0.f;
+    }
+    group_a8_b32<T == Q8_0, R>(u, _mm256_load_ps(ws), _mm256_load_ps(wo), a, r0, g, acc);
   }
   for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]);
 }
@@ -443,15 +499,16 @@ void dot_f32(const uint8_t* w_, const Acts& a, int64_t r0, int64_t, float* res) 
 using DotFn = void (*)(const uint8_t*, const Acts&, int64_t, int64_t, float*);
 using UnpackFn = void (*)(const uint8_t*, int64_t, uint8_t*);
 
+// rows: the 32-value formats' int8 dots read the file's rows (else rows unpacked by unpack_b32).
 template <int R>
-DotFn dot_for(int64_t type, bool int8) {
+DotFn dot_for(int64_t type, bool int8, bool rows) {
   if (!int8) return dot_f32<R>;
   switch (type) {
-    case Q8_0: return dot_a8_b32<true, R>;
-    case Q4_0:
-    case Q4_1:
-    case Q5_0:
-    case Q5_1: return dot_a8_b32<false, R>;
+    case Q8_0: return rows ? dot_a8_b32_rows<Q8_0, R> : dot_a8_b32<true, R>;
+    case Q4_0: return rows ? dot_a8_b32_rows<Q4_0, R> : dot_a8_b32<false, R>;
+    case Q4_1: return rows ? dot_a8_b32_rows<Q4_1, R> : dot_a8_b32<false, R>;
+    case Q5_0: return rows ? dot_a8_b32_rows<Q5_0, R> : dot_a8_b32<false, R>;
+    case Q5_1: return rows ? dot_a8_b32_rows<Q5_1, R> : dot_a8_b32<false, R>;
     case Q4_K: return dot_a8_k4<Q4_K, R>;
     case Q5_K: return dot_a8_k4<Q5_K, R>;
     default: return dot_a8_q6k<R>;
@@ -460,8 +517,12 @@ DotFn dot_for(int64_t type, bool int8) {
 
 // How a part's rows are prepared for its DotFn (null: the DotFn reads the file's bytes) and the
 // bytes a prepared row takes.
-UnpackFn unpack_for(int64_t type, bool int8, int64_t K, int64_t& bytes) {
+UnpackFn unpack_for(int64_t type, bool int8, bool rows, int64_t K, int64_t& bytes) {
   const int64_t nb = K / block_values(type);
+  if (int8 && rows) {
+    bytes = 0;
+    return nullptr;
+  }
   if (!int8) {
     bytes = K * 4;
     switch (type) {
@@ -512,6 +573,9 @@ at::Tensor ggml_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::op
   at::Tensor pt = parts_->contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   const bool int8 = kind == GGML_A8;
+  // A few activation rows (decode): the int8 dots read the file's rows; more (prefill): each
+  // 32-value row is unpacked once and met by every MR activation rows.
+  const bool rows = M <= ROWS_MAX_M;
   const uint8_t* base = qs.data_ptr<uint8_t>();
   std::vector<Part> parts;
   int64_t n0 = 0;
@@ -523,14 +587,14 @@ at::Tensor ggml_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::op
     TORCH_CHECK(bb > 0, "ggml_linear: unsupported ggml type ", type);
     TORCH_CHECK(K % bv == 0, "ggml_linear: in_features ", K, " is not a multiple of ", bv);
     Part p{type, n0, row[1], K / bv * bb, K / bv, base + row[2], {}, nullptr, 0};
-    p.unpack = unpack_for(type, int8, K, p.unpacked_bytes);
+    p.unpack = unpack_for(type, int8, rows, K, p.unpacked_bytes);
     max_unpacked = std::max(max_unpacked, p.unpacked_bytes);
     TORCH_CHECK(row[2] >= 0 && row[2] + p.rows * p.row_bytes <= qs.numel(), "ggml_linear: part ", i,
                 " lies outside qs");
-    p.fn[1] = dot_for<1>(type, int8);
-    p.fn[2] = dot_for<2>(type, int8);
-    p.fn[3] = dot_for<3>(type, int8);
-    p.fn[4] = dot_for<4>(type, int8);
+    p.fn[1] = dot_for<1>(type, int8, rows);
+    p.fn[2] = dot_for<2>(type, int8, rows);
+    p.fn[3] = dot_for<3>(type, int8, rows);
+    p.fn[4] = dot_for<4>(type, int8, rows);
     (bv == 32 ? need32 : need256) = true;
     parts.push_back(p);
     n0 += p.rows;
