@@ -83,7 +83,7 @@ class RSSWatcher(threading.Thread):
 _RUN = [0]
 _SAME_SEED = [False]
 _SAMPLING = [GREEDY]  # the sampling fields every request sends (--sampling)
-_TOKEN_IDS = [TraceSpec.token_ids]  # the prompts' id range (--token-ids)
+_TOKEN_IDS: list[dict] = [{}]  # the prompts' id range, when --token-ids sets one
 
 
 def _spec(long: bool, rate: float, n: int) -> TraceSpec:
@@ -99,7 +99,7 @@ def _spec(long: bool, rate: float, n: int) -> TraceSpec:
             prompt_len=(1024, 1536),
             output_len=(64, 128),
             seed=seed,
-            token_ids=_TOKEN_IDS[0],
+            **_TOKEN_IDS[0],
         )
     return TraceSpec(
         num_requests=n,
@@ -107,7 +107,7 @@ def _spec(long: bool, rate: float, n: int) -> TraceSpec:
         prompt_len=(32, 96),
         output_len=(16, 48),
         seed=seed,
-        token_ids=_TOKEN_IDS[0],
+        **_TOKEN_IDS[0],
     )
 
 
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     _SAMPLING[0] = args.sampling
     if args.token_ids:
         lo, _, hi = args.token_ids.partition(":")
-        _TOKEN_IDS[0] = (int(lo), int(hi))
+        _TOKEN_IDS[0] = {"token_ids": (int(lo), int(hi))}
     pids = {}
     for item in args.pid:
         name, _, value = item.partition("=")
