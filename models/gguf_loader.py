@@ -20,6 +20,7 @@ for.
 
 from __future__ import annotations
 
+import mmap
 import re
 import struct
 import time
@@ -517,8 +518,23 @@ def load_gguf(
         unread = [n for n, p in model.named_parameters() if p.dim() == 2 and p.stride() == (0, 0)]
         if unread:
             raise ModelLoadError(f"{path.name}: {unread[0]} was neither loaded nor packed")
+    _release_pages(reader)
     config.extra["load_seconds"] = round(time.perf_counter() - t0, 3)
     return LoadedModel(config.name, model, tok, config)
+
+
+def _release_pages(reader: GGUFReader) -> None:
+    """Take the file pages loading read (tensors copied into panels, permuted q/k rows, a tied
+    table packed into head panels) out of the process's resident set. The map is read-only and
+    file-backed, so nothing is lost: the weights the kernels read in place fault back in from
+    the page cache as they are used, and pages only a copy needed stop counting against the
+    server's memory."""
+    root = reader.data
+    while not isinstance(root, np.memmap) and isinstance(getattr(root, "base", None), np.ndarray):
+        root = root.base
+    mm = getattr(root, "_mmap", None)
+    if isinstance(mm, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+        mm.madvise(mmap.MADV_DONTNEED)
 
 
 def load_gguf_file_tokenizer(path: str | Path) -> Tokenizer:

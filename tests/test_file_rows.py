@@ -90,3 +90,28 @@ def test_a_tied_q8_0_head_is_the_embeddings_rows_or_a_packed_copy(
     # int8 activations (per 32 inputs) in the head: within a few hundredths of the logits' range
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max())
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_loading_leaves_no_touched_file_pages_resident():
+    """Pages of the file that loading read (to copy into panels, permute, ...) leave the
+    resident set once the model is built; what the kernels read in place faults back in."""
+    from pathlib import Path
+
+    from models.gguf_loader import _open, _release_pages
+
+    path = Path(model_path("smollm2-135m-instruct"))
+    reader = _open(path)
+    data = np.asarray(reader.data)
+    touched = _rss_mib()
+    assert int(data[:: 4096 // data.itemsize].sum()) >= 0  # read every page of the map
+    full = _rss_mib()
+    size = path.stat().st_size / 2**20
+    assert full - touched > 0.8 * size, "reading the map did not bring its pages in"
+    _release_pages(reader)
+    assert full - _rss_mib() > 0.8 * size
+    assert int(data[:: 4096 // data.itemsize].sum()) >= 0  # and the map still reads
