@@ -28,6 +28,20 @@ from server.driver import AsyncEngineDriver
 from server.protocol import ModelCard
 
 
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    """SmolLM2's tokenizer as `tools.synth_model` copies it into synthetic files."""
+    from models import ModelLoadError
+    from models.fetch import model_path
+    from tools.synth_model import read_tokenizer
+
+    try:
+        path = model_path("smollm2-135m-instruct")
+    except ModelLoadError:
+        pytest.skip("SmolLM2 was never fetched here: no tokenizer to copy")
+    return read_tokenizer(path)
+
+
 @pytest.fixture(scope="session")
 def tiny_lm() -> LoadedModel:
     return load_model("tinygpt")

@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from models import ModelLoadError, kernels, load_model, quant
+from models import kernels, load_model, quant
 from models.fetch import model_path
 from models.llama import PackedLinear
 from models.quant import GGML, GGML_A8, gguf_rows
 from tests.test_synth_model import our_logits
 from tools import synth_model
-from tools.synth_model import read_tokenizer
 
 TINY = dict(
     num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=1,
@@ -24,15 +23,6 @@ TINY = dict(
 )  # fmt: skip
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no kernels")
-
-
-@pytest.fixture(scope="module")
-def smol_tokenizer():
-    try:
-        path = model_path("smollm2-135m-instruct")
-    except ModelLoadError:
-        pytest.skip("SmolLM2 was never fetched here: no tokenizer to copy")
-    return read_tokenizer(path)
 
 
 def gemma_file(tmp_path, tokenizer, fmt: str):

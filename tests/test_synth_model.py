@@ -26,12 +26,12 @@ import torch
 from gguf import GGUFReader
 from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES, GGMLQuantizationType
 
-from models import AttentionMetadata, ModelLoadError, PrefillChunk, kernels, load_model
+from models import AttentionMetadata, PrefillChunk, kernels, load_model
 from models.fetch import model_path
 from models.hf_tokenizer import load_gguf_tokenizer
 from tests.test_models_arch import engine_logits
 from tools import synth_model
-from tools.synth_model import ARCHES, random_state_dict, read_tokenizer, write_gguf
+from tools.synth_model import ARCHES, random_state_dict, write_gguf
 
 Q = GGMLQuantizationType
 TINY = dict(
@@ -40,15 +40,6 @@ TINY = dict(
 )  # fmt: skip
 PRESET = {"llama": "smollm2-360m", "qwen2": "qwen2.5-0.5b", "qwen3": "qwen3-0.6b",
           "phi3": "phi-3-mini", "gemma3": "gemma-3-270m"}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def smol_tokenizer():
-    try:
-        path = model_path("smollm2-135m-instruct")
-    except ModelLoadError:
-        pytest.skip("SmolLM2 was never fetched here: no tokenizer to copy")
-    return read_tokenizer(path)
 
 
 def our_logits(lm, ids: list[int]) -> torch.Tensor:

@@ -92,20 +92,12 @@ def _spec(long: bool, rate: float, n: int) -> TraceSpec:
     # that on purpose (the peers' protocol).
     _RUN[0] += 1
     seed = 7 if _SAME_SEED[0] else 6 + _RUN[0]
-    if long:
-        return TraceSpec(
-            num_requests=n,
-            rate=rate,
-            prompt_len=(1024, 1536),
-            output_len=(64, 128),
-            seed=seed,
-            **_TOKEN_IDS[0],
-        )
+    prompt_len, output_len = ((1024, 1536), (64, 128)) if long else ((32, 96), (16, 48))
     return TraceSpec(
         num_requests=n,
         rate=rate,
-        prompt_len=(32, 96),
-        output_len=(16, 48),
+        prompt_len=prompt_len,
+        output_len=output_len,
         seed=seed,
         **_TOKEN_IDS[0],
     )
