@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from models import AttentionMetadata, LoadedModel, PrefillChunk
+from models import LoadedModel
 from tools.model_args import add_model_args, load_from_args
+from tools.quant_quality import prefill_hidden
 
-BLOCK = 16  # KV pool block size (tokens)
 HEAD_ROWS = 64  # rows through the output head at once
 
 
@@ -71,26 +71,11 @@ def tokenize(lm: LoadedModel, text: str) -> tuple[list[int], bool]:
 def chunk_logits(lm: LoadedModel, ids: list[int], first: int) -> torch.Tensor:
     """Logits (len(ids) - 1 - first, vocab) at positions first .. len(ids) - 2 of one sequence
     prefilled in one step through an empty paged pool."""
-    model = lm.model
-    layout = model.config.kv_layout
-    n = len(ids)
-    nblocks = -(-n // BLOCK)
-    pool = torch.zeros(layout.pool_shape(nblocks + 1, BLOCK), dtype=layout.dtype)
-    caches = [(pool[i, 0], pool[i, 1]) for i in range(layout.num_layers)]
-    table = torch.arange(1, nblocks + 1)  # block 0 stays unused, as the engine's padding block
-    pos = torch.arange(n)
-    meta = AttentionMetadata(
-        slot_mapping=table[pos // BLOCK] * BLOCK + pos % BLOCK,
-        num_decode_tokens=0,
-        decode_block_tables=None,
-        decode_context_lens=None,
-        prefills=[PrefillChunk(0, n, n, table)],
-    )
+    hidden = prefill_hidden(lm, ids, chunk=len(ids))[first : len(ids) - 1]
     with torch.inference_mode():
-        hidden = model(torch.tensor(ids), pos, caches, meta)[first : n - 1]
         return torch.cat(
             [
-                model.compute_logits(hidden[i : i + HEAD_ROWS])
+                lm.model.compute_logits(hidden[i : i + HEAD_ROWS])
                 for i in range(0, len(hidden), HEAD_ROWS)
             ]
         )

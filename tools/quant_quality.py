@@ -23,8 +23,9 @@ CHUNK = 64
 BLOCK = 16
 
 
-def logits_of(lm, ids: list[int]) -> torch.Tensor:
-    """(T, vocab) logits for every position, prefilled through the pool chunk by chunk."""
+def prefill_hidden(lm, ids: list[int], chunk: int = CHUNK) -> torch.Tensor:
+    """(T, hidden) final hidden states of `ids` as one sequence, prefilled `chunk` tokens a step
+    through an empty paged pool (block 0 unused, as the engine's padding block)."""
     model = lm.model
     layout = model.config.kv_layout
     nblocks = -(-len(ids) // BLOCK) + 1
@@ -33,9 +34,9 @@ def logits_of(lm, ids: list[int]) -> torch.Tensor:
     table = torch.arange(1, nblocks)
     out = []
     with torch.inference_mode():
-        for start in range(0, len(ids), CHUNK):
-            chunk = ids[start : start + CHUNK]
-            n, end = len(chunk), start + len(chunk)
+        for start in range(0, len(ids), chunk):
+            piece = ids[start : start + chunk]
+            n, end = len(piece), start + len(piece)
             nb = -(-end // BLOCK)
             meta = AttentionMetadata(
                 slot_mapping=table[torch.arange(start, end) // BLOCK] * BLOCK
@@ -45,9 +46,14 @@ def logits_of(lm, ids: list[int]) -> torch.Tensor:
                 decode_context_lens=None,
                 prefills=[PrefillChunk(0, n, end, table[:nb])],
             )
-            hidden = model(torch.tensor(chunk), torch.arange(start, end), caches, meta)
-            out.append(model.compute_logits(hidden))
+            out.append(model(torch.tensor(piece), torch.arange(start, end), caches, meta))
     return torch.cat(out)
+
+
+def logits_of(lm, ids: list[int]) -> torch.Tensor:
+    """(T, vocab) logits for every position, prefilled through the pool chunk by chunk."""
+    with torch.inference_mode():
+        return lm.model.compute_logits(prefill_hidden(lm, ids))
 
 
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
