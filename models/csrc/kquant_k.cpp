@@ -78,6 +78,10 @@ inline void q6k_values(__m256i u[4], const uint8_t* b, int n) {
                          _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
 }
 
+// A running sum stays a chain in a register: left alone, the compiler reassociates the adds into
+// trees of many live products and spills them.
+inline void keep(__m256i& v) { asm("" : "+x"(v)); }
+
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
 // Prefetch the slice of the next rows' bytes that matches block b of this group (the group's rows
@@ -116,9 +120,16 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + 8)));
       }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 1
     for (int n = 0; n < NR; ++n) {
       const uint8_t* blk = w[n] + b * BB;
+      // Each weight row reloads the activations from L1 (cheap, folded into vpmaddubsw): kept
+      // live across rows they would not fit in the registers (and the compiler spills them).
+      const int8_t* xs[R];
+      for (int r = 0; r < R; ++r) {
+        xs[r] = x[r];
+        asm volatile("" : "+r"(xs[r]));
+      }
       __m256i sumi[R];
       for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
       if constexpr (T == Q6_K) {
@@ -132,9 +143,11 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
 #pragma GCC unroll 4
           for (int k = 0; k < 4; ++k) {
             const __m256i s = _mm256_shuffle_epi8(scv, q6k_scale_ctrl(k));
-            for (int r = 0; r < R; ++r)
+            for (int r = 0; r < R; ++r) {
               sumi[r] = _mm256_add_epi32(
-                  sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u[k], load256(x[r] + 128 * h + 32 * k)), s));
+                  sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u[k], load256(xs[r] + 128 * h + 32 * k)), s));
+              keep(sumi[r]);
+            }
           }
         }
         // w = d sc (u - 32): take 32 sc x (the sums per 16) back out, in the same lanes.
@@ -160,9 +173,10 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
           const __m256i s0 = _mm256_shuffle_epi8(sm, k4_scale_ctrl(2 * j));
           const __m256i s1 = _mm256_shuffle_epi8(sm, k4_scale_ctrl(2 * j + 1));
           for (int r = 0; r < R; ++r) {
-            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load256(x[r] + 64 * j)), s0);
-            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load256(x[r] + 64 * j + 32)), s1);
+            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load256(xs[r] + 64 * j)), s0);
+            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load256(xs[r] + 64 * j + 32)), s1);
             sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p0, p1));
+            keep(sumi[r]);
           }
         }
         const __m128i mins = k4_mins(sm);
