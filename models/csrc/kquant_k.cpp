@@ -92,17 +92,83 @@ inline void prefetch_slice(const uint8_t* pf, int64_t b, int64_t step) {
   for (int64_t o = 0; o < step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
 }
 
-// NR weight rows w[n] (nb blocks of type T each) against activation rows r0 .. r0 + R:
-// res[n * R + r] = sum_k w[n][k] x[r0 + r][k].
-template <int T, int NR, int R>
+// Prefill meets each weight row many times, so a tile of rows is first unpacked into the exact
+// vectors the kernel would make from the file (the same values, so the same integer lanes):
+// Q4_K / Q5_K: per block the 8 value vectors (64j: low halves, 64j + 32: high halves), the
+// scales/mins bytes (scales_mins_k4), the mins as 16-bit lanes, d and dmin (as float);
+// Q6_K: the 8 value vectors (128h + 32k), the 16-bit scales of each half, all 16 as 16-bit lanes
+// (for the offset) and d.
+template <int T>
+constexpr int64_t unpacked_block() {
+  return T == Q6_K ? 384 : 320;
+}
+
+// Q4_K / Q5_K: values 64j .. 64j + 63 of a block (low and high halves); qh (Q5_K's fifth bits)
+// is shifted down two bits a step, so its bits 0 and 1 are step j's.
+template <int T>
+inline void k4_values(const uint8_t* blk, int j, __m256i& qh, __m256i& lo, __m256i& hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m16 = _mm256_set1_epi8(0x10);
+  const __m256i q = load256(blk + (T == Q4_K ? 16 : 48) + 32 * j);
+  lo = _mm256_and_si256(q, m4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+  if constexpr (T == Q5_K) {  // bit 2j of qh byte i is value 64j + i's fifth bit, bit 2j + 1 value 64j + 32 + i's
+    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), m16));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), m16));
+    qh = _mm256_srli_epi16(qh, 2);
+  }
+}
+
+inline __m256i q6k_half_scales(const uint8_t* blk, int h) {
+  return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 192 + 8 * h))));
+}
+inline __m256i q6k_all_scales(const uint8_t* blk) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+}
+
+template <int T>
+void unpack_k(const uint8_t* w, int64_t nb, uint8_t* dst) {
+  constexpr int64_t BB = T == Q4_K ? 144 : T == Q5_K ? 176 : 210, UB = unpacked_block<T>();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * BB;
+    uint8_t* o = dst + b * UB;
+    auto put = [](uint8_t* at, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(at), v); };
+    if constexpr (T == Q6_K) {
+      for (int h = 0; h < 2; ++h) {
+        __m256i u[4];
+        q6k_values(u, blk, h);
+        for (int k = 0; k < 4; ++k) put(o + 128 * h + 32 * k, u[k]);
+        put(o + 256 + 32 * h, q6k_half_scales(blk, h));
+      }
+      put(o + 320, q6k_all_scales(blk));
+      const float d = fp16(blk + 208);
+      std::memcpy(o + 352, &d, 4);
+    } else {
+      __m256i qh = T == Q5_K ? load256(blk + 16) : _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        __m256i lo, hi;
+        k4_values<T>(blk, j, qh, lo, hi);
+        put(o + 64 * j, lo);
+        put(o + 64 * j + 32, hi);
+      }
+      const __m256i sm = scales_mins_k4(blk + 4);
+      put(o + 256, sm);
+      _mm_store_si128(reinterpret_cast<__m128i*>(o + 288), k4_mins(sm));
+      const float dd[2] = {fp16(blk), fp16(blk + 2)};
+      std::memcpy(o + 304, dd, 8);
+    }
+  }
+}
+
+// NR weight rows w[n] (nb blocks of type T each: the file's, or unpack_k's when U) against
+// activation rows r0 .. r0 + R: res[n * R + r] = sum_k w[n][k] x[r0 + r][k].
+template <int T, bool U, int NR, int R>
 void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float* res, const uint8_t* pf) {
-  constexpr int64_t BB = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
+  constexpr int64_t BB = U ? unpacked_block<T>() : T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
   __m256 acc[NR * R];
   for (int i = 0; i < NR * R; ++i) acc[i] = _mm256_setzero_ps();
   const int64_t nbx = a.K / 256;
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m16 = _mm256_set1_epi8(0x10);
   for (int64_t b = 0; b < nb; ++b) {
-    prefetch_slice(pf, b, NR * BB);
+    if constexpr (!U) prefetch_slice(pf, b, NR * BB);
     // The activation rows' share of the block, used by every weight row.
     const int8_t* x[R];
     __m256 dx[R];
@@ -133,13 +199,15 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
       __m256i sumi[R];
       for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
       if constexpr (T == Q6_K) {
-        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           __m256i u[4];
-          q6k_values(u, blk, h);
-          const __m256i scv =
-              _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * h))));
+          if constexpr (U) {
+            for (int k = 0; k < 4; ++k) u[k] = load256(blk + 128 * h + 32 * k);
+          } else {
+            q6k_values(u, blk, h);
+          }
+          const __m256i scv = U ? load256(blk + 256 + 32 * h) : q6k_half_scales(blk, h);
 #pragma GCC unroll 4
           for (int k = 0; k < 4; ++k) {
             const __m256i s = _mm256_shuffle_epi8(scv, q6k_scale_ctrl(k));
@@ -151,24 +219,26 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
           }
         }
         // w = d sc (u - 32): take 32 sc x (the sums per 16) back out, in the same lanes.
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-        const __m256 vd = _mm256_set1_ps(fp16(blk + 208));
+        const __m256i sc16 = U ? load256(blk + 320) : q6k_all_scales(blk);
+        float d;
+        if constexpr (U) std::memcpy(&d, blk + 352, 4);
+        else d = fp16(blk + 208);
+        const __m256 vd = _mm256_set1_ps(d);
         for (int r = 0; r < R; ++r) {
           const __m256i tot = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs[r]), 5));
           acc[n * R + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(vd, dx[r]), acc[n * R + r]);
         }
       } else {
-        const __m256i sm = scales_mins_k4(blk + 4);
-        const uint8_t* qs = blk + (T == Q4_K ? 16 : 48);
-        __m256i qh = T == Q5_K ? load256(blk + 16) : _mm256_setzero_si256();
+        const __m256i sm = U ? load256(blk + 256) : scales_mins_k4(blk + 4);
+        __m256i qh = T == Q5_K && !U ? load256(blk + 16) : _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
-          const __m256i q = load256(qs + 32 * j);
-          __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-          if constexpr (T == Q5_K) {  // bit 2j of qh is value 64j + i's fifth bit, 2j + 1 value 64j + 32 + i's
-            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), m16));
-            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), m16));
-            qh = _mm256_srli_epi16(qh, 2);
+          __m256i lo, hi;
+          if constexpr (U) {
+            lo = load256(blk + 64 * j);
+            hi = load256(blk + 64 * j + 32);
+          } else {
+            k4_values<T>(blk, j, qh, lo, hi);
           }
           const __m256i s0 = _mm256_shuffle_epi8(sm, k4_scale_ctrl(2 * j));
           const __m256i s1 = _mm256_shuffle_epi8(sm, k4_scale_ctrl(2 * j + 1));
@@ -179,8 +249,15 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
             keep(sumi[r]);
           }
         }
-        const __m128i mins = k4_mins(sm);
-        const __m256 vd = _mm256_set1_ps(fp16(blk)), vdmin = _mm256_set1_ps(fp16(blk + 2));
+        const __m128i mins = U ? _mm_load_si128(reinterpret_cast<const __m128i*>(blk + 288)) : k4_mins(sm);
+        float dd[2];
+        if constexpr (U) {
+          std::memcpy(dd, blk + 304, 8);
+        } else {
+          dd[0] = fp16(blk);
+          dd[1] = fp16(blk + 2);
+        }
+        const __m256 vd = _mm256_set1_ps(dd[0]), vdmin = _mm256_set1_ps(dd[1]);
         for (int r = 0; r < R; ++r) {
           const __m256i pm = _mm256_zextsi128_si256(_mm_madd_epi16(mins, pairs[r]));
           __m256& c = acc[n * R + r];
@@ -193,41 +270,56 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
   for (int i = 0; i < NR * R; i += 4) reduce4(acc + i, std::min(4, NR * R - i), res + i);
 }
 
-// Up to MR activation rows (decode): groups of NR weight rows, the file's bytes read once, the
-// next group's bytes prefetched while this one is computed (in a decode step the weights stream
-// from DRAM). NR * R <= 8 keeps the integer sums in registers.
-template <int T, int R>
-void tile_rows(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t m0, float* y, int64_t ldy) {
+// Rows [n0, n1) against activation rows m0 .. m0 + R, in groups of NR weight rows (NR * R <= 8
+// keeps the integer sums in registers). row(n) is weight row n's bytes; `stride` the distance
+// from one row to the next (rows are contiguous in both forms).
+// Decode (the file's rows, U false): the next group's bytes are prefetched while this one is
+// computed, since in a decode step the weights stream from DRAM and each is used once.
+template <int T, bool U, int R>
+void rows_k(const uint8_t* first, int64_t stride, int64_t count, const uint8_t* end, const Acts& a, int64_t nb,
+            int64_t m0, float* y, int64_t ldy) {
   constexpr int NR = R <= 2 ? 4 : 2;
   float res[NR * R];
-  const uint8_t* end = p.data + p.rows * p.row_bytes;
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) {
+  int64_t i = 0;
+  for (; i + NR <= count; i += NR) {
     const uint8_t* w[NR];
-    for (int i = 0; i < NR; ++i) w[i] = p.data + (n + i - p.n0) * p.row_bytes;
-    const uint8_t* pf = w[0] + NR * p.row_bytes;
-    dot_k<T, NR, R>(w, a, m0, p.nb, res, pf + NR * p.row_bytes <= end ? pf : nullptr);
-    for (int i = 0; i < NR; ++i)
-      for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + n + i] = res[i * R + r];
+    for (int k = 0; k < NR; ++k) w[k] = first + (i + k) * stride;
+    const uint8_t* pf = w[0] + NR * stride;
+    dot_k<T, U, NR, R>(w, a, m0, nb, res, !U && pf + NR * stride <= end ? pf : nullptr);
+    for (int k = 0; k < NR; ++k)
+      for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + i + k] = res[k * R + r];
   }
-  for (; n < n1; ++n) {
-    const uint8_t* w = p.data + (n - p.n0) * p.row_bytes;
-    dot_k<T, 1, R>(&w, a, m0, p.nb, res, nullptr);
-    for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + n] = res[r];
+  for (; i < count; ++i) {
+    const uint8_t* w = first + i * stride;
+    dot_k<T, U, 1, R>(&w, a, m0, nb, res, nullptr);
+    for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + i] = res[r];
   }
 }
 
 template <int T>
 void tile_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
-  using RowsFn = void (*)(const Part&, int64_t, int64_t, const Acts&, int64_t, float*, int64_t);
-  static const RowsFn rows[MR + 1] = {nullptr, tile_rows<T, 1>, tile_rows<T, 2>, tile_rows<T, 3>, tile_rows<T, 4>};
-  if (M <= MR) return rows[M](p, n0, n1, a, 0, y, ldy);
-  // More activation rows (prefill): a tile of weight rows stays in cache while every MR
-  // activation rows meet it.
+  using RowsFn = void (*)(const uint8_t*, int64_t, int64_t, const uint8_t*, const Acts&, int64_t, int64_t, float*,
+                          int64_t);
+  static const RowsFn file_rows[MR + 1] = {nullptr, rows_k<T, false, 1>, rows_k<T, false, 2>, rows_k<T, false, 3>,
+                                           rows_k<T, false, 4>};
+  static const RowsFn unpacked_rows[MR + 1] = {nullptr, rows_k<T, true, 1>, rows_k<T, true, 2>, rows_k<T, true, 3>,
+                                               rows_k<T, true, 4>};
+  const uint8_t* end = p.data + p.rows * p.row_bytes;
+  if (M <= MR)
+    return file_rows[M](p.data + (n0 - p.n0) * p.row_bytes, p.row_bytes, n1 - n0, end, a, p.nb, 0, y + n0, ldy);
+  // More activation rows (prefill): a tile of NT weight rows is unpacked once, then stays in
+  // cache while every MR activation rows meet it.
   constexpr int64_t NT = 16;
+  const int64_t ub = p.nb * unpacked_block<T>();
+  // One buffer per thread for the process's life: a step's calls then allocate nothing.
+  static thread_local std::vector<uint8_t> buf_;
+  if (buf_.size() < static_cast<size_t>(NT * ub + 64)) buf_.resize(NT * ub + 64);
+  uint8_t* buf = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf_.data()) + 63) & ~uintptr_t(63));
   for (int64_t t0 = n0; t0 < n1; t0 += NT) {
     const int64_t t1 = std::min(n1, t0 + NT);
-    for (int64_t m0 = 0; m0 < M; m0 += MR) rows[std::min<int64_t>(MR, M - m0)](p, t0, t1, a, m0, y, ldy);
+    for (int64_t n = t0; n < t1; ++n) unpack_k<T>(p.data + (n - p.n0) * p.row_bytes, p.nb, buf + (n - t0) * ub);
+    for (int64_t m0 = 0; m0 < M; m0 += MR)
+      unpacked_rows[std::min<int64_t>(MR, M - m0)](buf, ub, t1 - t0, nullptr, a, p.nb, m0, y + t0, ldy);
   }
 }
 
