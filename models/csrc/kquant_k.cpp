@@ -8,9 +8,13 @@
 // the activations' per-block work (scale, sums) and the final horizontal sums are shared, and
 // several rows' independent chains keep the multiply pipes busy.
 //
+// Up to MR activation rows (decode) the kernel reads the file's rows, prefetching the next rows
+// (each weight is used once and streams from DRAM). More (prefill) meet a tile of weight rows
+// unpacked once into the very vectors the file-row path builds in registers.
+//
 // Batch invariance: every (weight row, activation row) pair goes through the same integer lanes,
-// the same two fp32 multiply-adds per block in block order and the same final reduction (reduce4),
-// whatever NR and R are, so the tiles below may group rows as they like.
+// the same fp32 multiply-adds per block in block order and the same final reduction (reduce4),
+// whatever NR and R are and whichever path, so the tiles may group rows as they like.
 #include "kquant.h"
 
 namespace cbserve_kquant {
@@ -55,9 +59,8 @@ inline __m128i k4_mins(__m256i sm) {
                           _mm_setr_epi8(4, -1, 5, -1, 6, -1, 7, -1, 12, -1, 13, -1, 14, -1, 15, -1));
 }
 
-// Q6_K: the 8 int8 scales of half n as 16-bit lanes in both halves, and the vpshufb control that
-// gives vector k of that half (32 values, two scales per 16) scale 2k in its low half, 2k + 1 in
-// its high half.
+// Q6_K: the vpshufb control that, from a half's 8 scales as 16-bit lanes (q6k_half_scales), gives
+// vector k of that half (32 values, a scale per 16) scale 2k in its low half, 2k + 1 in its high.
 inline __m256i q6k_scale_ctrl(int k) {
   const int16_t lo = static_cast<int16_t>(0x0100 + 0x0202 * (2 * k)), hi = static_cast<int16_t>(lo + 0x0202);
   return _mm256_setr_epi16(lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi);
@@ -118,8 +121,11 @@ inline void k4_values(const uint8_t* blk, int j, __m256i& qh, __m256i& lo, __m25
   }
 }
 
+// Q6_K: half h's 8 int8 scales as 16-bit lanes in both 128-bit halves (for q6k_scale_ctrl), and
+// all 16 scales as 16-bit lanes (met by the activation sums per 16 for the offset of 32).
 inline __m256i q6k_half_scales(const uint8_t* blk, int h) {
-  return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 192 + 8 * h))));
+  const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 192 + 8 * h));
+  return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
 }
 inline __m256i q6k_all_scales(const uint8_t* blk) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
@@ -318,8 +324,16 @@ void tile_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, flo
   for (int64_t t0 = n0; t0 < n1; t0 += NT) {
     const int64_t t1 = std::min(n1, t0 + NT);
     for (int64_t n = t0; n < t1; ++n) unpack_k<T>(p.data + (n - p.n0) * p.row_bytes, p.nb, buf + (n - t0) * ub);
-    for (int64_t m0 = 0; m0 < M; m0 += MR)
+    // The next tile's file bytes are fetched while this one is computed, a slice per activation
+    // tile (the unpacking would otherwise wait on DRAM row by row).
+    const uint8_t* next = p.data + (t1 - p.n0) * p.row_bytes;
+    const int64_t next_bytes = std::min(NT, n1 - t1) * p.row_bytes, steps = (M + MR - 1) / MR;
+    const int64_t slice = (next_bytes / steps + 63) & ~int64_t(63);
+    for (int64_t m0 = 0, s = 0; m0 < M; m0 += MR, ++s) {
+      for (int64_t o = s * slice; o < std::min(next_bytes, (s + 1) * slice); o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
       unpacked_rows[std::min<int64_t>(MR, M - m0)](buf, ub, t1 - t0, nullptr, a, p.nb, m0, y + t0, ldy);
+    }
   }
 }
 
