@@ -1,105 +1,339 @@
 // int8-activation dots of the 256-value K formats (Q4_K, Q5_K, Q6_K) against llama.cpp's Q8_K
-// activations (int8 per 256 inputs, with sums per 16): the 4-, 5- or 6-bit values meet the
-// activations in vpmaddubsw, their integer sub-scales in vpmaddwd; a format's minimum or offset
-// enters through the activation sums; fp32 once per 256 inputs.
+// activations (int8 per 256 inputs, with sums per 16), and the tiles that run them.
+//
+// The 4-, 5- or 6-bit values meet the activations in vpmaddubsw, their integer sub-scales in
+// vpmaddwd (each sub-scale broadcast to 16-bit lanes by one vpshufb from a register holding the
+// block's scales); a format's minimum or offset enters through the activation sums per 16; fp32
+// once per 256 inputs. One kernel, dot_k, takes NR weight rows against R activation rows so that
+// the activations' per-block work (scale, sums) and the final horizontal sums are shared, and
+// several rows' independent chains keep the multiply pipes busy.
+//
+// Up to MR activation rows (decode) the kernel reads the file's rows, prefetching the next rows
+// (each weight is used once and streams from DRAM). More (prefill) meet a tile of weight rows
+// unpacked once into the very vectors the file-row path builds in registers.
+//
+// Batch invariance: every (weight row, activation row) pair goes through the same integer lanes,
+// the same fp32 multiply-adds per block in block order and the same final reduction (reduce4),
+// whatever NR and R are and whichever path, so the tiles may group rows as they like.
 #include "kquant.h"
 
 namespace cbserve_kquant {
 namespace {
 
-template <int T, int R>
-void dot_a8_k4(const uint8_t* w, const Acts& a, int64_t r0, int64_t nb, float* res) {  // Q4_K, Q5_K
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-  const int64_t nbx = a.K / 256;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * block_bytes(T);
-    const float d = fp16(blk), dmin = fp16(blk + 2);
-    uint8_t sc[8], mn[8];
-    scales_k4(blk + 4, sc, mn);
-    const uint8_t* qs = blk + (T == Q4_K ? 16 : 48);
-    const __m256i qh = T == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : _mm256_setzero_si256();
-    __m256i sumi[R];
-    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
-      __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-      if constexpr (T == Q5_K) {
-        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4));
-        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4));
-      }
-      const __m256i s0 = _mm256_set1_epi16(sc[2 * j]), s1 = _mm256_set1_epi16(sc[2 * j + 1]);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xr = a.q256 + ((r0 + r) * nbx + b) * 256 + 64 * j;
-        const __m256i p0 = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr))), s0);
-        const __m256i p1 = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32))), s1);
-        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p0, p1));
-      }
-    }
-    const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
-    for (int r = 0; r < R; ++r) {
-      const int64_t rb = (r0 + r) * nbx + b;
-      const int16_t* bs = a.bs16 + rb * 16;
-      const __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bs)),
-                                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(bs + 8)));
-      const __m256i pm = _mm256_zextsi128_si256(_mm_madd_epi16(mins, pairs));
-      const float dx = a.d256[rb];
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(d * dx), acc[r]);
-      acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_set1_ps(dmin * dx), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]);
+// res[i] = the horizontal sum of acc[i], i < n <= 4, by one fixed tree whatever n is (the missing
+// vectors are zeros, and lanes of different vectors never meet).
+inline void reduce4(const __m256* acc, int n, float* res) {
+  const __m256 z = _mm256_setzero_ps();
+  const __m256 a0 = acc[0], a1 = n > 1 ? acc[1] : z, a2 = n > 2 ? acc[2] : z, a3 = n > 3 ? acc[3] : z;
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  alignas(16) float out[4];
+  _mm_store_ps(out, s);
+  for (int i = 0; i < n; ++i) res[i] = out[i];
 }
 
-template <int R>
-void dot_a8_q6k(const uint8_t* w, const Acts& a, int64_t r0, int64_t nb, float* res) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+// Q4_K / Q5_K: the 12 packed bytes of 8 six-bit scales and 8 six-bit mins -> one vector of bytes
+// [sc0..3, mn0..3, sc4..7, mn4..7] in both 128-bit halves (word-parallel bit moves instead of a
+// byte loop; vpshufb then picks any of them zero-extended to 16-bit lanes).
+inline __m256i scales_mins_k4(const uint8_t* q) {
+  uint64_t lo;
+  uint32_t hi;
+  std::memcpy(&lo, q, 8);
+  std::memcpy(&hi, q + 8, 4);
+  const uint64_t h = hi | (static_cast<uint64_t>(hi >> 4) << 32);
+  const uint64_t first = lo & 0x3F3F3F3F3F3F3F3FULL;  // sc0..3 | mn0..3: the low six bits
+  // sc4..7 | mn4..7: four bits from bytes 8..11, the top two from the top of bytes 0..7
+  const uint64_t second = (h & 0x0F0F0F0F0F0F0F0FULL) | ((lo >> 2) & 0x3030303030303030ULL);
+  return _mm256_broadcastsi128_si256(
+      _mm_set_epi64x(static_cast<int64_t>(second), static_cast<int64_t>(first)));
+}
+
+// vpshufb controls: sub-block i's scale (byte i, or i + 4 from the fifth) in every 16-bit lane.
+inline __m256i k4_scale_ctrl(int i) {
+  const int byte = i < 4 ? i : i + 4;
+  return _mm256_set1_epi16(static_cast<int16_t>(0x8000 | byte));
+}
+// ... and the 8 mins as 16-bit lanes (low half).
+inline __m128i k4_mins(__m256i sm) {
+  return _mm_shuffle_epi8(_mm256_castsi256_si128(sm),
+                          _mm_setr_epi8(4, -1, 5, -1, 6, -1, 7, -1, 12, -1, 13, -1, 14, -1, 15, -1));
+}
+
+// Q6_K: the vpshufb control that, from a half's 8 scales as 16-bit lanes (q6k_half_scales), gives
+// vector k of that half (32 values, a scale per 16) scale 2k in its low half, 2k + 1 in its high.
+inline __m256i q6k_scale_ctrl(int k) {
+  const int16_t lo = static_cast<int16_t>(0x0100 + 0x0202 * (2 * k)), hi = static_cast<int16_t>(lo + 0x0202);
+  return _mm256_setr_epi16(lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi);
+}
+
+// Q6_K's half n (128 values, unsigned 0..63) as four 32-byte vectors in the block's value order:
+// the low nibbles from ql, bits 4-5 from qh moved in place with 16-bit shifts (a byte's bits 4-5
+// then come only from its own bits 0-1, 2-3, 4-5 or 6-7) and one mask.
+inline void q6k_values(__m256i u[4], const uint8_t* b, int n) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n));
+  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
+  u[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+  u[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+  u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30));
+  u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                         _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+}
+
+// A running sum stays a chain in a register: left alone, the compiler reassociates the adds into
+// trees of many live products and spills them.
+inline void keep(__m256i& v) { asm("" : "+x"(v)); }
+
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+// Prefetch the slice of the next rows' bytes that matches block b of this group (the group's rows
+// are contiguous, so `pf` + b * step covers the next group as this one is walked).
+inline void prefetch_slice(const uint8_t* pf, int64_t b, int64_t step) {
+  if (!pf) return;
+  const uint8_t* p = pf + b * step;
+  for (int64_t o = 0; o < step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+}
+
+// Prefill meets each weight row many times, so a tile of rows is first unpacked into the exact
+// vectors the kernel would make from the file (the same values, so the same integer lanes):
+// Q4_K / Q5_K: per block the 8 value vectors (64j: low halves, 64j + 32: high halves), the
+// scales/mins bytes (scales_mins_k4), the mins as 16-bit lanes, d and dmin (as float);
+// Q6_K: the 8 value vectors (128h + 32k), the 16-bit scales of each half, all 16 as 16-bit lanes
+// (for the offset) and d.
+template <int T>
+constexpr int64_t unpacked_block() {
+  return T == Q6_K ? 384 : 320;
+}
+
+// Q4_K / Q5_K: values 64j .. 64j + 63 of a block (low and high halves); qh (Q5_K's fifth bits)
+// is shifted down two bits a step, so its bits 0 and 1 are step j's.
+template <int T>
+inline void k4_values(const uint8_t* blk, int j, __m256i& qh, __m256i& lo, __m256i& hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m16 = _mm256_set1_epi8(0x10);
+  const __m256i q = load256(blk + (T == Q4_K ? 16 : 48) + 32 * j);
+  lo = _mm256_and_si256(q, m4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+  if constexpr (T == Q5_K) {  // bit 2j of qh byte i is value 64j + i's fifth bit, bit 2j + 1 value 64j + 32 + i's
+    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), m16));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), m16));
+    qh = _mm256_srli_epi16(qh, 2);
+  }
+}
+
+// Q6_K: half h's 8 int8 scales as 16-bit lanes in both 128-bit halves (for q6k_scale_ctrl), and
+// all 16 scales as 16-bit lanes (met by the activation sums per 16 for the offset of 32).
+inline __m256i q6k_half_scales(const uint8_t* blk, int h) {
+  const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 192 + 8 * h));
+  return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
+}
+inline __m256i q6k_all_scales(const uint8_t* blk) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+}
+
+template <int T>
+void unpack_k(const uint8_t* w, int64_t nb, uint8_t* dst) {
+  constexpr int64_t BB = T == Q4_K ? 144 : T == Q5_K ? 176 : 210, UB = unpacked_block<T>();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * BB;
+    uint8_t* o = dst + b * UB;
+    auto put = [](uint8_t* at, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(at), v); };
+    if constexpr (T == Q6_K) {
+      for (int h = 0; h < 2; ++h) {
+        __m256i u[4];
+        q6k_values(u, blk, h);
+        for (int k = 0; k < 4; ++k) put(o + 128 * h + 32 * k, u[k]);
+        put(o + 256 + 32 * h, q6k_half_scales(blk, h));
+      }
+      put(o + 320, q6k_all_scales(blk));
+      const float d = fp16(blk + 208);
+      std::memcpy(o + 352, &d, 4);
+    } else {
+      __m256i qh = T == Q5_K ? load256(blk + 16) : _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        __m256i lo, hi;
+        k4_values<T>(blk, j, qh, lo, hi);
+        put(o + 64 * j, lo);
+        put(o + 64 * j + 32, hi);
+      }
+      const __m256i sm = scales_mins_k4(blk + 4);
+      put(o + 256, sm);
+      _mm_store_si128(reinterpret_cast<__m128i*>(o + 288), k4_mins(sm));
+      const float dd[2] = {fp16(blk), fp16(blk + 2)};
+      std::memcpy(o + 304, dd, 8);
+    }
+  }
+}
+
+// NR weight rows w[n] (nb blocks of type T each: the file's, or unpack_k's when U) against
+// activation rows r0 .. r0 + R: res[n * R + r] = sum_k w[n][k] x[r0 + r][k].
+template <int T, bool U, int NR, int R>
+void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float* res, const uint8_t* pf) {
+  constexpr int64_t BB = U ? unpacked_block<T>() : T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
+  __m256 acc[NR * R];
+  for (int i = 0; i < NR * R; ++i) acc[i] = _mm256_setzero_ps();
   const int64_t nbx = a.K / 256;
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * 210;
-    const float d = fp16(blk + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-    __m256i sumi[R];
-    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-    for (int n = 0; n < 2; ++n) {
-      __m256i u[4];
-      q6k_half(u, blk, n);
-      __m256i s[4];
-      for (int k = 0; k < 4; ++k)
-        s[k] = _mm256_set_m128i(_mm_set1_epi16(sc[8 * n + 2 * k + 1]), _mm_set1_epi16(sc[8 * n + 2 * k]));
+    if constexpr (!U) prefetch_slice(pf, b, NR * BB);
+    // The activation rows' share of the block, used by every weight row.
+    const int8_t* x[R];
+    __m256 dx[R];
+    __m128i pairs[R];  // Q4_K / Q5_K: the sums per 32 (one per min)
+    __m256i bs[R];     // Q6_K: the sums per 16 (one per scale)
+    for (int r = 0; r < R; ++r) {
+      const int64_t rb = (r0 + r) * nbx + b;
+      x[r] = a.q256 + rb * 256;
+      dx[r] = _mm256_set1_ps(a.d256[rb]);
+      const int16_t* s16 = a.bs16 + rb * 16;
+      if constexpr (T == Q6_K) {
+        bs[r] = load256(s16);
+      } else {
+        pairs[r] = _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16)),
+                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + 8)));
+      }
+    }
+#pragma GCC unroll 1
+    for (int n = 0; n < NR; ++n) {
+      const uint8_t* blk = w[n] + b * BB;
+      // Each weight row reloads the activations from L1 (cheap, folded into vpmaddubsw): kept
+      // live across rows they would not fit in the registers (and the compiler spills them).
+      const int8_t* xs[R];
       for (int r = 0; r < R; ++r) {
-        const int8_t* xr = a.q256 + ((r0 + r) * nbx + b) * 256 + 128 * n;
-        for (int k = 0; k < 4; ++k) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32 * k));
-          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u[k], xv), s[k]));
+        xs[r] = x[r];
+        asm volatile("" : "+r"(xs[r]));
+      }
+      __m256i sumi[R];
+      for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+      if constexpr (T == Q6_K) {
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          __m256i u[4];
+          if constexpr (U) {
+            for (int k = 0; k < 4; ++k) u[k] = load256(blk + 128 * h + 32 * k);
+          } else {
+            q6k_values(u, blk, h);
+          }
+          const __m256i scv = U ? load256(blk + 256 + 32 * h) : q6k_half_scales(blk, h);
+#pragma GCC unroll 4
+          for (int k = 0; k < 4; ++k) {
+            const __m256i s = _mm256_shuffle_epi8(scv, q6k_scale_ctrl(k));
+            for (int r = 0; r < R; ++r) {
+              sumi[r] = _mm256_add_epi32(
+                  sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u[k], load256(xs[r] + 128 * h + 32 * k)), s));
+              keep(sumi[r]);
+            }
+          }
+        }
+        // w = d sc (u - 32): take 32 sc x (the sums per 16) back out, in the same lanes.
+        const __m256i sc16 = U ? load256(blk + 320) : q6k_all_scales(blk);
+        float d;
+        if constexpr (U) std::memcpy(&d, blk + 352, 4);
+        else d = fp16(blk + 208);
+        const __m256 vd = _mm256_set1_ps(d);
+        for (int r = 0; r < R; ++r) {
+          const __m256i tot = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs[r]), 5));
+          acc[n * R + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(vd, dx[r]), acc[n * R + r]);
+        }
+      } else {
+        const __m256i sm = U ? load256(blk + 256) : scales_mins_k4(blk + 4);
+        __m256i qh = T == Q5_K && !U ? load256(blk + 16) : _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          __m256i lo, hi;
+          if constexpr (U) {
+            lo = load256(blk + 64 * j);
+            hi = load256(blk + 64 * j + 32);
+          } else {
+            k4_values<T>(blk, j, qh, lo, hi);
+          }
+          const __m256i s0 = _mm256_shuffle_epi8(sm, k4_scale_ctrl(2 * j));
+          const __m256i s1 = _mm256_shuffle_epi8(sm, k4_scale_ctrl(2 * j + 1));
+          for (int r = 0; r < R; ++r) {
+            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load256(xs[r] + 64 * j)), s0);
+            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load256(xs[r] + 64 * j + 32)), s1);
+            sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p0, p1));
+            keep(sumi[r]);
+          }
+        }
+        const __m128i mins = U ? _mm_load_si128(reinterpret_cast<const __m128i*>(blk + 288)) : k4_mins(sm);
+        float dd[2];
+        if constexpr (U) {
+          std::memcpy(dd, blk + 304, 8);
+        } else {
+          dd[0] = fp16(blk);
+          dd[1] = fp16(blk + 2);
+        }
+        const __m256 vd = _mm256_set1_ps(dd[0]), vdmin = _mm256_set1_ps(dd[1]);
+        for (int r = 0; r < R; ++r) {
+          const __m256i pm = _mm256_zextsi128_si256(_mm_madd_epi16(mins, pairs[r]));
+          __m256& c = acc[n * R + r];
+          c = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(vd, dx[r]), c);
+          c = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_mul_ps(vdmin, dx[r]), c);
         }
       }
     }
-    // w = d sc (u - 32): take 32 sc x (the block's sums per 16) back out.
-    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-    for (int r = 0; r < R; ++r) {
-      const int64_t rb = (r0 + r) * nbx + b;
-      const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bs16 + rb * 16));
-      const __m256i tot = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_set1_ps(d * a.d256[rb]), acc[r]);
-    }
   }
-  for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]);
+  for (int i = 0; i < NR * R; i += 4) reduce4(acc + i, std::min(4, NR * R - i), res + i);
+}
+
+// Rows [n0, n1) against activation rows m0 .. m0 + R, in groups of NR weight rows (NR * R <= 8
+// keeps the integer sums in registers). row(n) is weight row n's bytes; `stride` the distance
+// from one row to the next (rows are contiguous in both forms).
+// Decode (the file's rows, U false): the next group's bytes are prefetched while this one is
+// computed, since in a decode step the weights stream from DRAM and each is used once.
+template <int T, bool U, int R>
+void rows_k(const uint8_t* first, int64_t stride, int64_t count, const uint8_t* end, const Acts& a, int64_t nb,
+            int64_t m0, float* y, int64_t ldy) {
+  constexpr int NR = R <= 2 ? 4 : 2;
+  float res[NR * R];
+  int64_t i = 0;
+  for (; i + NR <= count; i += NR) {
+    const uint8_t* w[NR];
+    for (int k = 0; k < NR; ++k) w[k] = first + (i + k) * stride;
+    const uint8_t* pf = w[0] + NR * stride;
+    dot_k<T, U, NR, R>(w, a, m0, nb, res, !U && pf + NR * stride <= end ? pf : nullptr);
+    for (int k = 0; k < NR; ++k)
+      for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + i + k] = res[k * R + r];
+  }
+  for (; i < count; ++i) {
+    const uint8_t* w = first + i * stride;
+    dot_k<T, U, 1, R>(&w, a, m0, nb, res, nullptr);
+    for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + i] = res[r];
+  }
 }
 
 template <int T>
 void tile_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
-  if constexpr (T == Q6_K) {
-    static const DotFn dots[MR + 1] = {nullptr, dot_a8_q6k<1>, dot_a8_q6k<2>, dot_a8_q6k<3>, dot_a8_q6k<4>};
-    tile_by_rows(dots, nullptr, 0, p, n0, n1, a, M, y, ldy);
-  } else {
-    static const DotFn dots[MR + 1] = {nullptr, dot_a8_k4<T, 1>, dot_a8_k4<T, 2>, dot_a8_k4<T, 3>, dot_a8_k4<T, 4>};
-    tile_by_rows(dots, nullptr, 0, p, n0, n1, a, M, y, ldy);
+  using RowsFn = void (*)(const uint8_t*, int64_t, int64_t, const uint8_t*, const Acts&, int64_t, int64_t, float*,
+                          int64_t);
+  static const RowsFn file_rows[MR + 1] = {nullptr, rows_k<T, false, 1>, rows_k<T, false, 2>, rows_k<T, false, 3>,
+                                           rows_k<T, false, 4>};
+  static const RowsFn unpacked_rows[MR + 1] = {nullptr, rows_k<T, true, 1>, rows_k<T, true, 2>, rows_k<T, true, 3>,
+                                               rows_k<T, true, 4>};
+  const uint8_t* end = p.data + p.rows * p.row_bytes;
+  if (M <= MR)
+    return file_rows[M](p.data + (n0 - p.n0) * p.row_bytes, p.row_bytes, n1 - n0, end, a, p.nb, 0, y + n0, ldy);
+  // More activation rows (prefill): a tile of NT weight rows is unpacked once, then stays in
+  // cache while every MR activation rows meet it.
+  constexpr int64_t NT = 16;
+  const int64_t ub = p.nb * unpacked_block<T>();
+  // One buffer per thread for the process's life: a step's calls then allocate nothing.
+  static thread_local std::vector<uint8_t> buf_;
+  if (buf_.size() < static_cast<size_t>(NT * ub + 64)) buf_.resize(NT * ub + 64);
+  uint8_t* buf = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf_.data()) + 63) & ~uintptr_t(63));
+  for (int64_t t0 = n0; t0 < n1; t0 += NT) {
+    const int64_t t1 = std::min(n1, t0 + NT);
+    for (int64_t n = t0; n < t1; ++n) unpack_k<T>(p.data + (n - p.n0) * p.row_bytes, p.nb, buf + (n - t0) * ub);
+    // The next tile's file bytes are fetched while this one is computed, a slice per activation
+    // tile (the unpacking would otherwise wait on DRAM row by row).
+    const uint8_t* next = p.data + (t1 - p.n0) * p.row_bytes;
+    const int64_t next_bytes = std::min(NT, n1 - t1) * p.row_bytes, steps = (M + MR - 1) / MR;
+    const int64_t slice = (next_bytes / steps + 63) & ~int64_t(63);
+    for (int64_t m0 = 0, s = 0; m0 < M; m0 += MR, ++s) {
+      for (int64_t o = s * slice; o < std::min(next_bytes, (s + 1) * slice); o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
+      unpacked_rows[std::min<int64_t>(MR, M - m0)](buf, ub, t1 - t0, nullptr, a, p.nb, m0, y + t0, ldy);
+    }
   }
 }
 
