@@ -1,9 +1,10 @@
 """The K formats' int8-activation tiles (models/csrc/kquant_k.cpp): several weight rows per kernel
-call (2 or 4, by the number of activation rows), tiles of 16 weight rows for prefill, the thread's
-range split anywhere. Row counts here are odd so partial weight-row groups, partial activation
-tiles and parts whose boundary falls inside a group are all met; the oracle is gguf's dequantize
-times the int8-rounded activations, and a row's bits must not depend on M, its place in the
-batch or the thread count."""
+call (2 or 4, by the number of activation rows), tiles of 16 weight rows for prefill met by micro-
+tiles of 2 weight rows x 4 activation rows, the thread's range split anywhere. Row counts here are
+odd so partial weight-row groups, partial micro-tiles on both axes (M = 5, 7, 9, 33, 130 leave 1,
+3, 1, 1, 2 activation rows) and parts whose boundary falls inside a group are all met; the oracle
+is gguf's dequantize times the int8-rounded activations, and a row's bits must not depend on M,
+its place in the batch or the thread count."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
-BATCHES = (1, 2, 3, 4, 5, 8, 33, 64)
+BATCHES = (1, 2, 3, 4, 5, 7, 8, 9, 33, 64, 130)
 
 
 def reference(x: torch.Tensor, w) -> torch.Tensor:

@@ -4,13 +4,15 @@
 // The 4-, 5- or 6-bit values meet the activations in vpmaddubsw, their integer sub-scales in
 // vpmaddwd (each sub-scale broadcast to 16-bit lanes by one vpshufb from a register holding the
 // block's scales); a format's minimum or offset enters through the activation sums per 16; fp32
-// once per 256 inputs. One kernel, dot_k, takes NR weight rows against R activation rows so that
-// the activations' per-block work (scale, sums) and the final horizontal sums are shared, and
-// several rows' independent chains keep the multiply pipes busy.
+// once per 256 inputs. Decode's kernel, dot_k, takes NR weight rows against R activation rows so
+// that the activations' per-block work (scale, sums) and the final horizontal sums are shared,
+// and several rows' independent chains keep the multiply pipes busy.
 //
 // Up to MR activation rows (decode) the kernel reads the file's rows, prefetching the next rows
 // (each weight is used once and streams from DRAM). More (prefill) meet a tile of weight rows
-// unpacked once into the very vectors the file-row path builds in registers.
+// unpacked once into the very vectors the file-row path builds in registers, scales included, in
+// micro-tiles (dot_u) of 2 weight rows x 4 activation rows whose 8 integer sums stay in registers:
+// each activation vector then serves 2 weight rows and each weight vector 4 activation rows.
 //
 // Batch invariance: every (weight row, activation row) pair goes through the same integer lanes,
 // the same fp32 multiply-adds per block in block order and the same final reduction (reduce4),
@@ -96,14 +98,14 @@ inline void prefetch_slice(const uint8_t* pf, int64_t b, int64_t step) {
 }
 
 // Prefill meets each weight row many times, so a tile of rows is first unpacked into the exact
-// vectors the kernel would make from the file (the same values, so the same integer lanes):
-// Q4_K / Q5_K: per block the 8 value vectors (64j: low halves, 64j + 32: high halves), the
-// scales/mins bytes (scales_mins_k4), the mins as 16-bit lanes, d and dmin (as float);
-// Q6_K: the 8 value vectors (128h + 32k), the 16-bit scales of each half, all 16 as 16-bit lanes
-// (for the offset) and d.
+// vectors the file-row kernel builds in registers (the same values, so the same integer lanes),
+// scales included, so that the micro-kernel's inner loop is loads, multiplies and adds only:
+// 8 value vectors (32 values each, vector v meets sub-block v's scale), 8 scale vectors (that
+// scale in every 16-bit lane), then Q4_K / Q5_K: the mins as 16-bit lanes, d and dmin;
+// Q6_K: all 16 scales as 16-bit lanes (for the offset of 32) and d.
 template <int T>
 constexpr int64_t unpacked_block() {
-  return T == Q6_K ? 384 : 320;
+  return T == Q6_K ? 576 : 544;
 }
 
 // Q4_K / Q5_K: values 64j .. 64j + 63 of a block (low and high halves); qh (Q5_K's fifth bits)
@@ -142,39 +144,118 @@ void unpack_k(const uint8_t* w, int64_t nb, uint8_t* dst) {
       for (int h = 0; h < 2; ++h) {
         __m256i u[4];
         q6k_values(u, blk, h);
-        for (int k = 0; k < 4; ++k) put(o + 128 * h + 32 * k, u[k]);
-        put(o + 256 + 32 * h, q6k_half_scales(blk, h));
+        const __m256i scv = q6k_half_scales(blk, h);
+        for (int k = 0; k < 4; ++k) {
+          put(o + 128 * h + 32 * k, u[k]);
+          put(o + 256 + 128 * h + 32 * k, _mm256_shuffle_epi8(scv, q6k_scale_ctrl(k)));
+        }
       }
-      put(o + 320, q6k_all_scales(blk));
+      put(o + 512, q6k_all_scales(blk));
       const float d = fp16(blk + 208);
-      std::memcpy(o + 352, &d, 4);
+      std::memcpy(o + 544, &d, 4);
     } else {
       __m256i qh = T == Q5_K ? load256(blk + 16) : _mm256_setzero_si256();
+      const __m256i sm = scales_mins_k4(blk + 4);
       for (int j = 0; j < 4; ++j) {
         __m256i lo, hi;
         k4_values<T>(blk, j, qh, lo, hi);
         put(o + 64 * j, lo);
         put(o + 64 * j + 32, hi);
+        put(o + 256 + 64 * j, _mm256_shuffle_epi8(sm, k4_scale_ctrl(2 * j)));
+        put(o + 256 + 64 * j + 32, _mm256_shuffle_epi8(sm, k4_scale_ctrl(2 * j + 1)));
       }
-      const __m256i sm = scales_mins_k4(blk + 4);
-      put(o + 256, sm);
-      _mm_store_si128(reinterpret_cast<__m128i*>(o + 288), k4_mins(sm));
+      _mm_store_si128(reinterpret_cast<__m128i*>(o + 512), k4_mins(sm));
       const float dd[2] = {fp16(blk), fp16(blk + 2)};
-      std::memcpy(o + 304, dd, 8);
+      std::memcpy(o + 528, dd, 8);
     }
   }
 }
 
-// NR weight rows w[n] (nb blocks of type T each: the file's, or unpack_k's when U) against
-// activation rows r0 .. r0 + R: res[n * R + r] = sum_k w[n][k] x[r0 + r][k].
-template <int T, bool U, int NR, int R>
-void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float* res, const uint8_t* pf) {
-  constexpr int64_t BB = U ? unpacked_block<T>() : T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
+// The micro-kernel of prefill: NR unpacked weight rows (`stride` apart) against activation rows
+// r0 .. r0 + R, all NR x R integer sums in registers, so each activation vector is loaded once
+// for NR weight rows and each weight vector once for R activation rows. `pairs`: Q4_K / Q5_K's
+// activation sums per 32 for every (activation row, block), made once per call.
+// res[n * R + r]: the same lanes, fp32 operations and reduce4 as dot_k on the file's rows.
+template <int T, int NR, int R>
+void dot_u(const uint8_t* w, int64_t stride, const Acts& a, const int16_t* pairs, int64_t r0, int64_t nb,
+           float* res) {
+  constexpr int64_t UB = unpacked_block<T>();
   __m256 acc[NR * R];
   for (int i = 0; i < NR * R; ++i) acc[i] = _mm256_setzero_ps();
   const int64_t nbx = a.K / 256;
   for (int64_t b = 0; b < nb; ++b) {
-    if constexpr (!U) prefetch_slice(pf, b, NR * BB);
+    const uint8_t* blk[NR];
+    for (int n = 0; n < NR; ++n) blk[n] = w + n * stride + b * UB;
+    const int8_t* x[R];
+    for (int r = 0; r < R; ++r) x[r] = a.q256 + ((r0 + r) * nbx + b) * 256;
+    __m256i sumi[NR * R];
+    for (int i = 0; i < NR * R; ++i) sumi[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; ++v) {
+      __m256i wv[NR];
+      for (int n = 0; n < NR; ++n) wv[n] = load256(blk[n] + 32 * v);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = load256(x[r] + 32 * v);
+        for (int n = 0; n < NR; ++n) {
+          __m256i& s = sumi[n * R + r];
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[n], xv), load256(blk[n] + 256 + 32 * v)));
+          keep(s);
+        }
+      }
+    }
+    for (int n = 0; n < NR; ++n) {
+      float d[2];
+      std::memcpy(d, blk[n] + (T == Q6_K ? 544 : 528), T == Q6_K ? 4 : 8);
+      const __m256 vd = _mm256_set1_ps(d[0]);
+      for (int r = 0; r < R; ++r) {
+        const int64_t rb = (r0 + r) * nbx + b;
+        const __m256 dx = _mm256_set1_ps(a.d256[rb]);
+        __m256& c = acc[n * R + r];
+        if constexpr (T == Q6_K) {
+          const __m256i off = _mm256_madd_epi16(load256(blk[n] + 512), load256(a.bs16 + rb * 16));
+          const __m256i tot = _mm256_sub_epi32(sumi[n * R + r], _mm256_slli_epi32(off, 5));
+          c = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(vd, dx), c);
+        } else {
+          const __m128i mins = _mm_load_si128(reinterpret_cast<const __m128i*>(blk[n] + 512));
+          const __m128i pr = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pairs + 8 * rb));
+          const __m256i pm = _mm256_zextsi128_si256(_mm_madd_epi16(mins, pr));
+          c = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[n * R + r]), _mm256_mul_ps(vd, dx), c);
+          c = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_mul_ps(_mm256_set1_ps(d[1]), dx), c);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < NR * R; i += 4) reduce4(acc + i, std::min(4, NR * R - i), res + i);
+}
+
+// Unpacked rows [0, count) against activation rows m0 .. m0 + R in micro-tiles of 2 weight rows.
+template <int T, int R>
+void rows_u(const uint8_t* first, int64_t stride, int64_t count, const Acts& a, const int16_t* pairs, int64_t nb,
+            int64_t m0, float* y, int64_t ldy) {
+  constexpr int NR = 2;
+  float res[NR * R];
+  int64_t i = 0;
+  for (; i + NR <= count; i += NR) {
+    dot_u<T, NR, R>(first + i * stride, stride, a, pairs, m0, nb, res);
+    for (int k = 0; k < NR; ++k)
+      for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + i + k] = res[k * R + r];
+  }
+  for (; i < count; ++i) {
+    dot_u<T, 1, R>(first + i * stride, stride, a, pairs, m0, nb, res);
+    for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + i] = res[r];
+  }
+}
+
+// NR weight rows w[n] (nb blocks of type T each, the file's) against activation rows r0 .. r0 + R:
+// res[n * R + r] = sum_k w[n][k] x[r0 + r][k].
+template <int T, int NR, int R>
+void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float* res, const uint8_t* pf) {
+  constexpr int64_t BB = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
+  __m256 acc[NR * R];
+  for (int i = 0; i < NR * R; ++i) acc[i] = _mm256_setzero_ps();
+  const int64_t nbx = a.K / 256;
+  for (int64_t b = 0; b < nb; ++b) {
+    prefetch_slice(pf, b, NR * BB);
     // The activation rows' share of the block, used by every weight row.
     const int8_t* x[R];
     __m256 dx[R];
@@ -208,12 +289,8 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           __m256i u[4];
-          if constexpr (U) {
-            for (int k = 0; k < 4; ++k) u[k] = load256(blk + 128 * h + 32 * k);
-          } else {
-            q6k_values(u, blk, h);
-          }
-          const __m256i scv = U ? load256(blk + 256 + 32 * h) : q6k_half_scales(blk, h);
+          q6k_values(u, blk, h);
+          const __m256i scv = q6k_half_scales(blk, h);
 #pragma GCC unroll 4
           for (int k = 0; k < 4; ++k) {
             const __m256i s = _mm256_shuffle_epi8(scv, q6k_scale_ctrl(k));
@@ -225,27 +302,19 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
           }
         }
         // w = d sc (u - 32): take 32 sc x (the sums per 16) back out, in the same lanes.
-        const __m256i sc16 = U ? load256(blk + 320) : q6k_all_scales(blk);
-        float d;
-        if constexpr (U) std::memcpy(&d, blk + 352, 4);
-        else d = fp16(blk + 208);
-        const __m256 vd = _mm256_set1_ps(d);
+        const __m256i sc16 = q6k_all_scales(blk);
+        const __m256 vd = _mm256_set1_ps(fp16(blk + 208));
         for (int r = 0; r < R; ++r) {
           const __m256i tot = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs[r]), 5));
           acc[n * R + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(vd, dx[r]), acc[n * R + r]);
         }
       } else {
-        const __m256i sm = U ? load256(blk + 256) : scales_mins_k4(blk + 4);
-        __m256i qh = T == Q5_K && !U ? load256(blk + 16) : _mm256_setzero_si256();
+        const __m256i sm = scales_mins_k4(blk + 4);
+        __m256i qh = T == Q5_K ? load256(blk + 16) : _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
           __m256i lo, hi;
-          if constexpr (U) {
-            lo = load256(blk + 64 * j);
-            hi = load256(blk + 64 * j + 32);
-          } else {
-            k4_values<T>(blk, j, qh, lo, hi);
-          }
+          k4_values<T>(blk, j, qh, lo, hi);
           const __m256i s0 = _mm256_shuffle_epi8(sm, k4_scale_ctrl(2 * j));
           const __m256i s1 = _mm256_shuffle_epi8(sm, k4_scale_ctrl(2 * j + 1));
           for (int r = 0; r < R; ++r) {
@@ -255,15 +324,8 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
             keep(sumi[r]);
           }
         }
-        const __m128i mins = U ? _mm_load_si128(reinterpret_cast<const __m128i*>(blk + 288)) : k4_mins(sm);
-        float dd[2];
-        if constexpr (U) {
-          std::memcpy(dd, blk + 304, 8);
-        } else {
-          dd[0] = fp16(blk);
-          dd[1] = fp16(blk + 2);
-        }
-        const __m256 vd = _mm256_set1_ps(dd[0]), vdmin = _mm256_set1_ps(dd[1]);
+        const __m128i mins = k4_mins(sm);
+        const __m256 vd = _mm256_set1_ps(fp16(blk)), vdmin = _mm256_set1_ps(fp16(blk + 2));
         for (int r = 0; r < R; ++r) {
           const __m256i pm = _mm256_zextsi128_si256(_mm_madd_epi16(mins, pairs[r]));
           __m256& c = acc[n * R + r];
@@ -276,12 +338,11 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
   for (int i = 0; i < NR * R; i += 4) reduce4(acc + i, std::min(4, NR * R - i), res + i);
 }
 
-// Rows [n0, n1) against activation rows m0 .. m0 + R, in groups of NR weight rows (NR * R <= 8
-// keeps the integer sums in registers). row(n) is weight row n's bytes; `stride` the distance
-// from one row to the next (rows are contiguous in both forms).
-// Decode (the file's rows, U false): the next group's bytes are prefetched while this one is
-// computed, since in a decode step the weights stream from DRAM and each is used once.
-template <int T, bool U, int R>
+// The file's rows [0, count) against activation rows m0 .. m0 + R (decode), in groups of NR weight
+// rows (NR * R <= 8 keeps the integer sums in registers); `stride` from one row to the next. The
+// next group's bytes are prefetched while this one is computed, since in a decode step the
+// weights stream from DRAM and each is used once.
+template <int T, int R>
 void rows_k(const uint8_t* first, int64_t stride, int64_t count, const uint8_t* end, const Acts& a, int64_t nb,
             int64_t m0, float* y, int64_t ldy) {
   constexpr int NR = R <= 2 ? 4 : 2;
@@ -291,13 +352,13 @@ void rows_k(const uint8_t* first, int64_t stride, int64_t count, const uint8_t* 
     const uint8_t* w[NR];
     for (int k = 0; k < NR; ++k) w[k] = first + (i + k) * stride;
     const uint8_t* pf = w[0] + NR * stride;
-    dot_k<T, U, NR, R>(w, a, m0, nb, res, !U && pf + NR * stride <= end ? pf : nullptr);
+    dot_k<T, NR, R>(w, a, m0, nb, res, pf + NR * stride <= end ? pf : nullptr);
     for (int k = 0; k < NR; ++k)
       for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + i + k] = res[k * R + r];
   }
   for (; i < count; ++i) {
     const uint8_t* w = first + i * stride;
-    dot_k<T, U, 1, R>(&w, a, m0, nb, res, nullptr);
+    dot_k<T, 1, R>(&w, a, m0, nb, res, nullptr);
     for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + i] = res[r];
   }
 }
@@ -306,21 +367,31 @@ template <int T>
 void tile_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
   using RowsFn = void (*)(const uint8_t*, int64_t, int64_t, const uint8_t*, const Acts&, int64_t, int64_t, float*,
                           int64_t);
-  static const RowsFn file_rows[MR + 1] = {nullptr, rows_k<T, false, 1>, rows_k<T, false, 2>, rows_k<T, false, 3>,
-                                           rows_k<T, false, 4>};
-  static const RowsFn unpacked_rows[MR + 1] = {nullptr, rows_k<T, true, 1>, rows_k<T, true, 2>, rows_k<T, true, 3>,
-                                               rows_k<T, true, 4>};
+  static const RowsFn file_rows[MR + 1] = {nullptr, rows_k<T, 1>, rows_k<T, 2>, rows_k<T, 3>, rows_k<T, 4>};
+  using URowsFn = void (*)(const uint8_t*, int64_t, int64_t, const Acts&, const int16_t*, int64_t, int64_t, float*,
+                           int64_t);
+  static const URowsFn unpacked_rows[MR + 1] = {nullptr, rows_u<T, 1>, rows_u<T, 2>, rows_u<T, 3>, rows_u<T, 4>};
   const uint8_t* end = p.data + p.rows * p.row_bytes;
   if (M <= MR)
     return file_rows[M](p.data + (n0 - p.n0) * p.row_bytes, p.row_bytes, n1 - n0, end, a, p.nb, 0, y + n0, ldy);
   // More activation rows (prefill): a tile of NT weight rows is unpacked once, then stays in
   // cache while every MR activation rows meet it.
   constexpr int64_t NT = 16;
-  const int64_t ub = p.nb * unpacked_block<T>();
-  // One buffer per thread for the process's life: a step's calls then allocate nothing.
+  const int64_t ub = p.nb * unpacked_block<T>(), nbx = a.K / 256;
+  // Per-thread buffers for the process's life: a step's calls then allocate nothing.
   static thread_local std::vector<uint8_t> buf_;
+  static thread_local std::vector<int16_t> pairs_;
   if (buf_.size() < static_cast<size_t>(NT * ub + 64)) buf_.resize(NT * ub + 64);
   uint8_t* buf = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf_.data()) + 63) & ~uintptr_t(63));
+  if constexpr (T != Q6_K) {  // the activation sums per 32 (one per min), shared by every weight row
+    if (pairs_.size() < static_cast<size_t>(8 * M * nbx)) pairs_.resize(8 * M * nbx);
+    for (int64_t rb = 0; rb < M * nbx; ++rb) {
+      const int16_t* s16 = a.bs16 + rb * 16;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs_.data() + 8 * rb),
+                       _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16)),
+                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + 8))));
+    }
+  }
   for (int64_t t0 = n0; t0 < n1; t0 += NT) {
     const int64_t t1 = std::min(n1, t0 + NT);
     for (int64_t n = t0; n < t1; ++n) unpack_k<T>(p.data + (n - p.n0) * p.row_bytes, p.nb, buf + (n - t0) * ub);
@@ -332,7 +403,7 @@ void tile_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, flo
     for (int64_t m0 = 0, s = 0; m0 < M; m0 += MR, ++s) {
       for (int64_t o = s * slice; o < std::min(next_bytes, (s + 1) * slice); o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
-      unpacked_rows[std::min<int64_t>(MR, M - m0)](buf, ub, t1 - t0, nullptr, a, p.nb, m0, y + t0, ldy);
+      unpacked_rows[std::min<int64_t>(MR, M - m0)](buf, ub, t1 - t0, a, pairs_.data(), p.nb, m0, y + t0, ldy);
     }
   }
 }
