@@ -88,3 +88,17 @@ def test_the_thread_count_does_not_change_a_bit(qtype):
         torch.set_num_threads(before)
     for a, b in zip(one, two, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+def test_long_rows_take_smaller_tiles_and_the_same_bits(qtype):
+    """K = 8192 (32 blocks): prefill's tile of unpacked rows shrinks to 6 rows to stay in L2, so 13
+    rows make two tiles and a lone row."""
+    k, n = 8192, 13
+    w = random_rows(qtype, n, k, seed=int(qtype) + 11)
+    packed = pack_rows(w, int8=True)
+    x = activations(9, k, seed=12)
+    alone = torch.cat([linear(x[i : i + 1], packed) for i in range(9)])
+    torch.testing.assert_close(alone, reference(x, w), rtol=1e-5, atol=2e-3)
+    for m in (5, 9):
+        assert torch.equal(linear(x[:m], packed), alone[:m]), f"M = {m} changed a row"

@@ -374,14 +374,15 @@ void tile_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, flo
   const uint8_t* end = p.data + p.rows * p.row_bytes;
   if (M <= MR)
     return file_rows[M](p.data + (n0 - p.n0) * p.row_bytes, p.row_bytes, n1 - n0, end, a, p.nb, 0, y + n0, ldy);
-  // More activation rows (prefill): a tile of NT weight rows is unpacked once, then stays in
-  // cache while every MR activation rows meet it.
-  constexpr int64_t NT = 16;
+  // More activation rows (prefill): a tile of nt weight rows is unpacked once, then stays in
+  // cache while every MR activation rows meet it: up to 16 rows, fewer (an even count) for long
+  // rows so that the tile stays well inside L2 next to the activations.
   const int64_t ub = p.nb * unpacked_block<T>(), nbx = a.K / 256;
+  const int64_t nt = std::clamp<int64_t>(((int64_t(128) << 10) / ub) & ~int64_t(1), 2, 16);
   // Per-thread buffers for the process's life: a step's calls then allocate nothing.
   static thread_local std::vector<uint8_t> buf_;
   static thread_local std::vector<int16_t> pairs_;
-  if (buf_.size() < static_cast<size_t>(NT * ub + 64)) buf_.resize(NT * ub + 64);
+  if (buf_.size() < static_cast<size_t>(nt * ub + 64)) buf_.resize(nt * ub + 64);
   uint8_t* buf = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf_.data()) + 63) & ~uintptr_t(63));
   if constexpr (T != Q6_K) {  // the activation sums per 32 (one per min), shared by every weight row
     if (pairs_.size() < static_cast<size_t>(8 * M * nbx)) pairs_.resize(8 * M * nbx);
@@ -392,13 +393,13 @@ void tile_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, flo
                                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + 8))));
     }
   }
-  for (int64_t t0 = n0; t0 < n1; t0 += NT) {
-    const int64_t t1 = std::min(n1, t0 + NT);
+  for (int64_t t0 = n0; t0 < n1; t0 += nt) {
+    const int64_t t1 = std::min(n1, t0 + nt);
     for (int64_t n = t0; n < t1; ++n) unpack_k<T>(p.data + (n - p.n0) * p.row_bytes, p.nb, buf + (n - t0) * ub);
     // The next tile's file bytes are fetched while this one is computed, a slice per activation
     // tile (the unpacking would otherwise wait on DRAM row by row).
     const uint8_t* next = p.data + (t1 - p.n0) * p.row_bytes;
-    const int64_t next_bytes = std::min(NT, n1 - t1) * p.row_bytes, steps = (M + MR - 1) / MR;
+    const int64_t next_bytes = std::min(nt, n1 - t1) * p.row_bytes, steps = (M + MR - 1) / MR;
     const int64_t slice = (next_bytes / steps + 63) & ~int64_t(63);
     for (int64_t m0 = 0, s = 0; m0 < M; m0 += MR, ++s) {
       for (int64_t o = s * slice; o < std::min(next_bytes, (s + 1) * slice); o += 64)
