@@ -28,13 +28,19 @@ constexpr int64_t ROWS_MAX_M = MR;       // up to this many activation rows, pan
 constexpr int64_t ROWS_GROUP = 8;        // blocks per panel piece on that path (2.5 KB, stays in L1)
 constexpr int64_t TILE_BYTES = 1 << 16;  // a prefill tile's panels: at most this (L2), at most 4 panels
 
+// nibbles32 with one shift: the 16 bytes loaded into both halves, the upper half shifted by 4.
+inline __m256i nibbles32_v(const uint8_t* p) {
+  const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
+}
+
 // A block's 32 values as bytes u (unsigned; Q8_0 signed), in the block's value order.
 template <int T>
 inline __m256i values32(const uint8_t* b) {
-  if constexpr (T == Q4_0) return nibbles32(b + 2);
-  else if constexpr (T == Q4_1) return nibbles32(b + 4);
-  else if constexpr (T == Q5_0) return _mm256_or_si256(nibbles32(b + 6), bits32(b + 2));
-  else if constexpr (T == Q5_1) return _mm256_or_si256(nibbles32(b + 8), bits32(b + 4));
+  if constexpr (T == Q4_0) return nibbles32_v(b + 2);
+  else if constexpr (T == Q4_1) return nibbles32_v(b + 4);
+  else if constexpr (T == Q5_0) return _mm256_or_si256(nibbles32_v(b + 6), bits32(b + 2));
+  else if constexpr (T == Q5_1) return _mm256_or_si256(nibbles32_v(b + 8), bits32(b + 4));
   else return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
 }
 
@@ -97,6 +103,11 @@ inline void unpack_block8(const uint8_t* const* w, int64_t b, uint8_t* dst) {
     _mm256_store_ps(reinterpret_cast<float*>(dst + 288), halves8(w, off + 2));
 }
 
+// An empty asm the compiler cannot see through: it keeps each accumulator a running sum (a
+// dependency chain per activation row) instead of reassociating the adds into a tree, whose
+// partial sums spill out of the 16 vector registers.
+inline void keep(__m256i& v) { asm("" : "+x"(v)); }
+
 // acc[r] (8 rows in lanes) through `nblk` panel blocks at `pan`, activation blocks b0.. of rows
 // r0 + r, r < R: the arithmetic the file-top comment gives.
 template <int T, int R>
@@ -122,6 +133,7 @@ inline void panel_dot(const uint8_t* pan, int64_t nblk, const Acts& a, int64_t r
         for (int r = 0; r < R; ++r) {
           const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast(x[r] + 4 * c), wv));
           isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, ones));
+          keep(isum[r]);
         }
       }
     } else {
@@ -131,8 +143,10 @@ inline void panel_dot(const uint8_t* pan, int64_t nblk, const Acts& a, int64_t r
         for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
         for (int c = 4 * h; c < 4 * h + 4; ++c) {
           const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(pb + 32 * c));
-          for (int r = 0; r < R; ++r)
+          for (int r = 0; r < R; ++r) {
             s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(wv, bcast(x[r] + 4 * c)));
+            keep(s16[r]);
+          }
         }
         for (int r = 0; r < R; ++r) {
           const __m256i s32 = _mm256_madd_epi16(s16[r], ones);
@@ -170,6 +184,42 @@ uint8_t* scratch(int64_t bytes) {
   static thread_local std::vector<uint8_t> buf_;
   if (buf_.size() < static_cast<size_t>(bytes + 64)) buf_.resize(bytes + 64);
   return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf_.data()) + 63) & ~uintptr_t(63));
+}
+
+// One activation row (decode): nothing to share a transposed block with, so each row's block meets
+// the activations as it is and the eight rows' int32 partial sums are reduced across (sums8), which
+// leaves the eight rows' block dots in lanes as the panels do: the same integers, the same floats.
+template <int T>
+void tile_row1(const Part& p, int64_t n0, int64_t n1, const Acts& a, float* y) {
+  constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; n += PR) {
+    const int64_t rows = std::min(PR, n1 - n);
+    const uint8_t* w[PR];
+    panel_rows(p, n, rows, w);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < p.nb; ++b) {
+      const int64_t off = b * bb;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q32 + b * 32));
+      __m256i s[8];
+      for (int i = 0; i < 8; ++i) {
+        const __m256i wv = values32<T>(w[i] + off);
+        _mm_prefetch(reinterpret_cast<const char*>(w[i] + off + 320), _MM_HINT_T0);
+        if constexpr (T == Q8_0)
+          s[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
+        else
+          s[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+      }
+      const __m256 ws = halves8(w, off);
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums8(s)), _mm256_mul_ps(ws, _mm256_set1_ps(a.d32[b])), acc);
+      if constexpr (T == Q4_0 || T == Q5_0)
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(ws, _mm256_set1_ps(T == Q4_0 ? -8.f : -16.f)), _mm256_set1_ps(a.s32[b]),
+                              acc);
+      else if constexpr (T == Q4_1 || T == Q5_1)
+        acc = _mm256_fmadd_ps(halves8(w, off + 2), _mm256_set1_ps(a.s32[b]), acc);
+    }
+    store_rows<1>(&acc, 0, n, rows, y, 0);
+  }
 }
 
 // Decode: each panel a few blocks at a time, unpacked into L1 and met at once by all R rows.
@@ -233,7 +283,7 @@ void tile_panels(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M
 template <int T>
 void tile_b32(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
   switch (M <= ROWS_MAX_M ? M : 0) {
-    case 1: return tile_rows<T, 1>(p, n0, n1, a, y, ldy);
+    case 1: return tile_row1<T>(p, n0, n1, a, y);
     case 2: return tile_rows<T, 2>(p, n0, n1, a, y, ldy);
     case 3: return tile_rows<T, 3>(p, n0, n1, a, y, ldy);
     case 4: return tile_rows<T, 4>(p, n0, n1, a, y, ldy);
