@@ -116,6 +116,7 @@ inline void panel_dot(const uint8_t* pan, int64_t nblk, const Acts& a, int64_t r
   for (int64_t b = 0; b < nblk; ++b) {
     const uint8_t* pb = pan + b * PB;
     const int8_t* x[R];
+    #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) x[r] = a.q32 + ((r0 + r) * a.nb32 + b0 + b) * 32;
     __m256i isum[R];
     auto bcast = [](const int8_t* p) {
@@ -126,10 +127,13 @@ inline void panel_dot(const uint8_t* pan, int64_t nblk, const Acts& a, int64_t r
     if constexpr (T == Q8_0) {
       // |w| x (x with w's sign) = w x keeps vpmaddubsw's operands unsigned x signed; each result
       // is up to 2 x 128 x 127, so every chunk goes to int32 at once.
+      #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      #pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) {
         const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(pb + 32 * c));
         const __m256i aw = _mm256_sign_epi8(wv, wv);
+        #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast(x[r] + 4 * c), wv));
           isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, ones));
@@ -138,16 +142,21 @@ inline void panel_dot(const uint8_t* pan, int64_t nblk, const Acts& a, int64_t r
       }
     } else {
       // u <= 31: four chunks' vpmaddubsw results (each up to 2 x 31 x 127) add up in int16.
+      #pragma GCC unroll 8
       for (int h = 0; h < 2; ++h) {
         __m256i s16[R];
+        #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+        #pragma GCC unroll 8
         for (int c = 4 * h; c < 4 * h + 4; ++c) {
           const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(pb + 32 * c));
+          #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(wv, bcast(x[r] + 4 * c)));
             keep(s16[r]);
           }
         }
+        #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const __m256i s32 = _mm256_madd_epi16(s16[r], ones);
           isum[r] = h == 0 ? s32 : _mm256_add_epi32(isum[r], s32);
@@ -155,6 +164,7 @@ inline void panel_dot(const uint8_t* pan, int64_t nblk, const Acts& a, int64_t r
       }
     }
     const __m256 ws = _mm256_load_ps(reinterpret_cast<const float*>(pb + 256));
+    #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * a.nb32 + b0 + b;
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(ws, _mm256_set1_ps(a.d32[i])), acc[r]);
