@@ -88,11 +88,7 @@ inline void unpack_block8(const uint8_t* const* w, int64_t b, uint8_t* dst) {
   constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
   const int64_t off = b * bb;
   __m256i v[8];
-  for (int n = 0; n < 8; ++n) {
-    v[n] = values32<T>(w[n] + off);
-    // The rows are streams the hardware prefetcher may not all follow: ask for them a few lines on.
-    _mm_prefetch(reinterpret_cast<const char*>(w[n] + off + 320), _MM_HINT_T0);
-  }
+  for (int n = 0; n < 8; ++n) v[n] = values32<T>(w[n] + off);
   transpose8(v);
   for (int c = 0; c < 8; ++c) _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 32 * c), v[c]);
   const __m256 s = halves8(w, off);
@@ -175,6 +171,14 @@ inline void panel_dot(const uint8_t* pan, int64_t nblk, const Acts& a, int64_t r
   }
 }
 
+// A panel's rows are one run of bytes, read a block at a time as eight streams 1 row apart, which
+// the hardware prefetcher follows poorly (a panel starts with eight misses): while block b of a
+// panel is read, ask for the b-th share of the next panel's bytes (`next`, `bytes` of them).
+inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t b, int64_t nb) {
+  for (int64_t o = b * bytes / nb & ~int64_t(63), e = (b + 1) * bytes / nb; o < e; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
+}
+
 // Row pointers of the panel at output n (absolute in `p`), `rows` of them real.
 inline void panel_rows(const Part& p, int64_t n, int64_t rows, const uint8_t** w) {
   for (int64_t i = 0; i < PR; ++i) w[i] = p.data + (n - p.n0 + std::min(i, rows - 1)) * p.row_bytes;
@@ -208,13 +212,14 @@ void tile_row1(const Part& p, int64_t n0, int64_t n1, const Acts& a, float* y) {
     const uint8_t* w[PR];
     panel_rows(p, n, rows, w);
     __m256 acc = _mm256_setzero_ps();
+    const uint8_t* next = w[0] + PR * p.row_bytes;
     for (int64_t b = 0; b < p.nb; ++b) {
+      prefetch_share(next, PR * p.row_bytes, b, p.nb);
       const int64_t off = b * bb;
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q32 + b * 32));
       __m256i s[8];
       for (int i = 0; i < 8; ++i) {
         const __m256i wv = values32<T>(w[i] + off);
-        _mm_prefetch(reinterpret_cast<const char*>(w[i] + off + 320), _MM_HINT_T0);
         if constexpr (T == Q8_0)
           s[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
         else
@@ -244,7 +249,10 @@ void tile_rows(const Part& p, int64_t n0, int64_t n1, const Acts& a, float* y, i
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b0 = 0; b0 < p.nb; b0 += ROWS_GROUP) {
       const int64_t g = std::min(ROWS_GROUP, p.nb - b0);
-      for (int64_t b = 0; b < g; ++b) unpack_block8<T>(w, b0 + b, buf + b * PB);
+      for (int64_t b = 0; b < g; ++b) {
+        prefetch_share(w[0] + PR * p.row_bytes, PR * p.row_bytes, b0 + b, p.nb);
+        unpack_block8<T>(w, b0 + b, buf + b * PB);
+      }
       panel_dot<T, R>(buf, g, a, 0, b0, acc);
     }
     store_rows<R>(acc, 0, n, rows, y, ldy);
@@ -272,7 +280,10 @@ void tile_panels(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M
       const uint8_t* w[PR];
       panel_rows(p, n, std::min(PR, t1 - n), w);
       uint8_t* pan = buf + (n - t0) / PR * panel_bytes;
-      for (int64_t b = 0; b < p.nb; ++b) unpack_block8<T>(w, b, pan + b * PB);
+      for (int64_t b = 0; b < p.nb; ++b) {
+        prefetch_share(w[0] + PR * p.row_bytes, PR * p.row_bytes, b, p.nb);
+        unpack_block8<T>(w, b, pan + b * PB);
+      }
     }
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const int64_t mr = std::min<int64_t>(4, M - m0);
