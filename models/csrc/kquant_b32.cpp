@@ -14,9 +14,10 @@
 // acc starting at 0 and being the result. A row is one float lane, so its result does not depend
 // on which lane, panel, tile or batch size it meets.
 //
-// Few activation rows (decode) unpack each panel a group of blocks at a time into L1 and use it at
-// once; more (prefill, a batch's lm head) unpack a tile of panels whole and run every four
-// activation rows over it.
+// One activation row meets each row's blocks as the file holds them and reduces the eight rows'
+// partial sums across (tile_row1); two to four unpack each panel a few blocks at a time into L1;
+// more (prefill, a batch's lm head) unpack a tile of panels whole and run every four activation
+// rows over it. All of them prefetch the next panel's bytes while reading one.
 #include "kquant.h"
 
 namespace cbserve_kquant {
