@@ -425,12 +425,12 @@ def int8_by_default(w: QTensor | GGMLTensor) -> bool:
 
 
 # A tied head over an embedding table the file holds as Q8_0, Q4_0 or Q4_1 (Gemma 3's 262,144 x
-# 640 Q8_0: 170 MB). "rows" multiplies the file's rows, the ones the embedding lookup reads,
-# with int8 activations (`ggml_linear`, as llama.cpp does): the table is resident once.
-# "panels" (the default) packs a second copy into float-activation panels: as fast as the rows
-# for one token, faster for several (the rows' direct int8 dots cover a few activation rows).
-# CBSERVE_TIED_HEAD=rows chooses the rows; `tied_head_from_rows` says where they apply.
-TIED_HEAD_FROM_ROWS = os.environ.get("CBSERVE_TIED_HEAD", "panels") == "rows"
+# 640 Q8_0: 170 MB). "rows" (the default) multiplies the file's rows, the ones the embedding
+# lookup reads, with int8 activations (`ggml_linear`, as llama.cpp does): the table is resident
+# once, and its register-tiled int8 kernel is at least as fast as the panels for one token and
+# faster for a batch. "panels" packs a second copy into float-activation panels.
+# CBSERVE_TIED_HEAD=panels chooses the panels; `tied_head_from_rows` says where the rows apply.
+TIED_HEAD_FROM_ROWS = os.environ.get("CBSERVE_TIED_HEAD", "rows") != "panels"
 
 
 def tied_head_from_rows(table: QTensor | GGMLTensor | None, activations: str) -> bool:

@@ -1,131 +1,316 @@
-// int8-activation dots of the 32-value GGUF formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): the nibbles
-// (or Q8_0's signed bytes) meet the activations' int8 blocks in vpmaddubsw then vpmaddwd; fp32 only
-// once per block. A few activation rows (decode) read the file's rows; more (prefill) meet a copy
-// of each row unpacked once; both do the same arithmetic (the same result for a row whatever M).
+// int8-activation dots of the 32-value GGUF formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), register-tiled.
+//
+// Eight weight rows form a panel: per block, the eight rows' 32 value bytes are transposed so that
+// one 32-byte vector holds four consecutive bytes of every row (chunk c of the block), followed by
+// the rows' scales s and offsets o as 8 floats (w = u s + o; Q8_0: signed bytes, no o). A chunk
+// meets one activation row's four bytes broadcast to all lanes in vpmaddubsw then vpmaddwd, so the
+// 8 int32 lanes of a result are already the 8 rows' partial dots: no horizontal adds, and a chunk
+// unpacked once serves up to four activation rows held in registers (the micro-tile: 8 weight rows
+// x 4 activation rows).
+//
+// The arithmetic of one (weight row, activation row) pair, the same on every path: per block b in
+// order, I = the block's exact integer dot (u x, or w x for Q8_0), then
+//   acc = fma(float(I), s * d32, acc); acc = fma(o, s32, acc) (not for Q8_0),
+// acc starting at 0 and being the result. A row is one float lane, so its result does not depend
+// on which lane, panel, tile or batch size it meets.
+//
+// One activation row meets each row's blocks as the file holds them and reduces the eight rows'
+// partial sums across (tile_row1); two to four unpack each panel a few blocks at a time into L1;
+// more (prefill, a batch's lm head) unpack a tile of panels whole and run every four activation
+// rows over it. All of them prefetch the next panel's bytes while reading one.
 #include "kquant.h"
 
 namespace cbserve_kquant {
 namespace {
 
-constexpr int64_t ROWS_MAX_M = MR;  // up to this many activation rows, no unpacked copy of a row
+constexpr int64_t PR = 8;                // weight rows per panel (the float lanes)
+constexpr int64_t PB = 8 * 32 + 2 * 32;  // bytes of a panel's block: 8 chunks, then s[8], o[8]
+constexpr int64_t ROWS_MAX_M = MR;       // up to this many activation rows, panels of a few blocks
+constexpr int64_t ROWS_GROUP = 8;        // blocks per panel piece on that path (2.5 KB, stays in L1)
+constexpr int64_t TILE_BYTES = 1 << 16;  // a prefill tile's panels: at most this (L2), at most 4 panels
 
-// A row of a 32-value format unpacked for the int8 kernel: the blocks' bytes u (unsigned, or
-// signed for Q8_0), then per block the float scale s and offset o (w = u s + o), the block count
-// rounded up to 8 with zero blocks.
-inline int64_t b32_unpacked_bytes(int64_t nb) { return b32_groups(nb) * 8 * (32 + 8); }
+// nibbles32 with one shift: the 16 bytes loaded into both halves, the upper half shifted by 4.
+inline __m256i nibbles32_v(const uint8_t* p) {
+  const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
+}
 
+// A block's 32 values as bytes u (unsigned; Q8_0 signed), in the block's value order.
 template <int T>
-void unpack_b32(const uint8_t* w, int64_t nb, uint8_t* dst) {
-  const int64_t nbp = b32_groups(nb) * 8;
-  float* ws = reinterpret_cast<float*>(dst + nbp * 32);
-  float* wo = ws + nbp;
-  for (int64_t b = 0; b < nbp; ++b) {
-    __m256i u = _mm256_setzero_si256();
-    ws[b] = wo[b] = 0.f;
-    if (b < nb) u = block32<T>(w + b * block_bytes(T), ws[b], wo[b]);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 32 * b), u);
+inline __m256i values32(const uint8_t* b) {
+  if constexpr (T == Q4_0) return nibbles32_v(b + 2);
+  else if constexpr (T == Q4_1) return nibbles32_v(b + 4);
+  else if constexpr (T == Q5_0) return _mm256_or_si256(nibbles32_v(b + 6), bits32(b + 2));
+  else if constexpr (T == Q5_1) return _mm256_or_si256(nibbles32_v(b + 8), bits32(b + 4));
+  else return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+}
+
+// The fp16 at byte `off` of eight rows, as floats (one conversion for the eight).
+inline __m256 halves8(const uint8_t* const* w, int64_t off) {
+  auto h = [&](int n) {
+    uint16_t v;
+    std::memcpy(&v, w[n] + off, 2);
+    return static_cast<int>(v);
+  };
+  __m128i v = _mm_cvtsi32_si128(h(0));
+  v = _mm_insert_epi16(v, h(1), 1);
+  v = _mm_insert_epi16(v, h(2), 2);
+  v = _mm_insert_epi16(v, h(3), 3);
+  v = _mm_insert_epi16(v, h(4), 4);
+  v = _mm_insert_epi16(v, h(5), 5);
+  v = _mm_insert_epi16(v, h(6), 6);
+  v = _mm_insert_epi16(v, h(7), 7);
+  return _mm256_cvtph_ps(v);
+}
+
+// 8 x 8 int32 transpose: v[c] lane n <- v[n] lane c.
+inline void transpose8(__m256i* v) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    v[c] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x20);
+    v[c + 4] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x31);
   }
 }
 
-// The 32-value formats, eight blocks at a time: each block's integer dot product is reduced to
-// one int32, and the eight then meet their scales (weight s x activation d) and the zero point or
-// minimum (weight o x activation d sum(q)) as vectors, rather than a float multiply-add a block.
-// u: the group's 8 x 32 value bytes (unsigned, or signed for Q8_0); ws, wo: their s and o.
-template <bool SIGNED, int R>
-inline void group_a8_b32(const uint8_t* u, __m256 vws, __m256 vwo, const Acts& a, int64_t r0, int64_t g,
-                         __m256* acc) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < R; ++r) {
-    const int64_t rb = (r0 + r) * a.nb32 + 8 * g;
-    const int8_t* xr = a.q32 + rb * 32;
-    __m256i p[8];
-    for (int j = 0; j < 8; ++j) {
-      const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(u + 32 * j));
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32 * j));
-      if constexpr (SIGNED)  // |w| * (x with w's sign) = w x, within vpmaddubsw's operands
-        p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
-      else
-        p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
-    }
-    const __m256 dx = _mm256_loadu_ps(a.d32 + rb);
-    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums8(p)), _mm256_mul_ps(vws, dx), acc[r]);
-    if constexpr (!SIGNED) acc[r] = _mm256_fmadd_ps(vwo, _mm256_loadu_ps(a.s32 + rb), acc[r]);
-  }
+// Block `b` of eight rows (w[n]: row n's first byte; rows past a partial panel's end repeat its
+// last row, their lanes never stored) into one panel block at dst.
+template <int T>
+inline void unpack_block8(const uint8_t* const* w, int64_t b, uint8_t* dst) {
+  constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
+  const int64_t off = b * bb;
+  __m256i v[8];
+  for (int n = 0; n < 8; ++n) v[n] = values32<T>(w[n] + off);
+  transpose8(v);
+  for (int c = 0; c < 8; ++c) _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 32 * c), v[c]);
+  const __m256 s = halves8(w, off);
+  _mm256_store_ps(reinterpret_cast<float*>(dst + 256), s);
+  if constexpr (T == Q4_0 || T == Q5_0)  // o = -8 s or -16 s, the float multiply gguf's dequantize does
+    _mm256_store_ps(reinterpret_cast<float*>(dst + 288), _mm256_mul_ps(s, _mm256_set1_ps(T == Q4_0 ? -8.f : -16.f)));
+  else if constexpr (T == Q4_1 || T == Q5_1)
+    _mm256_store_ps(reinterpret_cast<float*>(dst + 288), halves8(w, off + 2));
 }
 
-// `w`: a row unpacked by unpack_b32 (prefill: unpacked once, met by every activation row).
-template <bool SIGNED, int R>
-void dot_a8_b32(const uint8_t* w, const Acts& a, int64_t r0, int64_t nb, float* res) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const int64_t ng = b32_groups(nb);
-  const float* ws = reinterpret_cast<const float*>(w + ng * 8 * 32);
-  const float* wo = ws + ng * 8;
-  for (int64_t g = 0; g < ng; ++g)
-    group_a8_b32<SIGNED, R>(w + g * 256, _mm256_load_ps(ws + 8 * g), _mm256_load_ps(wo + 8 * g), a, r0, g, acc);
-  for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]);
-}
+// An empty asm the compiler cannot see through: it keeps each accumulator a running sum (a
+// dependency chain per activation row) instead of reassociating the adds into a tree, whose
+// partial sums spill out of the 16 vector registers.
+inline void keep(__m256i& v) { asm("" : "+x"(v)); }
 
-// `w`: the file's row itself (decode, a few activation rows: unpacking the row first would cost
-// a store and reload of every weight for one use). Each group of eight blocks is unpacked into
-// registers / L1 exactly as unpack_b32 lays it out, so the sums are the same operations on the
-// same values whichever path a row takes.
+// acc[r] (8 rows in lanes) through `nblk` panel blocks at `pan`, activation blocks b0.. of rows
+// r0 + r, r < R: the arithmetic the file-top comment gives.
 template <int T, int R>
-void dot_a8_b32_rows(const uint8_t* w, const Acts& a, int64_t r0, int64_t nb, float* res) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const int64_t ng = b32_groups(nb);
-  for (int64_t g = 0; g < ng; ++g) {
-    if constexpr (R == 1) {  // one activation row: group_a8_b32's operations, the blocks in registers
-      if (8 * g + 8 <= nb) {
-        const int64_t rb = r0 * a.nb32 + 8 * g;
-        const int8_t* xr = a.q32 + rb * 32;
-        const __m256i ones = _mm256_set1_epi16(1);
-        float ws[8], wo[8];
-        __m256i p[8];
-        for (int j = 0; j < 8; ++j) {
-          const __m256i wv = block32<T>(w + (8 * g + j) * block_bytes(T), ws[j], wo[j]);
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32 * j));
-          if constexpr (T == Q8_0)
-            p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
-          else
-            p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+inline void panel_dot(const uint8_t* pan, int64_t nblk, const Acts& a, int64_t r0, int64_t b0, __m256* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nblk; ++b) {
+    const uint8_t* pb = pan + b * PB;
+    const int8_t* x[R];
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) x[r] = a.q32 + ((r0 + r) * a.nb32 + b0 + b) * 32;
+    __m256i isum[R];
+    auto bcast = [](const int8_t* p) {
+      int32_t v;
+      std::memcpy(&v, p, 4);
+      return _mm256_set1_epi32(v);
+    };
+    if constexpr (T == Q8_0) {
+      // |w| x (x with w's sign) = w x keeps vpmaddubsw's operands unsigned x signed; each result
+      // is up to 2 x 128 x 127, so every chunk goes to int32 at once.
+      #pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      #pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(pb + 32 * c));
+        const __m256i aw = _mm256_sign_epi8(wv, wv);
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast(x[r] + 4 * c), wv));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, ones));
+          keep(isum[r]);
         }
-        const __m256 vws = _mm256_setr_ps(ws[0], ws[1], ws[2], ws[3], ws[4], ws[5], ws[6], ws[7]);
-        const __m256 dx = _mm256_loadu_ps(a.d32 + rb);
-        acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums8(p)), _mm256_mul_ps(vws, dx), acc[0]);
-        if constexpr (T != Q8_0)
-          acc[0] = _mm256_fmadd_ps(_mm256_setr_ps(wo[0], wo[1], wo[2], wo[3], wo[4], wo[5], wo[6], wo[7]),
-                                   _mm256_loadu_ps(a.s32 + rb), acc[0]);
-        continue;
+      }
+    } else {
+      // u <= 31: four chunks' vpmaddubsw results (each up to 2 x 31 x 127) add up in int16.
+      #pragma GCC unroll 8
+      for (int h = 0; h < 2; ++h) {
+        __m256i s16[R];
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+        #pragma GCC unroll 8
+        for (int c = 4 * h; c < 4 * h + 4; ++c) {
+          const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(pb + 32 * c));
+          #pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(wv, bcast(x[r] + 4 * c)));
+            keep(s16[r]);
+          }
+        }
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256i s32 = _mm256_madd_epi16(s16[r], ones);
+          isum[r] = h == 0 ? s32 : _mm256_add_epi32(isum[r], s32);
+        }
       }
     }
-    alignas(32) uint8_t u[256];
-    alignas(32) float ws[8], wo[8];
-    const int n = static_cast<int>(std::min<int64_t>(8, nb - 8 * g));
-    for (int j = 0; j < n; ++j)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(u + 32 * j),
-                         block32<T>(w + (8 * g + j) * block_bytes(T), ws[j], wo[j]));
-    for (int j = n; j < 8; ++j) {  // the zero blocks unpack_b32 pads a row with
-      _mm256_store_si256(reinterpret_cast<__m256i*>(u + 32 * j), _mm256_setzero_si256());
-      ws[j] = wo[j] = 0.f;
+    const __m256 ws = _mm256_load_ps(reinterpret_cast<const float*>(pb + 256));
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * a.nb32 + b0 + b;
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(ws, _mm256_set1_ps(a.d32[i])), acc[r]);
+      if constexpr (T != Q8_0)
+        acc[r] = _mm256_fmadd_ps(_mm256_load_ps(reinterpret_cast<const float*>(pb + 288)), _mm256_set1_ps(a.s32[i]),
+                                 acc[r]);
     }
-    group_a8_b32<T == Q8_0, R>(u, _mm256_load_ps(ws), _mm256_load_ps(wo), a, r0, g, acc);
   }
-  for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]);
+}
+
+// A panel's rows are one run of bytes, read a block at a time as eight streams 1 row apart, which
+// the hardware prefetcher follows poorly (a panel starts with eight misses): while block b of a
+// panel is read, ask for the b-th share of the next panel's bytes (`next`, `bytes` of them).
+inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t b, int64_t nb) {
+  for (int64_t o = b * bytes / nb & ~int64_t(63), e = (b + 1) * bytes / nb; o < e; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
+}
+
+// Row pointers of the panel at output n (absolute in `p`), `rows` of them real.
+inline void panel_rows(const Part& p, int64_t n, int64_t rows, const uint8_t** w) {
+  for (int64_t i = 0; i < PR; ++i) w[i] = p.data + (n - p.n0 + std::min(i, rows - 1)) * p.row_bytes;
+}
+
+template <int R>
+inline void store_rows(const __m256* acc, int64_t r0, int64_t n, int64_t rows, float* y, int64_t ldy) {
+  alignas(32) float v[8];
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(v, acc[r]);
+    std::memcpy(y + (r0 + r) * ldy + n, v, rows * sizeof(float));
+  }
+}
+
+uint8_t* scratch(int64_t bytes) {
+  // One buffer per thread for the process's life: a decode step's calls then allocate nothing.
+  static thread_local std::vector<uint8_t> buf_;
+  if (buf_.size() < static_cast<size_t>(bytes + 64)) buf_.resize(bytes + 64);
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf_.data()) + 63) & ~uintptr_t(63));
+}
+
+// One activation row (decode): nothing to share a transposed block with, so each row's block meets
+// the activations as it is and the eight rows' int32 partial sums are reduced across (sums8), which
+// leaves the eight rows' block dots in lanes as the panels do: the same integers, the same floats.
+template <int T>
+void tile_row1(const Part& p, int64_t n0, int64_t n1, const Acts& a, float* y) {
+  constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; n += PR) {
+    const int64_t rows = std::min(PR, n1 - n);
+    const uint8_t* w[PR];
+    panel_rows(p, n, rows, w);
+    __m256 acc = _mm256_setzero_ps();
+    const uint8_t* next = w[0] + PR * p.row_bytes;
+    for (int64_t b = 0; b < p.nb; ++b) {
+      prefetch_share(next, PR * p.row_bytes, b, p.nb);
+      const int64_t off = b * bb;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q32 + b * 32));
+      __m256i s[8];
+      for (int i = 0; i < 8; ++i) {
+        const __m256i wv = values32<T>(w[i] + off);
+        if constexpr (T == Q8_0)
+          s[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
+        else
+          s[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+      }
+      const __m256 ws = halves8(w, off);
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums8(s)), _mm256_mul_ps(ws, _mm256_set1_ps(a.d32[b])), acc);
+      if constexpr (T == Q4_0 || T == Q5_0)
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(ws, _mm256_set1_ps(T == Q4_0 ? -8.f : -16.f)), _mm256_set1_ps(a.s32[b]),
+                              acc);
+      else if constexpr (T == Q4_1 || T == Q5_1)
+        acc = _mm256_fmadd_ps(halves8(w, off + 2), _mm256_set1_ps(a.s32[b]), acc);
+    }
+    store_rows<1>(&acc, 0, n, rows, y, 0);
+  }
+}
+
+// Decode: each panel a few blocks at a time, unpacked into L1 and met at once by all R rows.
+template <int T, int R>
+void tile_rows(const Part& p, int64_t n0, int64_t n1, const Acts& a, float* y, int64_t ldy) {
+  uint8_t* buf = scratch(ROWS_GROUP * PB);
+  for (int64_t n = n0; n < n1; n += PR) {
+    const int64_t rows = std::min(PR, n1 - n);
+    const uint8_t* w[PR];
+    panel_rows(p, n, rows, w);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b0 = 0; b0 < p.nb; b0 += ROWS_GROUP) {
+      const int64_t g = std::min(ROWS_GROUP, p.nb - b0);
+      for (int64_t b = 0; b < g; ++b) {
+        prefetch_share(w[0] + PR * p.row_bytes, PR * p.row_bytes, b0 + b, p.nb);
+        unpack_block8<T>(w, b0 + b, buf + b * PB);
+      }
+      panel_dot<T, R>(buf, g, a, 0, b0, acc);
+    }
+    store_rows<R>(acc, 0, n, rows, y, ldy);
+  }
+}
+
+template <int T, int R>
+inline void quad(const uint8_t* pan, const Part& p, int64_t n, int64_t rows, const Acts& a, int64_t m0, float* y,
+                 int64_t ldy) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  panel_dot<T, R>(pan, p.nb, a, m0, 0, acc);
+  store_rows<R>(acc, m0, n, rows, y, ldy);
+}
+
+// Prefill: a tile of panels unpacked whole, then every four activation rows over each panel.
+template <int T>
+void tile_panels(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
+  const int64_t panel_bytes = p.nb * PB;
+  const int64_t np = std::clamp<int64_t>(TILE_BYTES / panel_bytes, 1, 4);
+  uint8_t* buf = scratch(np * panel_bytes);
+  for (int64_t t0 = n0; t0 < n1; t0 += np * PR) {
+    const int64_t t1 = std::min(n1, t0 + np * PR);
+    for (int64_t n = t0; n < t1; n += PR) {
+      const uint8_t* w[PR];
+      panel_rows(p, n, std::min(PR, t1 - n), w);
+      uint8_t* pan = buf + (n - t0) / PR * panel_bytes;
+      for (int64_t b = 0; b < p.nb; ++b) {
+        prefetch_share(w[0] + PR * p.row_bytes, PR * p.row_bytes, b, p.nb);
+        unpack_block8<T>(w, b, pan + b * PB);
+      }
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t mr = std::min<int64_t>(4, M - m0);
+      for (int64_t n = t0; n < t1; n += PR) {
+        const uint8_t* pan = buf + (n - t0) / PR * panel_bytes;
+        const int64_t rows = std::min(PR, t1 - n);
+        switch (mr) {
+          case 1: quad<T, 1>(pan, p, n, rows, a, m0, y, ldy); break;
+          case 2: quad<T, 2>(pan, p, n, rows, a, m0, y, ldy); break;
+          case 3: quad<T, 3>(pan, p, n, rows, a, m0, y, ldy); break;
+          default: quad<T, 4>(pan, p, n, rows, a, m0, y, ldy); break;
+        }
+      }
+    }
+  }
 }
 
 template <int T>
 void tile_b32(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
-  constexpr bool SIGNED = T == Q8_0;
-  static const DotFn rows[MR + 1] = {nullptr, dot_a8_b32_rows<T, 1>, dot_a8_b32_rows<T, 2>, dot_a8_b32_rows<T, 3>,
-                                     dot_a8_b32_rows<T, 4>};
-  static const DotFn unpacked[MR + 1] = {nullptr, dot_a8_b32<SIGNED, 1>, dot_a8_b32<SIGNED, 2>,
-                                         dot_a8_b32<SIGNED, 3>, dot_a8_b32<SIGNED, 4>};
-  if (M <= ROWS_MAX_M)
-    tile_by_rows(rows, nullptr, 0, p, n0, n1, a, M, y, ldy);
-  else
-    tile_by_rows(unpacked, unpack_b32<T>, b32_unpacked_bytes(p.nb), p, n0, n1, a, M, y, ldy);
+  switch (M <= ROWS_MAX_M ? M : 0) {
+    case 1: return tile_row1<T>(p, n0, n1, a, y);
+    case 2: return tile_rows<T, 2>(p, n0, n1, a, y, ldy);
+    case 3: return tile_rows<T, 3>(p, n0, n1, a, y, ldy);
+    case 4: return tile_rows<T, 4>(p, n0, n1, a, y, ldy);
+    default: return tile_panels<T>(p, n0, n1, a, M, y, ldy);
+  }
 }
 
 }  // namespace

@@ -1,0 +1,83 @@
+"""The register tiling of the 32-value formats' int8 dots (models/csrc/kquant_b32.cpp).
+
+Weight rows go eight to a panel (a float lane each) and activation rows up to four to a micro-tile;
+one activation row takes its own path, 2..4 rows the panels a few blocks at a time, more a tile of
+whole panels. Every test here puts rows in partial panels and partial micro-tiles and checks two
+things: the result is gguf's dequantized weights times the rounded activations (the oracle), and
+a row's bits do not depend on the batch, the panel lane or the fused part around it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from models import kernels
+from models.quant import GGMLTensor, pack_rows
+from tests.test_kquant import linear, random_rows, round_activations
+
+pytestmark = pytest.mark.skipif(
+    not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"
+)
+
+B32_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+BATCHES = (1, 4, 5, 7, 8, 33, 64)
+
+
+def reference(x: torch.Tensor, w: GGMLTensor) -> torch.Tensor:
+    return (round_activations(x, 32).double() @ w.dequantize().double().T).float()
+
+
+def check_batches(w: GGMLTensor, x: torch.Tensor) -> torch.Tensor:
+    """Every batch size in BATCHES (from offsets 0 and 3, so a row meets different micro-tile
+    slots) gives each row the bits it has alone; the rows alone match the oracle."""
+    packed = pack_rows(w, int8=True)
+    alone = torch.cat([linear(x[i : i + 1], packed) for i in range(x.shape[0])])
+    torch.testing.assert_close(alone, reference(x, w), rtol=1e-5, atol=2e-4)
+    for m in BATCHES:
+        for start in (0, 3):
+            if start + m <= x.shape[0]:
+                got = linear(x[start : start + m], packed)
+                assert torch.equal(got, alone[start : start + m]), (
+                    f"M = {m} from row {start} changed a row"
+                )
+    return alone
+
+
+@pytest.mark.parametrize("qtype", B32_TYPES)
+def test_partial_panels_and_micro_tiles_keep_each_rows_bits(qtype):
+    """27 weight rows: three panels and a partial one; K = 640 is 20 blocks (not a multiple of 8)."""
+    torch.manual_seed(int(qtype))
+    n, k = 27, 640
+    w = random_rows(qtype, n, k, seed=int(qtype) + 11)
+    x = torch.randn(67, k) * torch.linspace(0.2, 3, k)
+    alone = check_batches(w, x)
+    # A weight row moved to another lane (the matrix without its first 3 rows) keeps its bits.
+    t, raw = w.parts[0]
+    shifted = pack_rows(GGMLTensor([(t, raw[3:].contiguous())], k), int8=True)
+    for m in (1, 3, 9):
+        assert torch.equal(linear(x[:m], shifted), alone[:m, 3:])
+
+
+@pytest.mark.parametrize("k", [32, 640])
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q8_0, Q.Q4_1])
+def test_one_block_rows_and_twenty_block_rows(qtype, k):
+    torch.manual_seed(k)
+    w = random_rows(qtype, 13, k, seed=k + int(qtype))
+    check_batches(w, torch.randn(40, k))
+
+
+def test_a_fused_q5_0_and_q8_0_weight_splits_mid_panel():
+    """13 Q5_0 rows then 11 Q8_0 rows: the formats meet inside a panel of eight."""
+    torch.manual_seed(5)
+    k = 640
+    a, b = random_rows(Q.Q5_0, 13, k, seed=21), random_rows(Q.Q8_0, 11, k, seed=22)
+    fused = GGMLTensor.cat([a, b])
+    x = torch.randn(40, k) * torch.linspace(0.5, 2, k)
+    alone = check_batches(fused, x)
+    for m in (1, 4, 33):
+        side_by_side = torch.cat(
+            [linear(x[:m], pack_rows(a, int8=True)), linear(x[:m], pack_rows(b, int8=True))], dim=1
+        )
+        assert torch.equal(alone[:m], side_by_side)
