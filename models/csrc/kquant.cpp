@@ -14,10 +14,11 @@
 //   them in vpmaddubsw (unsigned weight x signed activation pairs) then vpmaddwd with the block's
 //   integer sub-scales; fp32 only once per block (per 256 inputs for the K formats). A format's
 //   zero point or minimum enters through the activation block sums.
-//   The 32-value formats' dots read the file's rows for a few activation rows (decode) and a
-//   copy unpacked once per weight row for more (prefill); both do the same arithmetic.
+//   The dots and their tiling belong to the families (kquant_b32.cpp, kquant_k.cpp): both read
+//   the file's rows for a few activation rows (decode) and register-tile rows unpacked once for
+//   more (prefill, batched decode), with one arithmetic for both.
 // A row's result does not depend on the batch: every activation row goes through the same
-// sequence of operations whatever MR tile it falls in, and its sums run in one fixed order.
+// sequence of operations whatever tile it falls in, and its sums run in one fixed order.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
