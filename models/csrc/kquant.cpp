@@ -101,6 +101,42 @@ void dot_f32(const uint8_t* w_, const Acts& a, int64_t r0, int64_t, float* res) 
   for (int r = 0; r < R; ++r) res[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
+// res[r] = sum_k w[k] x[r0 + r][k] for a weight row w of nb blocks, rows r < R (R = the index in
+// the tables below).
+using DotFn = void (*)(const uint8_t* w, const Acts& a, int64_t r0, int64_t nb, float* res);
+// Prepares a file row for a DotFn into dst (a row used by many activation rows is unpacked once).
+using UnpackFn = void (*)(const uint8_t* w, int64_t nb, uint8_t* dst);
+
+// The row-at-a-time tile: NT weight rows, each prepared by `unpack` (when given; else the dots
+// read the file's row), then met by every MR activation rows through dots[mr].
+inline void tile_by_rows(const DotFn* dots, UnpackFn unpack, int64_t unpacked_bytes, const Part& p, int64_t n0,
+                         int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
+  constexpr int64_t NT = 16;
+  float res[MR];
+  uint8_t* buf = scratch(NT * unpacked_bytes);
+  for (int64_t t0 = n0; t0 < n1; t0 += NT) {
+    const int64_t t1 = std::min(n1, t0 + NT);
+    const uint8_t* rows[NT];
+    for (int64_t n = t0; n < t1; ++n) {
+      const uint8_t* raw = p.data + (n - p.n0) * p.row_bytes;
+      if (unpack) {
+        uint8_t* dst = buf + (n - t0) * unpacked_bytes;
+        unpack(raw, p.nb, dst);
+        rows[n - t0] = dst;
+      } else {
+        rows[n - t0] = raw;
+      }
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+      const int64_t mr = std::min<int64_t>(MR, M - m0);
+      for (int64_t n = t0; n < t1; ++n) {
+        dots[mr](rows[n - t0], a, m0, p.nb, res);
+        for (int64_t r = 0; r < mr; ++r) y[(m0 + r) * ldy + n] = res[r];
+      }
+    }
+  }
+}
+
 template <int T>
 void tile_f32(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
   static const DotFn dots[MR + 1] = {nullptr, dot_f32<1>, dot_f32<2>, dot_f32<3>, dot_f32<4>};

@@ -29,10 +29,10 @@ enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 1
 constexpr int64_t GGML_F32 = cbserve::GGML, GGML_A8 = cbserve::GGML_A8;
 constexpr int64_t NONE = cbserve::NONE, SILU_MUL = cbserve::SILU_MUL;
 
-constexpr int MR = 4;  // activation rows per weight-row decode (the row-at-a-time tile)
+constexpr int MR = 4;  // up to this many activation rows the dots read the file's rows (decode)
 
-inline int64_t block_values(int64_t t) { return t >= Q4_K ? 256 : 32; }
-inline int64_t block_bytes(int64_t t) {
+constexpr int64_t block_values(int64_t t) { return t >= Q4_K ? 256 : 32; }
+constexpr int64_t block_bytes(int64_t t) {
   switch (t) {
     case Q4_0: return 18;
     case Q4_1: return 20;
@@ -63,10 +63,11 @@ inline int32_t hsum_i32(__m256i v) {
 
 // -- unpacking ------------------------------------------------------------------------------------
 
-// 16 bytes of nibbles -> 32 values: byte j's low nibble is value j, its high nibble value j + 16.
+// 16 bytes of nibbles -> 32 values: byte j's low nibble is value j, its high nibble value j + 16
+// (the 16 bytes in both halves, the upper half shifted by 4: one shift).
 inline __m256i nibbles32(const uint8_t* p) {
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+  const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
 // 32 bits -> 32 bytes, byte j = 0x10 if bit j is set (the fifth bit of the Q5 formats).
@@ -80,20 +81,19 @@ inline __m256i bits32(const uint8_t* p) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask), _mm256_set1_epi8(0x10));
 }
 
-// Q6_K: half n (0 or 1) of a super-block's 6-bit values (128 of them, unsigned 0..63) as four
-// 32-byte vectors, from its low nibbles (ql) and high two bits (qh), in the block's value order.
-inline void q6k_half(__m256i u[4], const uint8_t* b, int n) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+// Q6_K's half n (128 values, unsigned 0..63) as four 32-byte vectors in the block's value order:
+// the low nibbles from ql, bits 4-5 from qh moved in place with 16-bit shifts (a byte's bits 4-5
+// then come only from its own bits 0-1, 2-3, 4-5 or 6-7) and one mask.
+inline void q6k_values(__m256i u[4], const uint8_t* b, int n) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n));
   const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32));
   const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
-  u[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
-  u[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
-                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
-  u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
+  u[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+  u[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+  u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30));
   u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
+                         _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
 }
 
 // Q4_K / Q5_K: 8 six-bit scales and 8 six-bit mins from their 12 packed bytes.
@@ -106,27 +106,22 @@ inline void scales_k4(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
   }
 }
 
-// One 32-value block of a 32-value format as unsigned bytes u with w = u * s + o (Q8_0: signed
-// bytes, o = 0).
+// A block's 32 values as bytes u (unsigned; Q8_0 signed), in the block's value order.
+template <int T>
+inline __m256i values32(const uint8_t* b) {
+  if constexpr (T == Q4_0) return nibbles32(b + 2);
+  else if constexpr (T == Q4_1) return nibbles32(b + 4);
+  else if constexpr (T == Q5_0) return _mm256_or_si256(nibbles32(b + 6), bits32(b + 2));
+  else if constexpr (T == Q5_1) return _mm256_or_si256(nibbles32(b + 8), bits32(b + 4));
+  else return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+}
+
+// ... with the block's scale s and offset o: w = u * s + o (Q8_0: o = 0).
 template <int T>
 inline __m256i block32(const uint8_t* b, float& s, float& o) {
   s = fp16(b);
-  if constexpr (T == Q4_0) {
-    o = -8.f * s;
-    return nibbles32(b + 2);
-  } else if constexpr (T == Q4_1) {
-    o = fp16(b + 2);
-    return nibbles32(b + 4);
-  } else if constexpr (T == Q5_0) {
-    o = -16.f * s;
-    return _mm256_or_si256(nibbles32(b + 6), bits32(b + 2));
-  } else if constexpr (T == Q5_1) {
-    o = fp16(b + 2);
-    return _mm256_or_si256(nibbles32(b + 8), bits32(b + 4));
-  } else {  // Q8_0
-    o = 0.f;
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-  }
+  o = T == Q4_0 ? -8.f * s : T == Q5_0 ? -16.f * s : T == Q4_1 || T == Q5_1 ? fp16(b + 2) : 0.f;
+  return values32<T>(b);
 }
 
 // The 32 values u[0..32) as floats u * s + o into dst (u unsigned, or signed for Q8_0).
@@ -166,10 +161,9 @@ inline void decode_block(const uint8_t* b, float* dst) {
   } else if constexpr (T == Q6_K) {
     const float d = fp16(b + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
     for (int n = 0; n < 2; ++n) {
       __m256i u[4];
-      q6k_half(u, b, n);
+      q6k_values(u, b, n);
       for (int k = 0; k < 4; ++k) {
         alignas(32) uint8_t bytes[32];
         _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), u[k]);
@@ -217,6 +211,18 @@ inline __m256i sums8(const __m256i* p) {
 // up to 8 with zero blocks).
 inline int64_t b32_groups(int64_t nb) { return (nb + 7) / 8; }
 
+// A running sum stays one dependency chain in a register: an empty asm the compiler cannot see
+// through stops it reassociating the adds into trees of live partial sums, which spill.
+inline void keep(__m256i& v) { asm("" : "+x"(v)); }
+
+// A per-thread, 64-byte aligned scratch of at least `bytes`, kept for the process's life so that
+// a decode step's calls allocate nothing (a tile uses it for the length of its call only).
+inline uint8_t* scratch(int64_t bytes) {
+  static thread_local std::vector<uint8_t> buf_;
+  if (buf_.size() < static_cast<size_t>(bytes + 64)) buf_.resize(bytes + 64);
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf_.data()) + 63) & ~uintptr_t(63));
+}
+
 // -- the families' interface ----------------------------------------------------------------------
 
 // One part of a (possibly fused) weight: `rows` outputs from output n0, each row `row_bytes` of
@@ -229,45 +235,6 @@ struct Part {
 // Outputs [n0, n1) (absolute output indices inside `p`) for all M activation rows, written to
 // y[m * ldy + n]. One thread's share of a call; may keep per-thread scratch.
 using TileFn = void (*)(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy);
-
-// res[r] = sum_k w[k] x[r0 + r][k] for a weight row w of nb blocks, rows r < R (R = the index in
-// the tables below).
-using DotFn = void (*)(const uint8_t* w, const Acts& a, int64_t r0, int64_t nb, float* res);
-// Prepares a file row for a DotFn into dst (a row used by many activation rows is unpacked once).
-using UnpackFn = void (*)(const uint8_t* w, int64_t nb, uint8_t* dst);
-
-// The row-at-a-time tile: NT weight rows, each prepared by `unpack` (when given; else the dots
-// read the file's row), then met by every MR activation rows through dots[mr].
-inline void tile_by_rows(const DotFn* dots, UnpackFn unpack, int64_t unpacked_bytes, const Part& p, int64_t n0,
-                         int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
-  constexpr int64_t NT = 16;
-  float res[MR];
-  // One buffer per thread for the process's life: a decode step's calls then allocate nothing.
-  static thread_local std::vector<uint8_t> buf_;
-  if (unpack && buf_.size() < static_cast<size_t>(NT * unpacked_bytes + 64)) buf_.resize(NT * unpacked_bytes + 64);
-  uint8_t* buf = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf_.data()) + 63) & ~uintptr_t(63));
-  for (int64_t t0 = n0; t0 < n1; t0 += NT) {
-    const int64_t t1 = std::min(n1, t0 + NT);
-    const uint8_t* rows[NT];
-    for (int64_t n = t0; n < t1; ++n) {
-      const uint8_t* raw = p.data + (n - p.n0) * p.row_bytes;
-      if (unpack) {
-        uint8_t* dst = buf + (n - t0) * unpacked_bytes;
-        unpack(raw, p.nb, dst);
-        rows[n - t0] = dst;
-      } else {
-        rows[n - t0] = raw;
-      }
-    }
-    for (int64_t m0 = 0; m0 < M; m0 += MR) {
-      const int64_t mr = std::min<int64_t>(MR, M - m0);
-      for (int64_t n = t0; n < t1; ++n) {
-        dots[mr](rows[n - t0], a, m0, p.nb, res);
-        for (int64_t r = 0; r < mr; ++r) y[(m0 + r) * ldy + n] = res[r];
-      }
-    }
-  }
-}
 
 // The families' tiles for int8 activations (the float32 path is kquant.cpp's).
 TileFn tile_b32_a8(int64_t type);  // kquant_b32.cpp

@@ -29,22 +29,6 @@ constexpr int64_t ROWS_MAX_M = MR;       // up to this many activation rows, pan
 constexpr int64_t ROWS_GROUP = 8;        // blocks per panel piece on that path (2.5 KB, stays in L1)
 constexpr int64_t TILE_BYTES = 1 << 16;  // a prefill tile's panels: at most this (L2), at most 4 panels
 
-// nibbles32 with one shift: the 16 bytes loaded into both halves, the upper half shifted by 4.
-inline __m256i nibbles32_v(const uint8_t* p) {
-  const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
-}
-
-// A block's 32 values as bytes u (unsigned; Q8_0 signed), in the block's value order.
-template <int T>
-inline __m256i values32(const uint8_t* b) {
-  if constexpr (T == Q4_0) return nibbles32_v(b + 2);
-  else if constexpr (T == Q4_1) return nibbles32_v(b + 4);
-  else if constexpr (T == Q5_0) return _mm256_or_si256(nibbles32_v(b + 6), bits32(b + 2));
-  else if constexpr (T == Q5_1) return _mm256_or_si256(nibbles32_v(b + 8), bits32(b + 4));
-  else return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-}
-
 // The fp16 at byte `off` of eight rows, as floats (one conversion for the eight).
 inline __m256 halves8(const uint8_t* const* w, int64_t off) {
   auto h = [&](int n) {
@@ -86,7 +70,7 @@ inline void transpose8(__m256i* v) {
 // last row, their lanes never stored) into one panel block at dst.
 template <int T>
 inline void unpack_block8(const uint8_t* const* w, int64_t b, uint8_t* dst) {
-  constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
+  constexpr int64_t bb = block_bytes(T);
   const int64_t off = b * bb;
   __m256i v[8];
   for (int n = 0; n < 8; ++n) v[n] = values32<T>(w[n] + off);
@@ -99,11 +83,6 @@ inline void unpack_block8(const uint8_t* const* w, int64_t b, uint8_t* dst) {
   else if constexpr (T == Q4_1 || T == Q5_1)
     _mm256_store_ps(reinterpret_cast<float*>(dst + 288), halves8(w, off + 2));
 }
-
-// An empty asm the compiler cannot see through: it keeps each accumulator a running sum (a
-// dependency chain per activation row) instead of reassociating the adds into a tree, whose
-// partial sums spill out of the 16 vector registers.
-inline void keep(__m256i& v) { asm("" : "+x"(v)); }
 
 // acc[r] (8 rows in lanes) through `nblk` panel blocks at `pan`, activation blocks b0.. of rows
 // r0 + r, r < R: the arithmetic the file-top comment gives.
@@ -194,19 +173,12 @@ inline void store_rows(const __m256* acc, int64_t r0, int64_t n, int64_t rows, f
   }
 }
 
-uint8_t* scratch(int64_t bytes) {
-  // One buffer per thread for the process's life: a decode step's calls then allocate nothing.
-  static thread_local std::vector<uint8_t> buf_;
-  if (buf_.size() < static_cast<size_t>(bytes + 64)) buf_.resize(bytes + 64);
-  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf_.data()) + 63) & ~uintptr_t(63));
-}
-
 // One activation row (decode): nothing to share a transposed block with, so each row's block meets
 // the activations as it is and the eight rows' int32 partial sums are reduced across (sums8), which
 // leaves the eight rows' block dots in lanes as the panels do: the same integers, the same floats.
 template <int T>
 void tile_row1(const Part& p, int64_t n0, int64_t n1, const Acts& a, float* y) {
-  constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
+  constexpr int64_t bb = block_bytes(T);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t n = n0; n < n1; n += PR) {
     const int64_t rows = std::min(PR, n1 - n);

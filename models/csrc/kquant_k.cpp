@@ -68,25 +68,6 @@ inline __m256i q6k_scale_ctrl(int k) {
   return _mm256_setr_epi16(lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi);
 }
 
-// Q6_K's half n (128 values, unsigned 0..63) as four 32-byte vectors in the block's value order:
-// the low nibbles from ql, bits 4-5 from qh moved in place with 16-bit shifts (a byte's bits 4-5
-// then come only from its own bits 0-1, 2-3, 4-5 or 6-7) and one mask.
-inline void q6k_values(__m256i u[4], const uint8_t* b, int n) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n));
-  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32));
-  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
-  u[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
-  u[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
-  u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30));
-  u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                         _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
-}
-
-// A running sum stays a chain in a register: left alone, the compiler reassociates the adds into
-// trees of many live products and spills them.
-inline void keep(__m256i& v) { asm("" : "+x"(v)); }
-
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
 // Prefetch the slice of the next rows' bytes that matches block b of this group (the group's rows
@@ -135,7 +116,7 @@ inline __m256i q6k_all_scales(const uint8_t* blk) {
 
 template <int T>
 void unpack_k(const uint8_t* w, int64_t nb, uint8_t* dst) {
-  constexpr int64_t BB = T == Q4_K ? 144 : T == Q5_K ? 176 : 210, UB = unpacked_block<T>();
+  constexpr int64_t BB = block_bytes(T), UB = unpacked_block<T>();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * BB;
     uint8_t* o = dst + b * UB;
@@ -250,7 +231,7 @@ void rows_u(const uint8_t* first, int64_t stride, int64_t count, const Acts& a, 
 // res[n * R + r] = sum_k w[n][k] x[r0 + r][k].
 template <int T, int NR, int R>
 void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float* res, const uint8_t* pf) {
-  constexpr int64_t BB = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
+  constexpr int64_t BB = block_bytes(T);
   __m256 acc[NR * R];
   for (int i = 0; i < NR * R; ++i) acc[i] = _mm256_setzero_ps();
   const int64_t nbx = a.K / 256;
@@ -379,16 +360,13 @@ void tile_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, flo
   // rows so that the tile stays well inside L2 next to the activations.
   const int64_t ub = p.nb * unpacked_block<T>(), nbx = a.K / 256;
   const int64_t nt = std::clamp<int64_t>(((int64_t(128) << 10) / ub) & ~int64_t(1), 2, 16);
-  // Per-thread buffers for the process's life: a step's calls then allocate nothing.
-  static thread_local std::vector<uint8_t> buf_;
-  static thread_local std::vector<int16_t> pairs_;
-  if (buf_.size() < static_cast<size_t>(nt * ub + 64)) buf_.resize(nt * ub + 64);
-  uint8_t* buf = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf_.data()) + 63) & ~uintptr_t(63));
-  if constexpr (T != Q6_K) {  // the activation sums per 32 (one per min), shared by every weight row
-    if (pairs_.size() < static_cast<size_t>(8 * M * nbx)) pairs_.resize(8 * M * nbx);
+  // The tile, then Q4_K / Q5_K's activation sums per 32 (one per min), shared by every weight row.
+  uint8_t* buf = scratch(nt * ub + (T != Q6_K ? 16 * M * nbx : 0));
+  int16_t* pairs = reinterpret_cast<int16_t*>(buf + nt * ub);
+  if constexpr (T != Q6_K) {
     for (int64_t rb = 0; rb < M * nbx; ++rb) {
       const int16_t* s16 = a.bs16 + rb * 16;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs_.data() + 8 * rb),
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs + 8 * rb),
                        _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16)),
                                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + 8))));
     }
@@ -404,7 +382,7 @@ void tile_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, flo
     for (int64_t m0 = 0, s = 0; m0 < M; m0 += MR, ++s) {
       for (int64_t o = s * slice; o < std::min(next_bytes, (s + 1) * slice); o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
-      unpacked_rows[std::min<int64_t>(MR, M - m0)](buf, ub, t1 - t0, a, pairs_.data(), p.nb, m0, y + t0, ldy);
+      unpacked_rows[std::min<int64_t>(MR, M - m0)](buf, ub, t1 - t0, a, pairs, p.nb, m0, y + t0, ldy);
     }
   }
 }
