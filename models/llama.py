@@ -181,18 +181,14 @@ class Linear(nn.Linear):
 
     def gelu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """gelu_tanh(gate) * up for a fused [gate; up] projection (GeGLU)."""
-        return _gelu_mul(self(x))
-
-
-def _gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+        gate, up = self(x).chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 class PackedLinear(nn.Module):
     """A projection whose weight lives in packed blocks (`models.quant`), multiplied by the
-    cbserve kernel with float32 activations; the bias, the residual add and SwiGLU's
-    silu(gate) * up happen in the kernel's epilogue rather than as separate passes."""
+    cbserve kernel with float32 activations; the bias, the residual add and a gated MLP's
+    act(gate) * up (SwiGLU, GeGLU) happen in the kernel's epilogue rather than as separate passes."""
 
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -214,9 +210,7 @@ class PackedLinear(nn.Module):
         return self._run(x, None, Act.SILU_MUL)
 
     def gelu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        # The kernel's epilogue has no GELU: [gate; up] comes out unfused (packed without the
-        # silu interleave) and GeGLU runs in torch.
-        return _gelu_mul(self._run(x, None, Act.NONE))
+        return self._run(x, None, Act.GELU_MUL)
 
     def extra_repr(self) -> str:
         kind = KIND_NAMES[self.packed.kind]
@@ -473,12 +467,7 @@ class LlamaForCausalLM(nn.Module):
                 # (the adds go into the norms' fresh outputs: the same sums, no allocation)
                 x = norm(o_w[0](o, *o_w[1:], None, none), st.norms[1], eps).add_(x)
             y = norm(x, st.norms[1 if llama else 2], eps)
-            if st.gelu:  # GeGLU in torch (the kernel's epilogue has SiLU only)
-                gu = gu_w[0](y, *gu_w[1:], None, none)
-                f = gu.shape[1] // 2
-                g = F.gelu(gu.narrow(1, 0, f), approximate="tanh").mul_(gu.narrow(1, f, f))
-            else:
-                g = gu_w[0](y, *gu_w[1:], None, Act.SILU_MUL)
+            g = gu_w[0](y, *gu_w[1:], None, Act.GELU_MUL if st.gelu else Act.SILU_MUL)
             if llama:
                 x = down_w[0](g, *down_w[1:], x, none)
             else:
@@ -575,7 +564,6 @@ class LlamaForCausalLM(nn.Module):
             )
             return PackedLinear(pack(qt, gate_up=gate_up, int8=int8), linear.bias)
 
-        silu = self.config.hidden_act == "silu"  # only SwiGLU rows interleave for the epilogue
         embed_name = "model.embed_tokens.weight"
         table = blocks(embed_name) if blocks is not None and scheme != "none" else None
         if blocks is not None:  # the table's blocks serve both the tied head and the lookup
@@ -601,7 +589,7 @@ class LlamaForCausalLM(nn.Module):
                     [f"{src}mlp.gate_up_proj.weight"],
                     [f"{src}mlp.{n}_proj.weight" for n in ("gate", "up")],
                 ],
-                silu,
+                gate_up=True,
             )
             mlp.down_proj = packed(mlp.down_proj, [[f"{src}mlp.down_proj.weight"]])
         tied = self.config.tie_word_embeddings

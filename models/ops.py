@@ -36,6 +36,7 @@ class Act(IntEnum):
 
     NONE = 0  # x @ W^T (+ bias) (+ residual)
     SILU_MUL = 1  # silu(gate) * up of a gate/up panel layout (`models.quant.pack(gate_up=True)`)
+    GELU_MUL = 2  # gelu_tanh(gate) * up (GeGLU), the same layout
 
 
 _lock = threading.Lock()
@@ -45,6 +46,7 @@ _NAMES = (
     "ggml_rows",
     "rms_norm",
     "argmax_rows",
+    "top_candidates",
     "attention",
     "has_int8_dot",
     "enum_values",
@@ -82,6 +84,7 @@ _ggml_linear = _unloaded["ggml_linear"]
 _ggml_rows = _unloaded["ggml_rows"]
 _rms_norm = _unloaded["rms_norm"]
 _argmax_rows = _unloaded["argmax_rows"]
+_top_candidates = _unloaded["top_candidates"]
 _attention = _unloaded["attention"]
 _has_int8_dot = _unloaded["has_int8_dot"]
 _enum_values = _unloaded["enum_values"]
@@ -105,8 +108,9 @@ def packed_linear(
     act: int = Act.NONE,
 ) -> torch.Tensor:
     """x (M, K) float32 @ the packed weight (`models.quant.PackedWeight`: qs, d, m, kind,
-    out_features) (+ bias) (+ residual (M, out_features)); with `act=Act.SILU_MUL`, silu(gate) * up
-    (M, out_features / 2) of a gate/up packing. Returns float32."""
+    out_features) (+ bias) (+ residual (M, out_features)); with `act=Act.SILU_MUL` (`GELU_MUL`),
+    silu(gate) * up (gelu_tanh(gate) * up), (M, out_features / 2), of a gate/up packing. Returns
+    float32."""
     return _packed_linear(x, qs, d, m, kind, out_features, bias, residual, act)
 
 
@@ -141,6 +145,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, -1) of a 2-D float32 x (the first maximum; NaN counts as the largest)."""
     return _argmax_rows(x)
+
+
+def top_candidates(
+    x: torch.Tensor, temperatures: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sampled row's candidates, for the rows of a 2-D float32 x whose `temperatures` (B,)
+    float32 are > 0: the k largest of x / t, best first (ties: lower id first), as (B, k) values
+    and int64 ids (torch's topk of the scaled row), and (B,) log(sum(exp(x / t))). Rows with
+    t <= 0 are skipped: -inf values, ids 0, -inf normalizer."""
+    return _top_candidates(x, temperatures, k)
 
 
 def has_int8_dot() -> bool:
@@ -195,11 +209,11 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("cbserve::packed_linear")
     def _(x, qs, d, m, kind, N, bias, residual, act):  # noqa: N803
-        return x.new_empty((x.shape[0], N // 2 if act == Act.SILU_MUL else N))
+        return x.new_empty((x.shape[0], N if act == Act.NONE else N // 2))
 
     @torch.library.register_fake("cbserve::ggml_linear")
     def _(x, qs, d, m, kind, N, bias, residual, act):  # noqa: N803
-        return x.new_empty((x.shape[0], N // 2 if act == Act.SILU_MUL else N))
+        return x.new_empty((x.shape[0], N if act == Act.NONE else N // 2))
 
     @torch.library.register_fake("cbserve::ggml_rows")
     def _(qs, typ, K, ids):  # noqa: N803
@@ -212,6 +226,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("cbserve::argmax_rows")
     def _(x):
         return x.new_empty((x.shape[0],), dtype=torch.long)
+
+    @torch.library.register_fake("cbserve::top_candidates")
+    def _(x, temps, k):
+        b = x.shape[0]
+        return x.new_empty((b, k)), x.new_empty((b, k), dtype=torch.long), x.new_empty((b,))
 
     @torch.library.register_fake("cbserve::attention")
     def _(qkv, cos, sin, k_cache, v_cache, slots, nd, dt, dl, cm, ct, H, KVH, D, scale, window=0):  # noqa: N803

@@ -362,7 +362,7 @@ class PackedWeight:
     qs: torch.Tensor
     d: torch.Tensor | None
     m: torch.Tensor | None
-    out_features: int  # N (before a fused silu_mul halves it)
+    out_features: int  # N (before a fused gated act halves it)
     in_features: int
 
     def nbytes(self) -> int:
@@ -468,7 +468,7 @@ def _take_rows(t: torch.Tensor, order: torch.Tensor | None, rows: int) -> torch.
 
 
 def pack(w: QTensor | GGMLTensor, gate_up: bool = False, int8: bool = False) -> PackedWeight:
-    """Lay a QTensor out in panels. `gate_up`: rows are [gate; up], to be fused with silu_mul.
+    """Lay a QTensor out in panels. `gate_up`: rows are [gate; up], to be fused with a gated act (silu_mul, gelu_mul).
 
     A GGMLTensor stays GGUF rows (`pack_rows`), unless it holds only Q4_0/Q4_1/Q8_0 and the
     panels multiply it (float32 activations, or int8 with AVX512-VNNI). int8 activations

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from models import kernels, ops
 from models.attention import AttentionMetadata, PrefillChunk, paged_attention
 from models.quant import F32, Q4_1, Q8_0, QB, QTensor, from_gguf_blocks, pack, quantize
+from tests.test_kquant import GATED
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"
@@ -44,15 +45,16 @@ def test_packed_linear_matches_float_matmul_of_the_same_weights(kind, m):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_silu_mul_epilogue_matches_swiglu(kind):
+@pytest.mark.parametrize("act", list(GATED))
+def test_gated_epilogue_matches_torch(kind, act):
     torch.manual_seed(1)
-    f, k = 40, 64  # 40 = 5 panels of 8 gate + 8 up rows
-    w = torch.randn(2 * f, k) * 0.1
+    f, k = 44, 64  # 44 = 5 panels of 8 gate + 8 up rows and a partial one
+    w = torch.randn(2 * f, k) * 0.5
     qt = quantize(w, kind)
-    x = torch.randn(6, k)
+    x = torch.randn(6, k)  # gates of both signs, up to ~10
     gate, up = F.linear(x, qt.dequantize()).chunk(2, dim=-1)
-    got = _linear(x, pack(qt, gate_up=True), act=1)
-    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-4, atol=1e-5)
+    got = _linear(x, pack(qt, gate_up=True), act=act)
+    torch.testing.assert_close(got, GATED[act](gate) * up, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -107,14 +109,15 @@ def test_int8_activation_kernel_is_the_matmul_of_the_rounded_activations(kind, m
 
 @needs_int8
 @pytest.mark.parametrize("kind", INT8_KINDS)
-def test_int8_silu_mul_epilogue(kind):
+@pytest.mark.parametrize("act", list(GATED))
+def test_int8_gated_epilogue(kind, act):
     torch.manual_seed(11)
     f, k = 40, 64
     qt = quantize(torch.randn(2 * f, k) * 0.1, kind)
     x = torch.randn(6, k)
     gate, up = F.linear(_int8_activations(x), qt.dequantize()).chunk(2, dim=-1)
-    got = _linear(x, pack(qt, gate_up=True, int8=True), act=1)
-    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    got = _linear(x, pack(qt, gate_up=True, int8=True), act=act)
+    torch.testing.assert_close(got, GATED[act](gate) * up, rtol=1e-5, atol=1e-5)
 
 
 @needs_int8
@@ -555,6 +558,60 @@ def test_argmax_kernel_gives_torchs_answer_ties_infinities_and_nans_included(V):
     masked[2, V - 1] = -1e30
     for rows in (x, ties, nans, masked, torch.zeros(5, V), x.t().contiguous().t()[:, :V]):
         assert torch.equal(ops.argmax_rows(rows), rows.argmax(-1))
+
+
+def test_large_results_held_at_once_never_share_memory():
+    """Results of 32 MiB and more reuse one buffer (a batch's logits over a large vocabulary),
+    but only once no earlier result holds it."""
+    torch.manual_seed(21)
+    n, k = 1 << 17, 32  # 64 x 131,072 float32 = 32 MiB
+    packed = pack(quantize(torch.randn(n, k), Q8_0))
+    xs = [torch.randn(64, k) for _ in range(3)]
+    first, second = _linear(xs[0], packed), _linear(xs[1], packed)
+    assert first.data_ptr() != second.data_ptr()
+    # (4-row results are small, each its own allocation; a row does not depend on its batch)
+    assert torch.equal(first[:4], _linear(xs[0][:4], packed))
+    del first
+    third = _linear(xs[2], packed)  # the buffer `first` left, refilled
+    assert third.data_ptr() != second.data_ptr()
+    assert torch.equal(third[:4], _linear(xs[2][:4], packed))
+    assert torch.equal(second[:4], _linear(xs[1][:4], packed))  # untouched by the third
+
+
+def _torch_candidates(x: torch.Tensor, temps: torch.Tensor, k: int):
+    scaled = x / temps[:, None]
+    vals, _ = scaled.topk(k, dim=1)
+    return scaled, vals, torch.logsumexp(scaled, dim=1)
+
+
+@pytest.mark.parametrize("V", [9, 300, 4099, 262144])
+def test_top_candidates_are_torchs_topk_and_logsumexp_of_the_scaled_rows(V):  # noqa: N803
+    g = torch.Generator().manual_seed(V)
+    k = min(256, V)
+    x = torch.randn(6, V, generator=g) * 4
+    x[1, torch.randint(0, V, (V // 3,), generator=g)] = float("-inf")  # a grammar's mask
+    x[2] *= 0.1
+    x[2, : V // 2] = 1.5  # ties across the cut: the lower ids come first
+    temps = torch.tensor([0.7, 1.0, 0.2, 1.3, 0.05, 2.0])
+    vals, ids, norms = ops.top_candidates(x, temps, k)
+    scaled, want_vals, want_norms = _torch_candidates(x, temps, k)
+    assert torch.equal(vals, want_vals)  # the same floats as torch's x / t, best first
+    assert torch.equal(scaled.gather(1, ids), vals)  # and the ids they came from
+    assert all(len(set(row.tolist())) == k for row in ids)
+    tied = ids[2][vals[2] == torch.tensor(1.5) / temps[2]]
+    assert len(tied) and torch.equal(tied, torch.arange(len(tied)))
+    torch.testing.assert_close(norms, want_norms, rtol=1e-5, atol=1e-5)
+    # a row's answer does not depend on its batch
+    for b in (0, 3):
+        one = ops.top_candidates(x[b : b + 1], temps[b : b + 1], k)
+        assert all(torch.equal(a[0], full[b]) for a, full in zip(one, (vals, ids, norms), strict=True))
+
+
+def test_top_candidates_skip_rows_without_a_temperature():
+    x = torch.randn(3, 500)
+    vals, ids, norms = ops.top_candidates(x, torch.tensor([0.0, 1.0, 0.0]), 8)
+    assert torch.isneginf(vals[0]).all() and torch.isneginf(norms[2])
+    assert torch.equal(ids[1], x[1].topk(8).indices)
 
 
 _LOGITS_SCRIPT = """

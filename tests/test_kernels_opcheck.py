@@ -35,6 +35,7 @@ def test_every_op_in_the_library_is_wrapped_and_checked_here():
         "ggml_rows",
         "rms_norm",
         "argmax_rows",
+        "top_candidates",
         "attention",
         "has_int8_dot",
         "enum_values",
@@ -50,7 +51,7 @@ def test_python_and_cpp_agree_on_every_code():
 def _linear_args(kind: int, act: int, m: int = 3, with_extras: bool = True) -> tuple:
     torch.manual_seed(kind)
     n, k = 48, 64
-    packed = pack(quantize(torch.randn(n, k) * 0.1, kind), gate_up=act == ops.Act.SILU_MUL)
+    packed = pack(quantize(torch.randn(n, k) * 0.1, kind), gate_up=act != ops.Act.NONE)
     bias = torch.randn(n) if with_extras else None
     residual = torch.randn(m, n) if with_extras and act == ops.Act.NONE else None
     return (torch.randn(m, k), packed.qs, packed.d, packed.m, packed.kind, n, bias, residual, act)
@@ -113,6 +114,11 @@ def test_rms_norm_opcheck():
 
 def test_argmax_rows_opcheck():
     torch.library.opcheck(OP["argmax_rows"], (torch.randn(3, 100),))
+
+
+def test_top_candidates_opcheck():
+    args = (torch.randn(3, 100), torch.tensor([0.5, 0.0, 1.0]), 16)
+    torch.library.opcheck(OP["top_candidates"], args)
 
 
 def test_scalar_ops_opcheck():

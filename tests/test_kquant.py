@@ -172,14 +172,24 @@ def test_a_fused_projection_of_mixed_formats_is_its_parts_side_by_side(int8):
     }
 
 
+# Each gated epilogue and torch's own activation it must match (GeGLU: the tanh GELU).
+GATED = {
+    ops.Act.SILU_MUL: F.silu,
+    ops.Act.GELU_MUL: lambda g: F.gelu(g, approximate="tanh"),
+}
+
+
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q4_K])
 @pytest.mark.parametrize("int8", [False, True])
-def test_silu_mul_epilogue_matches_swiglu(qtype, int8):
-    w = random_rows(qtype, 48, 512, seed=5)
-    x = torch.randn(5, 512)
+@pytest.mark.parametrize("act", list(GATED))
+def test_gated_epilogue_matches_torch(qtype, int8, act):
+    # 2 x 27 rows: the gated pass's 8-wide loop and its tail
+    w = random_rows(qtype, 54, 512, seed=5)
+    x = torch.randn(5, 512) * 3  # gates well past the activations' bends, both signs
     packed = pack_rows(w, int8)
     gate, up = linear(x, packed).chunk(2, dim=-1)
-    torch.testing.assert_close(linear(x, packed, act=1), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    got = linear(x, packed, act=act)
+    torch.testing.assert_close(got, GATED[act](gate) * up, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", [Q8_0, Q4_1])
@@ -242,8 +252,9 @@ def test_a_gguf_in_k_and_q5_formats_loads_without_float_copies(tmp_path, monkeyp
 @pytest.mark.slow
 def test_smollm2_with_int8_activations_on_gguf_rows_stays_close_to_float_activations():
     """--activation-dtype int8 without AVX512-VNNI: SmolLM2's Q4_1 / Q8_0 blocks as GGUF rows
-    through the vpmaddubsw kernel. Every position's greedy token as with float32 activations
-    on these texts, logits highly correlated."""
+    through the vpmaddubsw kernel. Logits highly correlated with float32 activations', and the
+    same greedy token wherever float32's best two are not near a tie (int8 activations move a
+    logit by up to ~0.35 on these texts, so a near-tie may go either way)."""
     from test_models_real import our_logits
 
     from models import load_model
@@ -257,5 +268,8 @@ def test_smollm2_with_int8_activations_on_gguf_rows_stays_close_to_float_activat
         outs.append([our_logits(lm, lm.tokenizer.encode(t)) for t in texts])
     assert set(lm.model.weight_formats()) == {"q4_1+a8", "q8_0+a8"}
     for flt, i8 in zip(*outs, strict=True):
-        assert torch.equal(flt.argmax(-1), i8.argmax(-1))
+        top2 = flt.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 0.4
+        assert clear.float().mean() >= 0.7  # most positions are compared
+        assert torch.equal(flt.argmax(-1)[clear], i8.argmax(-1)[clear])
         assert float(F.cosine_similarity(flt, i8, dim=-1).min()) > 0.99

@@ -1,6 +1,6 @@
 // Packed weight panels (models/quant.py `pack`): 16 outputs a panel, 32 inputs a quantization
 // block; how one panel's weights widen to float32, and the epilogue every packed linear ends with
-// (bias, residual add, or SwiGLU's silu(gate) * up).
+// (bias, residual add, or a gated MLP's act(gate) * up).
 #pragma once
 
 #include "common.h"
@@ -46,7 +46,7 @@ struct Epilogue {
   int64_t act;
   float* out;
   int64_t ldo;
-  int64_t N;  // outputs of the layer (before silu_mul halves them)
+  int64_t N;  // outputs of the layer (before a gated act halves them)
   // acc: 16 sums of panel p for row r.
   inline void apply(int64_t r, int64_t p, const float* acc) const {
     const int64_t n0 = p * NR;
@@ -63,9 +63,9 @@ struct Epilogue {
         t1 = _mm256_add_ps(t1, _mm256_load_ps(b + 8));
       }
     }
-    if (act == SILU_MUL) {  // panel p = gate[8p:8p+8] then up[8p:8p+8]
+    if (act != NONE) {  // panel p = gate[8p:8p+8] then up[8p:8p+8]
       float* o = out + r * ldo + p * 8;
-      const __m256 y = _mm256_mul_ps(silu8(t0), t1);
+      const __m256 y = gated8(act, t0, t1);
       const int64_t nv = std::min<int64_t>(8, N / 2 - p * 8);
       if (nv == 8) {
         _mm256_storeu_ps(o, y);

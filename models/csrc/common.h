@@ -15,6 +15,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "enums.h"
+
 namespace cbserve {
 
 #define CB_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
@@ -56,13 +58,29 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// silu(g) = g * sigmoid(g), with exp only of non-positive arguments (exp256's domain):
-// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) for g < 0, where e = exp(-|g|).
-inline __m256 silu8(__m256 g) {
-  const __m256 e = exp256(_mm256_or_ps(g, _mm256_set1_ps(-0.f)));  // exp(-|g|)
+// sigmoid(z) with exp only of non-positive arguments (exp256's domain): 1 / (1 + e) for z >= 0
+// and e / (1 + e) for z < 0, where e = exp(-|z|).
+inline __m256 sigmoid8(__m256 z) {
+  const __m256 e = exp256(_mm256_or_ps(z, _mm256_set1_ps(-0.f)));  // exp(-|z|)
   const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_add_ps(_mm256_set1_ps(1.f), e));
-  const __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
-  return _mm256_mul_ps(g, _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), neg));
+  const __m256 neg = _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ);
+  return _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), neg);
+}
+
+// silu(g) = g * sigmoid(g).
+inline __m256 silu8(__m256 g) { return _mm256_mul_ps(g, sigmoid8(g)); }
+
+// The tanh GELU (torch's approximate="tanh"): 0.5 g (1 + tanh(u)) with u = sqrt(2/pi) (g +
+// 0.044715 g^3), which is g * sigmoid(2u): no tanh needed, and no overflow for large |g|.
+inline __m256 gelu8(__m256 g) {
+  const __m256 g2 = _mm256_mul_ps(g, g);
+  const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(g2, _mm256_set1_ps(0.044715f)), g, g);
+  return _mm256_mul_ps(g, sigmoid8(_mm256_mul_ps(inner, _mm256_set1_ps(2.f * 0.7978845608028654f))));
+}
+
+// A gated MLP's act(gate) * up (act SILU_MUL or GELU_MUL, enums.h).
+inline __m256 gated8(int64_t act, __m256 gate, __m256 up) {
+  return _mm256_mul_ps(act == GELU_MUL ? gelu8(gate) : silu8(gate), up);
 }
 
 // torch's own ISA cap (ATEN_CPU_CAPABILITY=avx2 or default) caps these kernels too, so an AVX-512

@@ -158,8 +158,6 @@ TileFn tile_for(int64_t type, bool int8) {
   }
 }
 
-inline float silu(float g) { return g / (1.f + std::exp(-g)); }
-
 // parts: (P, 3) int64 rows [ggml type, rows, byte offset into qs]; their rows are the outputs in
 // order. `d` is unused (the scales live in the blocks); kept so the schema is packed_linear's.
 at::Tensor ggml_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::optional<at::Tensor>& d_,
@@ -195,9 +193,9 @@ at::Tensor ggml_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::op
     n0 += p.rows;
   }
   TORCH_CHECK(n0 == N, "ggml_linear: the parts hold ", n0, " rows, not N = ", N);
-  TORCH_CHECK(act == NONE || (act == SILU_MUL && N % 2 == 0), "ggml_linear: bad act ", act);
-  const int64_t out_n = act == SILU_MUL ? N / 2 : N;
-  at::Tensor out = at::empty({M, out_n}, x.options());
+  TORCH_CHECK(act == NONE || ((act == SILU_MUL || act == GELU_MUL) && N % 2 == 0), "ggml_linear: bad act ", act);
+  const int64_t out_n = act == NONE ? N : N / 2;
+  at::Tensor out = cbserve::output_matrix(M, out_n, x.options());
   if (M == 0) return out;
   at::Tensor bias, residual;
   if (bias_.has_value() && bias_->defined()) {
@@ -227,8 +225,8 @@ at::Tensor ggml_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::op
     });
     acts = Acts{xp, K, q32.data(), nb32, d32.data(), s32.data(), q256.data(), d256.data(), bs16.data()};
   }
-  // Results go straight to `out` (with bias and residual), or for silu_mul to y and then out.
-  at::Tensor y = act == SILU_MUL ? at::empty({M, N}, x.options()) : out;
+  // Results go straight to `out` (with bias and residual), or for a gated act to y and then out.
+  at::Tensor y = act != NONE ? at::empty({M, N}, x.options()) : out;
   float* yp = y.data_ptr<float>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const float* rp = act == NONE && residual.defined() ? residual.data_ptr<float>() : nullptr;
@@ -250,12 +248,24 @@ at::Tensor ggml_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::op
           yp[m * ldy + n] = v;
         }
   });
-  if (act == SILU_MUL) {
+  if (act != NONE) {  // [gate; up] rows: out = act(gate) * up, 8 at a time
     const int64_t F = N / 2;
     float* op = out.data_ptr<float>();
     at::parallel_for(0, M, std::max<int64_t>(1, (1 << 14) / F), [&](int64_t a, int64_t b) {
-      for (int64_t r = a; r < b; ++r)
-        for (int64_t j = 0; j < F; ++j) op[r * F + j] = silu(yp[r * N + j]) * yp[r * N + F + j];
+      for (int64_t r = a; r < b; ++r) {
+        const float* g = yp + r * N;
+        const float* u = g + F;
+        float* o = op + r * F;
+        int64_t j = 0;
+        for (; j + 8 <= F; j += 8) _mm256_storeu_ps(o + j, cbserve::gated8(act, _mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
+        if (j < F) {  // the tail through one padded vector: the same arithmetic as the rest
+          alignas(32) float gt[8] = {}, ut[8] = {}, ot[8];
+          std::memcpy(gt, g + j, (F - j) * sizeof(float));
+          std::memcpy(ut, u + j, (F - j) * sizeof(float));
+          _mm256_store_ps(ot, cbserve::gated8(act, _mm256_load_ps(gt), _mm256_load_ps(ut)));
+          std::memcpy(o + j, ot, (F - j) * sizeof(float));
+        }
+      }
     });
   }
   return out;

@@ -27,7 +27,7 @@ namespace cbserve_kquant {
 enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 // The kinds (GGUF rows, float32 or int8 activations) and epilogues shared with the other ops.
 constexpr int64_t GGML_F32 = cbserve::GGML, GGML_A8 = cbserve::GGML_A8;
-constexpr int64_t NONE = cbserve::NONE, SILU_MUL = cbserve::SILU_MUL;
+constexpr int64_t NONE = cbserve::NONE, SILU_MUL = cbserve::SILU_MUL, GELU_MUL = cbserve::GELU_MUL;
 
 constexpr int MR = 4;  // up to this many activation rows the dots read the file's rows (decode)
 

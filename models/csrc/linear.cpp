@@ -1,4 +1,4 @@
-// packed_linear: y = x @ W^T (+ bias) (+ residual) or silu(gate) * up, for weights stored in
+// packed_linear: y = x @ W^T (+ bias) (+ residual) or act(gate) * up, for weights stored in
 // 16-output panels: f32, q8_0 (int8 x fp16 scale per 32 inputs) or q4_1 (4-bit x fp16 scale and
 // fp16 min per 32 inputs). Activations and accumulation are fp32; the int8-activation kinds go to
 // linear_int8.cpp.
@@ -133,8 +133,9 @@ at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::
   TORCH_CHECK(K % QB == 0, "in_features must be a multiple of 32");
   const int64_t P = qs.size(0);
   TORCH_CHECK(P * NR >= N, "N exceeds the packed panels");
-  const int64_t out_n = act == SILU_MUL ? N / 2 : N;
-  at::Tensor out = at::empty({M, out_n}, x.options());
+  TORCH_CHECK(act == NONE || ((act == SILU_MUL || act == GELU_MUL) && N % 2 == 0), "packed_linear: bad act ", act);
+  const int64_t out_n = act == NONE ? N : N / 2;
+  at::Tensor out = output_matrix(M, out_n, x.options());
   if (M == 0) return out;
   at::Tensor bias, residual, d, m;
   if (bias_.has_value() && bias_->defined()) bias = bias_->contiguous();

@@ -26,7 +26,7 @@ std::string enum_values() {
 }  // namespace
 
 TORCH_LIBRARY(cbserve, m) {
-  // y = x @ W^T (+ bias) (+ residual), or silu(gate) * up (act = SILU_MUL), W packed in panels of
+  // y = x @ W^T (+ bias) (+ residual), or act(gate) * up (act SILU_MUL / GELU_MUL), W packed in panels of
   // `kind` (enums.h); N: the layer's outputs.
   m.def(
       "packed_linear(Tensor x, Tensor qs, Tensor? d, Tensor? m, int kind, int N, Tensor? bias, "
@@ -39,6 +39,9 @@ TORCH_LIBRARY(cbserve, m) {
   m.def("ggml_rows(Tensor qs, int type, int K, Tensor ids) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  // Per row with temps > 0: the k largest x / temps (best first, ties by lower id), their ids, and
+  // logsumexp(x / temps); rows with temps <= 0 are skipped (-inf values, ids 0).
+  m.def("top_candidates(Tensor x, Tensor temps, int k) -> (Tensor, Tensor, Tensor)");
   m.def("has_int8_dot() -> bool", [] { return cbserve::cpu_has_vnni(); });
   m.def("enum_values() -> str", &enum_values);
   // RoPE on qkv's q and k heads in place, this step's K/V written into the pools at `slots`, then
@@ -55,5 +58,6 @@ TORCH_LIBRARY_IMPL(cbserve, CPU, m) {
   m.impl("ggml_rows", &cbserve::ggml_rows);
   m.impl("rms_norm", &cbserve::rms_norm);
   m.impl("argmax_rows", &cbserve::argmax_rows);
+  m.impl("top_candidates", &cbserve::top_candidates);
   m.impl("attention", &cbserve::attention);
 }

@@ -24,4 +24,13 @@ at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& qs, const c10::opt
                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
                        int64_t act);
 at::Tensor ggml_rows(const at::Tensor& qs, int64_t type, int64_t K, const at::Tensor& ids);
+
+// A linear's (M, N) float32 result (misc.cpp): large ones reuse one buffer that no earlier result
+// still holds, so a result stays valid for as long as it is referenced.
+at::Tensor output_matrix(int64_t M, int64_t N, const at::TensorOptions& options);
+
+// The sampler's candidates (sampling.cpp): per row with temps[b] > 0, the k largest x / temps[b]
+// (best first, ties by lower id), their ids, and log(sum(exp(x / temps[b]))).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> top_candidates(const at::Tensor& x, const at::Tensor& temps,
+                                                              int64_t k);
 }  // namespace cbserve
