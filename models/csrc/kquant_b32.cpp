@@ -166,6 +166,10 @@ inline void panel_rows(const Part& p, int64_t n, int64_t rows, const uint8_t** w
 
 template <int R>
 inline void store_rows(const __m256* acc, int64_t r0, int64_t n, int64_t rows, float* y, int64_t ldy) {
+  if (rows == PR) {  // a whole panel: one store a row (a copy of a runtime length is a byte loop)
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * ldy + n, acc[r]);
+    return;
+  }
   alignas(32) float v[8];
   for (int r = 0; r < R; ++r) {
     _mm256_store_ps(v, acc[r]);
