@@ -425,6 +425,31 @@ def test_a_non_finite_query_head_gives_nan_for_that_head_only(pool_dtype):
         assert out[0, d:].isfinite().all()
 
 
+def test_slots_and_blocks_outside_the_pool_are_refused_not_written():
+    """A bad slot or block id raises instead of writing or reading outside the pools."""
+    h, kvh, d = 2, 1, 32
+    pool = [torch.zeros(4, 16, kvh, d, dtype=torch.float16) for _ in range(2)]
+    qkv = torch.randn(1, (h + 2 * kvh) * d)
+    rope = torch.ones(1, d // 2), torch.zeros(1, d // 2)
+    chunkless = torch.empty(0, 3, dtype=torch.long), torch.empty(0, 1, dtype=torch.long)
+
+    def attend(slot, table, length):
+        return ops.attention(
+            qkv.clone(), *rope, *pool, torch.tensor([slot]), 1, torch.tensor([table]),
+            torch.tensor([length]), *chunkless, h, kvh, d, d**-0.5,
+        )  # fmt: skip
+
+    assert attend(63, [3], 16).isfinite().all()  # the pool's last row
+    for slot, table, length in ((64, [3], 16), (-1, [3], 16), (5, [4], 16), (5, [0], 17)):
+        with pytest.raises(RuntimeError, match="KV pool|blocks"):
+            attend(slot, table, length)
+    with pytest.raises(RuntimeError, match="outside the step"):
+        ops.attention(
+            qkv.clone(), *rope, *pool, torch.tensor([0]), 0, chunkless[1], torch.empty(0, dtype=torch.long),
+            torch.tensor([[0, 2, 2]]), torch.tensor([[0]]), h, kvh, d, d**-0.5,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("pool_dtype", [torch.float16, torch.int8])
 @pytest.mark.parametrize("D", [32, 64, 256])
 @pytest.mark.parametrize("window", [0, 5])
@@ -604,7 +629,9 @@ def test_top_candidates_are_torchs_topk_and_logsumexp_of_the_scaled_rows(V):  # 
     # a row's answer does not depend on its batch
     for b in (0, 3):
         one = ops.top_candidates(x[b : b + 1], temps[b : b + 1], k)
-        assert all(torch.equal(a[0], full[b]) for a, full in zip(one, (vals, ids, norms), strict=True))
+        assert all(
+            torch.equal(a[0], full[b]) for a, full in zip(one, (vals, ids, norms), strict=True)
+        )
 
 
 def test_top_candidates_skip_rows_without_a_temperature():

@@ -265,6 +265,46 @@ void rope_write_attend(float* qkv, float* out, const at::Tensor& cos, const at::
 
 }  // namespace
 
+// Every pool row the step writes or reads lies inside the pools: a bad slot or block id would
+// write or read outside them (a few comparisons a sequence, against memory corruption).
+static void check_pool_indices(const at::Tensor& slots, int64_t T, int64_t num_decode, const at::Tensor& dec_tables_,
+                        const at::Tensor& dec_lens_, const at::Tensor& chunk_meta_, const at::Tensor& chunk_tables_,
+                        int64_t num_blocks, int64_t bs) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == T, "slots must be (T,) int64");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_blocks * bs, "slot ", sp[t], " lies outside the KV pool");
+  auto check_table = [&](const int64_t* table, int64_t maxb, int64_t len) {
+    TORCH_CHECK(len >= 0 && len <= maxb * bs, "a context of ", len, " tokens needs more than ", maxb, " blocks");
+    for (int64_t j = 0; j < (len + bs - 1) / bs; ++j)
+      TORCH_CHECK(table[j] >= 0 && table[j] < num_blocks, "block ", table[j], " lies outside the KV pool");
+  };
+  if (num_decode > 0) {
+    TORCH_CHECK(num_decode <= T && dec_tables_.dim() == 2 && dec_tables_.size(0) >= num_decode &&
+                    dec_lens_.numel() >= num_decode && dec_tables_.scalar_type() == at::kLong &&
+                    dec_lens_.scalar_type() == at::kLong,
+                "decode rows need (B, max_blocks) int64 tables and (B,) int64 lengths");
+    at::Tensor tables = dec_tables_.contiguous(), lens = dec_lens_.contiguous();
+    for (int64_t b = 0; b < num_decode; ++b)
+      check_table(tables.data_ptr<int64_t>() + b * tables.size(1), tables.size(1), lens.data_ptr<int64_t>()[b]);
+  }
+  const int64_t NC = chunk_meta_.defined() ? chunk_meta_.size(0) : 0;
+  if (NC > 0) {
+    TORCH_CHECK(chunk_meta_.dim() == 2 && chunk_meta_.size(1) == 3 && chunk_tables_.dim() == 2 &&
+                    chunk_tables_.size(0) >= NC && chunk_meta_.scalar_type() == at::kLong &&
+                    chunk_tables_.scalar_type() == at::kLong,
+                "chunks need (C, 3) int64 metadata and (C, max_blocks) int64 tables");
+    at::Tensor meta = chunk_meta_.contiguous(), tables = chunk_tables_.contiguous();
+    const int64_t* mp = meta.data_ptr<int64_t>();
+    for (int64_t c = 0; c < NC; ++c) {
+      TORCH_CHECK(mp[3 * c] >= 0 && mp[3 * c + 1] >= 0 && mp[3 * c] + mp[3 * c + 1] <= T &&
+                      mp[3 * c + 1] <= mp[3 * c + 2],
+                  "chunk ", c, "'s tokens lie outside the step");
+      check_table(tables.data_ptr<int64_t>() + c * tables.size(1), tables.size(1), mp[3 * c + 2]);
+    }
+  }
+}
+
 // chunk_meta: (C, 3) int64 rows [token_start, num_tokens, context_len]; chunk_tables (C, maxb).
 // window > 0: a query at position p attends to keys at positions (p - window, p] only.
 // The pools: (num_blocks, block_size, KVH, row width) of float32, float16 or int8 (`row_width`).
@@ -286,6 +326,8 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos_, const at::Te
               "the KV pools must be 4-D, of one dtype");
   at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous(), slots = slots_.contiguous();
   const int64_t T = qkv.size(0);
+  check_pool_indices(slots, T, num_decode, dec_tables, dec_lens, chunk_meta, chunk_tables, kcache.size(0),
+                     kcache.size(1));
   const float scale = static_cast<float>(scale_);
   at::Tensor out = at::empty({T, H * D}, qkv.options());
   float* qp = qkv.data_ptr<float>();
