@@ -231,19 +231,15 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def _qk_norm(
-    qkv: torch.Tensor, weight: torch.Tensor, hd: int, eps: float, ones: torch.Tensor | None = None
-) -> None:
+def _qk_norm(qkv: torch.Tensor, weight: torch.Tensor, hd: int, eps: float, fused: bool) -> None:
     """RMSNorm each q and k head of a fused qkv (T, (H + 2 KV) hd) in place, before RoPE (which
-    the attention kernel applies): `weight` (H + KV, hd) from `Attention.qk_weight`. With `ones`
-    (hd,) the kernel normalizes (two ops, where torch's rms_norm and the copy back are ~10)."""
-    heads = qkv.view(qkv.shape[0], -1, hd).narrow(1, 0, weight.shape[0])  # (T, H + KV, hd)
-    if ones is None:
-        heads.copy_(F.rms_norm(heads, (hd,), eps=eps) * weight)
+    the attention kernel applies): `weight` (H + KV, hd) from `Attention.qk_weight`. `fused`: in
+    one kernel op, where torch's rms_norm and the copy back are ~10."""
+    if fused:
+        ops.head_rms_norm(qkv, weight, hd, eps)
         return
-    # (a view for one token; a copy of the heads for more)
-    normed = ops.rms_norm(heads.reshape(-1, hd), ones, eps)
-    torch.mul(normed.view(heads.shape), weight, out=heads)
+    heads = qkv.view(qkv.shape[0], -1, hd).narrow(1, 0, weight.shape[0])  # (T, H + KV, hd)
+    heads.copy_(F.rms_norm(heads, (hd,), eps=eps) * weight)
 
 
 class _Step(NamedTuple):
@@ -303,10 +299,8 @@ class Attention(nn.Module):
         return torch.cat([q.expand(self.n_heads, -1), k.expand(self.n_kv, -1)]).contiguous()
 
     def _norm_qk(self, qkv: torch.Tensor) -> None:
-        ones = None
-        if self.q_norm.fused and qkv.dtype == torch.float32:  # as the planned loop does
-            ones = torch.ones(self.hd)
-        _qk_norm(qkv, self.qk_weight(), self.hd, self.q_norm.eps, ones)
+        fused = self.q_norm.fused and qkv.dtype == torch.float32 and qkv.is_contiguous()
+        _qk_norm(qkv, self.qk_weight(), self.hd, self.q_norm.eps, fused)
 
     def attend(
         self,
@@ -421,7 +415,6 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     _plan: list[_Step] | None = None  # set by enable_kernels when every layer is fully packed
-    _plan_ones: torch.Tensor | None = None  # (head_dim,) ones: QK-norm's kernel weight
 
     def _embedding_scale(self, dtype: torch.dtype) -> float:
         """The embedding multiplier rounded to the embedding dtype, as transformers computes it
@@ -449,12 +442,11 @@ class LlamaForCausalLM(nn.Module):
         block_tables = _or_empty(meta.decode_block_tables, 2)
         lens = _or_empty(meta.decode_context_lens, 1)
         chunk_meta, chunk_tables = meta.chunk_meta(), meta.chunk_tables()
-        ones = self._plan_ones
         for st, (kc, vc) in zip(self._plan, kv_caches, strict=True):
             qkv_w, o_w, gu_w, down_w = st.qkv, st.o, st.gate_up, st.down
             qkv = qkv_w[0](norm(x, st.norms[0], eps), *qkv_w[1:], None, none)
             if st.qk_norm is not None:
-                _qk_norm(qkv, st.qk_norm, hd, eps, ones)
+                ops.head_rms_norm(qkv, st.qk_norm, hd, eps)
             cos, sin = tables_by_locality[st.local_rope]
             o = attention(
                 qkv, cos, sin, kc, vc, slots, nd, block_tables, lens, chunk_meta, chunk_tables,
@@ -464,14 +456,13 @@ class LlamaForCausalLM(nn.Module):
             if llama:  # x + o_proj(o), x + down(act(gate_up(norm(x))))
                 x = o_w[0](o, *o_w[1:], x, none)
             else:  # Gemma 3: x + norm(o_proj(o)), x + norm(down(act(gate_up(norm(x)))))
-                # (the adds go into the norms' fresh outputs: the same sums, no allocation)
-                x = norm(o_w[0](o, *o_w[1:], None, none), st.norms[1], eps).add_(x)
+                x = norm(o_w[0](o, *o_w[1:], None, none), st.norms[1], eps, x)
             y = norm(x, st.norms[1 if llama else 2], eps)
             g = gu_w[0](y, *gu_w[1:], None, Act.GELU_MUL if st.gelu else Act.SILU_MUL)
             if llama:
                 x = down_w[0](g, *down_w[1:], x, none)
             else:
-                x = norm(down_w[0](g, *down_w[1:], None, none), st.norms[3], eps).add_(x)
+                x = norm(down_w[0](g, *down_w[1:], None, none), st.norms[3], eps, x)
         return norm(x, self.norm.weight, self.norm.eps)
 
     @classmethod
@@ -618,7 +609,6 @@ class LlamaForCausalLM(nn.Module):
             p = m.packed
             return (p.op, p.qs, p.d, p.m, p.kind, p.out_features, m.bias)
 
-        self._plan_ones = torch.ones(self.config.head_dim)
         steps = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp

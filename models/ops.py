@@ -45,6 +45,7 @@ _NAMES = (
     "ggml_linear",
     "ggml_rows",
     "rms_norm",
+    "head_rms_norm",
     "argmax_rows",
     "top_candidates",
     "attention",
@@ -83,6 +84,7 @@ _packed_linear = _unloaded["packed_linear"]
 _ggml_linear = _unloaded["ggml_linear"]
 _ggml_rows = _unloaded["ggml_rows"]
 _rms_norm = _unloaded["rms_norm"]
+_head_rms_norm = _unloaded["head_rms_norm"]
 _argmax_rows = _unloaded["argmax_rows"]
 _top_candidates = _unloaded["top_candidates"]
 _attention = _unloaded["attention"]
@@ -137,9 +139,18 @@ def ggml_rows(qs: torch.Tensor, ggml_type: int, k: int, ids: torch.Tensor) -> to
     return _ggml_rows(qs, ggml_type, k, ids)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) * weight over the rows of a 2-D float32 x."""
-    return _rms_norm(x, weight, eps)
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x / rms(x) * weight over the rows of a 2-D float32 x, plus `residual` (x's shape) when
+    given."""
+    return _rms_norm(x, weight, eps, residual)
+
+
+def head_rms_norm(qkv: torch.Tensor, weight: torch.Tensor, head_dim: int, eps: float) -> None:
+    """QK-norm IN PLACE: in each row of a contiguous 2-D float32 qkv, head j (of `head_dim`
+    values) for j < weight.shape[0] becomes head / rms(head) * weight[j]."""
+    _head_rms_norm(qkv, weight, head_dim, eps)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -220,8 +231,12 @@ def _register_fakes() -> None:
         return torch.empty((*ids.shape, K), dtype=torch.float32, device=qs.device)
 
     @torch.library.register_fake("cbserve::rms_norm")
-    def _(x, w, eps):
+    def _(x, w, eps, residual=None):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("cbserve::head_rms_norm")
+    def _(qkv, w, head_dim, eps):
+        return None
 
     @torch.library.register_fake("cbserve::argmax_rows")
     def _(x):

@@ -565,9 +565,24 @@ def _prefill_logits(lm, text: str) -> torch.Tensor:
 
 def test_rms_norm_kernel_matches_torch():
     torch.manual_seed(6)
-    x, w = torch.randn(9, 576) * 30, torch.randn(576)
+    x, w, r = torch.randn(9, 576) * 30, torch.randn(576), torch.randn(9, 576)
     want = F.rms_norm(x, (576,), w, 1e-5)
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5, r), want + r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hd", [64, 100, 256])
+def test_head_rms_norm_kernel_norms_the_q_and_k_heads_in_place(hd):
+    torch.manual_seed(hd)
+    t, heads, v_heads = 5, 6, 2
+    qkv = torch.randn(t, (heads + v_heads) * hd) * 10
+    w = torch.randn(heads, hd)
+    want = qkv.clone()
+    q_k = want.view(t, -1, hd)[:, :heads]
+    q_k.copy_(F.rms_norm(q_k, (hd,), eps=1e-6) * w)
+    ops.head_rms_norm(qkv, w, hd, 1e-6)
+    torch.testing.assert_close(qkv, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, heads * hd :], want[:, heads * hd :])  # v heads untouched
 
 
 @pytest.mark.parametrize("V", [1, 7, 16, 17, 33, 1000, 49152])

@@ -34,6 +34,7 @@ def test_every_op_in_the_library_is_wrapped_and_checked_here():
         "ggml_linear",
         "ggml_rows",
         "rms_norm",
+        "head_rms_norm",
         "argmax_rows",
         "top_candidates",
         "attention",
@@ -110,6 +111,13 @@ def test_ggml_rows_opcheck():
 
 def test_rms_norm_opcheck():
     torch.library.opcheck(OP["rms_norm"], (torch.randn(4, 40), torch.randn(40), 1e-5))
+    x = torch.randn(4, 40)
+    torch.library.opcheck(OP["rms_norm"], (x, torch.randn(40), 1e-5, torch.randn(4, 40)))
+
+
+def test_head_rms_norm_opcheck():
+    qkv = torch.randn(3, 5 * 16)  # 3 q/k heads normed, 2 v heads left
+    torch.library.opcheck(OP["head_rms_norm"], (qkv, torch.randn(3, 16), 16, 1e-6))
 
 
 def test_argmax_rows_opcheck():

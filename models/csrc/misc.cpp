@@ -1,4 +1,5 @@
-// rms_norm: y = x / rms(x) * w. argmax_rows: torch.argmax(x, -1) of float32 rows (first
+// rms_norm: y = x / rms(x) * w (+ a residual); head_rms_norm: the same per head of qkv, in place
+// (QK-norm). argmax_rows: torch.argmax(x, -1) of float32 rows (first
 // maximum; NaN counts as the largest). output_matrix: where the linears' results are allocated.
 #include <mutex>
 
@@ -78,32 +79,64 @@ int64_t argmax_row(const float* x, int64_t V) {
   return at;
 }
 
+// One row's x / rms(x) * w (+ r) into o (o may be x: each value is read before it is written).
+inline void rms_norm_row(const float* x, const float* w, const float* r, int64_t D, float eps, float* o) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= D; i += 8) { __m256 v = _mm256_loadu_ps(x + i); acc = _mm256_fmadd_ps(v, v, acc); }
+  float ss = hsum(acc);
+  for (; i < D; ++i) ss += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(ss / D + eps);
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (i = 0; i + 8 <= D; i += 8) {
+    __m256 y = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv), _mm256_loadu_ps(w + i));
+    if (r) y = _mm256_add_ps(y, _mm256_loadu_ps(r + i));
+    _mm256_storeu_ps(o + i, y);
+  }
+  for (; i < D; ++i) o[i] = x[i] * inv * w[i] + (r ? r[i] : 0.f);
+}
+
 }  // namespace
 
-at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {
+at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps, const c10::optional<at::Tensor>& res_) {
+  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat, "rms_norm needs a 2-D float32 x");
   at::Tensor x = x_.contiguous(), w = w_.contiguous();
   const int64_t T = x.size(0), D = x.size(1);
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.numel() == D, "rms_norm: weight must be (D,) float32");
+  at::Tensor res;
+  if (res_.has_value() && res_->defined()) {
+    res = res_->contiguous();
+    TORCH_CHECK(res.scalar_type() == at::kFloat && res.sizes() == x.sizes(), "rms_norm: residual must be x's shape");
+  }
   at::Tensor out = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
+  const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, std::max<int64_t>(1, (1 << 16) / D), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* xr = xp + t * D;
-      float* orow = op + t * D;
-      __m256 acc = _mm256_setzero_ps();
-      int64_t i = 0;
-      for (; i + 8 <= D; i += 8) { __m256 v = _mm256_loadu_ps(xr + i); acc = _mm256_fmadd_ps(v, v, acc); }
-      float ss = hsum(acc);
-      for (; i < D; ++i) ss += xr[i] * xr[i];
-      const float inv = 1.f / std::sqrt(ss / D + static_cast<float>(eps));
-      const __m256 vinv = _mm256_set1_ps(inv);
-      for (i = 0; i + 8 <= D; i += 8)
-        _mm256_storeu_ps(orow + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), vinv), _mm256_loadu_ps(wp + i)));
-      for (; i < D; ++i) orow[i] = xr[i] * inv * wp[i];
-    }
+    for (int64_t t = t0; t < t1; ++t)
+      rms_norm_row(xp + t * D, wp, rp ? rp + t * D : nullptr, D, static_cast<float>(eps), op + t * D);
   });
   return out;
+}
+
+void head_rms_norm(const at::Tensor& qkv, const at::Tensor& w_, int64_t head_dim, double eps) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(),
+              "head_rms_norm needs a contiguous 2-D float32 qkv");
+  at::Tensor w = w_.contiguous();
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == head_dim && w.scalar_type() == at::kFloat,
+              "head_rms_norm: weight must be (heads, head_dim) float32");
+  const int64_t T = qkv.size(0), heads = w.size(0), width = qkv.size(1);
+  TORCH_CHECK(head_dim > 0 && heads * head_dim <= width, "head_rms_norm: more heads than qkv holds");
+  float* qp = qkv.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, (1 << 16) / (heads * head_dim)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t j = 0; j < heads; ++j) {
+        float* row = qp + t * width + j * head_dim;
+        rms_norm_row(row, wp + j * head_dim, nullptr, head_dim, static_cast<float>(eps), row);
+      }
+  });
 }
 
 at::Tensor argmax_rows(const at::Tensor& x_) {

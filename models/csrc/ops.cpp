@@ -37,7 +37,10 @@ TORCH_LIBRARY(cbserve, m) {
       "Tensor? residual, int act) -> Tensor");
   // Rows `ids` of an embedding table of GGUF blocks of `type`, K values a row, as float32.
   m.def("ggml_rows(Tensor qs, int type, int K, Tensor ids) -> Tensor");
-  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  // x / rms(x) * w per row, plus `residual` when given (a branch normed before it joins the stream).
+  m.def("rms_norm(Tensor x, Tensor w, float eps, Tensor? residual=None) -> Tensor");
+  // QK-norm in place: head j < w.size(0) of each qkv row becomes head / rms(head) * w[j].
+  m.def("head_rms_norm(Tensor(a!) qkv, Tensor w, int head_dim, float eps) -> ()");
   m.def("argmax_rows(Tensor x) -> Tensor");
   // Per row with temps > 0: the k largest x / temps (best first, ties by lower id), their ids, and
   // logsumexp(x / temps); rows with temps <= 0 are skipped (-inf values, ids 0).
@@ -57,6 +60,7 @@ TORCH_LIBRARY_IMPL(cbserve, CPU, m) {
   m.impl("ggml_linear", &cbserve::ggml_linear);
   m.impl("ggml_rows", &cbserve::ggml_rows);
   m.impl("rms_norm", &cbserve::rms_norm);
+  m.impl("head_rms_norm", &cbserve::head_rms_norm);
   m.impl("argmax_rows", &cbserve::argmax_rows);
   m.impl("top_candidates", &cbserve::top_candidates);
   m.impl("attention", &cbserve::attention);

@@ -9,7 +9,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& qs, const c10::o
                          const c10::optional<at::Tensor>& m, int64_t kind, int64_t N,
                          const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
                          int64_t act);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, const c10::optional<at::Tensor>& residual);
+void head_rms_norm(const at::Tensor& qkv, const at::Tensor& w, int64_t head_dim, double eps);
 at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& kcache, const at::Tensor& vcache, const at::Tensor& slots,
