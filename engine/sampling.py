@@ -18,7 +18,7 @@ model's raw distribution (vLLM's default), not the processed one.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -126,29 +126,26 @@ def _nucleus(
         return _cut(vals, ids, torch.logsumexp(vals, dim=0), top_p, min_p, complete=True)
     if top_p < 1.0:
         vals, ids = x.topk(min(CANDIDATES, vocab))
-        return _cut_or_sort(x, vals, ids, _log_norm(x), top_p, min_p)
+        return _cut_or_sort(vals, ids, _log_norm(x), top_p, min_p, vocab, lambda: x)
     ids = (x >= x.max() + math.log(min_p)).nonzero().squeeze(1)  # min-p alone, as `_cut` keeps
     return ids, x[ids]
 
 
 def _cut_or_sort(
-    x: torch.Tensor | None,
     vals: torch.Tensor,
     ids: torch.Tensor,
     log_norm: torch.Tensor,
     top_p: float,
     min_p: float,
-    row=None,
+    vocab: int,
+    row: Callable[[], torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_cut` of a row's best candidates, or of its whole sorted vocabulary when the nucleus
-    reaches past them. x: the scaled row, or None with `row()` making it (only a flat row needs
-    it)."""
-    cut = _cut(vals, ids, log_norm, top_p, min_p, complete=x is not None and len(vals) == len(x))
+    reaches past them. `row()`: the scaled row (made only when a flat row needs it)."""
+    cut = _cut(vals, ids, log_norm, top_p, min_p, complete=len(vals) == vocab)
     if cut is not None:
         return cut
-    if x is None:
-        x = row()
-    vals, ids = x.sort(descending=True)
+    vals, ids = row().sort(descending=True)
     return _cut(vals, ids, log_norm, top_p, min_p, complete=True)
 
 
@@ -204,8 +201,8 @@ def _draw_random_rows(
         for j, i in enumerate(batched):
             p = states[i].params
             cut = _cut_or_sort(
-                None, vals[j], ids[j], norms[j], p.top_p, p.min_p,
-                row=lambda i=i, t=p.temperature: logits[i] / t,
+                vals[j], ids[j], norms[j], p.top_p, p.min_p, vocab,
+                lambda i=i, t=p.temperature: logits[i] / t,
             )  # fmt: skip
             tokens[i] = _pick(*cut, states[i].generator)
     for i in single:

@@ -263,11 +263,9 @@ void rope_write_attend(float* qkv, float* out, const at::Tensor& cos, const at::
             scale, window);
 }
 
-}  // namespace
-
 // Every pool row the step writes or reads lies inside the pools: a bad slot or block id would
 // write or read outside them (a few comparisons a sequence, against memory corruption).
-static void check_pool_indices(const at::Tensor& slots, int64_t T, int64_t num_decode, const at::Tensor& dec_tables_,
+void check_pool_indices(const at::Tensor& slots, int64_t T, int64_t num_decode, const at::Tensor& dec_tables_,
                         const at::Tensor& dec_lens_, const at::Tensor& chunk_meta_, const at::Tensor& chunk_tables_,
                         int64_t num_blocks, int64_t bs) {
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == T, "slots must be (T,) int64");
@@ -304,6 +302,8 @@ static void check_pool_indices(const at::Tensor& slots, int64_t T, int64_t num_d
     }
   }
 }
+
+}  // namespace
 
 // chunk_meta: (C, 3) int64 rows [token_start, num_tokens, context_len]; chunk_tables (C, maxb).
 // window > 0: a query at position p attends to keys at positions (p - window, p] only.

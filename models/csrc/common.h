@@ -83,6 +83,14 @@ inline __m256 gated8(int64_t act, __m256 gate, __m256 up) {
   return _mm256_mul_ps(act == GELU_MUL ? gelu8(gate) : silu8(gate), up);
 }
 
+// A linear's result width for `act` (enums.h) over N outputs: N, or N / 2 for a gated act of
+// [gate; up] rows; `op` names the linear in the error.
+inline int64_t act_outputs(int64_t act, int64_t N, const char* op) {
+  TORCH_CHECK(act == NONE || ((act == SILU_MUL || act == GELU_MUL) && N % 2 == 0), op, ": bad act ", act,
+              " for ", N, " outputs");
+  return act == NONE ? N : N / 2;
+}
+
 // torch's own ISA cap (ATEN_CPU_CAPABILITY=avx2 or default) caps these kernels too, so an AVX-512
 // machine can run, and test, exactly what an AVX2-only CPU runs.
 inline bool isa_capped() {

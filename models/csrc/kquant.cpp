@@ -193,8 +193,7 @@ at::Tensor ggml_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::op
     n0 += p.rows;
   }
   TORCH_CHECK(n0 == N, "ggml_linear: the parts hold ", n0, " rows, not N = ", N);
-  TORCH_CHECK(act == NONE || ((act == SILU_MUL || act == GELU_MUL) && N % 2 == 0), "ggml_linear: bad act ", act);
-  const int64_t out_n = act == NONE ? N : N / 2;
+  const int64_t out_n = cbserve::act_outputs(act, N, "ggml_linear");
   at::Tensor out = cbserve::output_matrix(M, out_n, x.options());
   if (M == 0) return out;
   at::Tensor bias, residual;

@@ -133,8 +133,7 @@ at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::
   TORCH_CHECK(K % QB == 0, "in_features must be a multiple of 32");
   const int64_t P = qs.size(0);
   TORCH_CHECK(P * NR >= N, "N exceeds the packed panels");
-  TORCH_CHECK(act == NONE || ((act == SILU_MUL || act == GELU_MUL) && N % 2 == 0), "packed_linear: bad act ", act);
-  const int64_t out_n = act == NONE ? N : N / 2;
+  const int64_t out_n = act_outputs(act, N, "packed_linear");
   at::Tensor out = output_matrix(M, out_n, x.options());
   if (M == 0) return out;
   at::Tensor bias, residual, d, m;

@@ -35,20 +35,19 @@ struct Cand {
 // The row's k best (buffer `buf` of 2k holds the running candidates), sorted best first.
 void select_row(const float* x, int64_t V, int64_t k, std::vector<Cand>& buf) {
   buf.clear();
-  // The k-th best so far (once 2k have been seen): its key, and its value for the vector compare.
-  // Lanes >= that value (or NaN) are looked at one by one, so equal values meet the key order.
+  // The k-th best so far (once 2k have been seen; before, INT32_MIN, which no value's key is): its
+  // key, and its value for the vector compare. Lanes >= that value (or NaN) are looked at one by
+  // one, so equal values meet the key order.
   int32_t thr_key = INT32_MIN;
-  bool have_thr = false;
   float thr = -INFINITY;
   auto consider = [&](int64_t i) {
     const int32_t key = order_key(x[i]);
-    if (have_thr && key <= thr_key) return;  // a later equal value has the higher id: it loses
+    if (key <= thr_key) return;  // a later equal value has the higher id: it loses
     buf.push_back({key, static_cast<int32_t>(i)});
     if (static_cast<int64_t>(buf.size()) == 2 * k) {
       std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end());
       buf.resize(k);
       thr_key = buf[k - 1].key;
-      have_thr = true;
       thr = thr_key == INT32_MAX ? INFINITY : x[buf[k - 1].id];
     }
   };
