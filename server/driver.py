@@ -269,14 +269,19 @@ class AsyncEngineDriver(EngineClient):
         heap = IdleHeapTrimmer()
         try:
             while True:
-                if not self._inbox and not engine.has_work():
-                    heap.idle()  # outside the lock: submitting never waits for a trim
                 with self._cv:
                     while not self._inbox:
                         if engine.has_work():
                             break
                         if stopped:
                             return
+                        if heap.pending:  # trimmed with the lock free: a submit never waits
+                            self._cv.release()
+                            try:
+                                heap.idle()
+                            finally:
+                                self._cv.acquire()
+                            continue  # what came meanwhile is seen before sleeping
                         self._cv.wait()
                     commands, self._inbox = self._inbox, []
                 if commands:

@@ -42,17 +42,18 @@ def release_free_heap() -> bool:
 
 
 class IdleHeapTrimmer:
-    """The engine thread's trimmer: `stepped()` after each step, `idle()` before it waits."""
+    """The engine thread's trimmer: `stepped()` after each step, `idle()` before it waits
+    (`pending`: a step ran since the last trim, so `idle()` would trim)."""
 
     def __init__(self) -> None:
-        self._dirty = True  # freed since the last trim (at start: what loading the model left)
+        self.pending = True  # at start: what loading the model left
         self.trims = 0
 
     def stepped(self) -> None:
-        self._dirty = True
+        self.pending = True
 
     def idle(self) -> None:
-        if self._dirty:
-            self._dirty = False
+        if self.pending:
+            self.pending = False
             if release_free_heap():
                 self.trims += 1
