@@ -77,7 +77,12 @@ def format_rate(rate: float) -> str:
 def _rates_text(rates: Sequence[float]) -> str:
     if len(rates) == 1:
         rate = rates[0]
-        return "all requests at once" if math.isinf(rate) else f"arrival rate {rate:.1f}/s"
+        if math.isinf(rate):
+            return "all requests at once"
+        # the seed's "8.0/s", but a finer rate as it is (0.25 is not "0.2")
+        return (
+            f"arrival rate {rate:.1f}/s" if round(rate, 1) == rate else f"arrival rate {rate:g}/s"
+        )
     return "arrival rates " + ", ".join(format_rate(r) for r in rates) + "/s"
 
 

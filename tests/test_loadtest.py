@@ -490,6 +490,7 @@ def test_conditions_line_matches_the_seed_format() -> None:
     unknown = replace(conditions, parameter_count=None, torch_version=None, rates=(1.0, 4.0))
     assert unknown.line().startswith("Conditions: tinygpt, 4x x86_64 CPU, poisson")
     assert "arrival rates 1, 4/s" in unknown.line()
+    assert "arrival rate 0.25/s" in replace(conditions, rates=(0.25,)).line()
 
 
 def test_summary_block_uses_vllm_labels() -> None:
