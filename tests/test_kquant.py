@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(
     not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"
 )
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
 # byte offsets of each block's fp16 scales (the other bytes: any pattern is a valid block)
 SCALES = {
     Q.Q4_0: (0,),
@@ -46,6 +46,8 @@ SCALES = {
     Q.Q4_K: (0, 2),
     Q.Q5_K: (0, 2),
     Q.Q6_K: (208,),
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),  # its sub-block scales are in the random bytes: all 64 values occur
 }
 
 
@@ -76,7 +78,9 @@ def round_activations(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def group_of(qtype: Q) -> int:
-    return GGML_QUANT_SIZES[qtype][0]
+    """The inputs per int8 activation scale: 256 for the K formats (llama.cpp's Q8_K), 32 for
+    the rest (IQ4_XS's 256-value blocks have a scale per 32 values)."""
+    return 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -120,16 +124,17 @@ def test_int8_activations_are_the_matmul_of_the_rounded_activations(qtype, m):
     assert ((got.double() - exact).norm() / exact.norm()).item() < 0.02
 
 
-B32_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+B32_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS]
 
 
 @pytest.mark.parametrize("qtype", B32_TYPES)
 def test_int8_dots_of_32_value_formats_agree_on_the_files_rows_and_unpacked(qtype):
     """Up to 4 activation rows the int8 kernel reads the file's blocks; from 5 it unpacks each
-    weight row once for all of them. K = 640 is 20 blocks: the last group of eight is partial.
-    Both paths give the float reference, and the same bits for a row whichever path it takes."""
+    weight row once for all of them. K = 640 is 20 blocks: the last group of eight is partial
+    (IQ4_XS: 768, three 256-value blocks of 8 sub-blocks each). Both paths give the float
+    reference, and the same bits for a row whichever path it takes."""
     torch.manual_seed(int(qtype))
-    n, k = 19, 640
+    n, k = 19, 768 if qtype == Q.IQ4_XS else 640
     w = random_rows(qtype, n, k, seed=int(qtype) + 1)
     packed = pack_rows(w, int8=True)
     x = torch.randn(6, k) * torch.linspace(0.2, 3, k)
@@ -222,7 +227,7 @@ def test_bad_arguments_are_refused():
 
 
 def test_a_gguf_in_k_and_q5_formats_loads_without_float_copies(tmp_path, monkeypatch):
-    """A 2-layer Llama GGUF whose tensors rotate through six formats (so q/k/v and gate/up fuse
+    """A 2-layer Llama GGUF whose tensors rotate through eight formats (so q/k/v and gate/up fuse
     parts of different formats): every projection, the head and the embedding keep the file's
     blocks, float32 activations give the float model's logits, int8 activations stay close."""
     from test_models_real import our_logits, random_ids, write_gguf
@@ -230,7 +235,7 @@ def test_a_gguf_in_k_and_q5_formats_loads_without_float_copies(tmp_path, monkeyp
     from models import load_model
 
     monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))
-    types = [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q8_0]
+    types = [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS]
     path = write_gguf(tmp_path / "kquant.gguf", types)
     reference = load_model(str(path), use_kernels=False)
     ids = random_ids(24, reference.config.vocab_size, seed=5)
@@ -239,7 +244,8 @@ def test_a_gguf_in_k_and_q5_formats_loads_without_float_copies(tmp_path, monkeyp
         lm = load_model(str(path), activations=activations)
         formats = lm.model.weight_formats()
         suffix = "+a8" if activations == "auto" else ""
-        assert set(formats) >= {f"{n}{suffix}" for n in ("q4_k", "q6_k", "q5_0", "q5_1", "q5_k")}
+        names = ("q4_k", "q6_k", "q5_0", "q5_1", "q5_k", "iq4_nl", "iq4_xs")
+        assert set(formats) >= {f"{n}{suffix}" for n in names}
         assert not any(n.startswith(("f32", "float")) for n in formats), formats
         assert isinstance(lm.model.embed_tokens, RowsEmbedding)  # no float table either
         got = our_logits(lm, ids)

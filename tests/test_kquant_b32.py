@@ -15,18 +15,24 @@ from gguf import GGMLQuantizationType as Q
 
 from models import kernels
 from models.quant import GGMLTensor, pack_rows
-from tests.test_kquant import linear, random_rows, round_activations
+from tests.test_kquant import group_of, linear, random_rows, round_activations
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"
 )
 
-B32_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+# IQ4_XS: 256-value blocks whose eight 32-value sub-blocks the same tiles take one by one
+B32_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS]
 BATCHES = (1, 4, 5, 7, 8, 33, 64)
 
 
 def reference(x: torch.Tensor, w: GGMLTensor) -> torch.Tensor:
-    return (round_activations(x, 32).double() @ w.dequantize().double().T).float()
+    """Each part's dequantized rows times the activations rounded as its format's dots take them."""
+    outs = []
+    for t, raw in w.parts:
+        part = GGMLTensor([(t, raw)], w.in_features).dequantize().double()
+        outs.append(round_activations(x, group_of(Q(t))).double() @ part.T)
+    return torch.cat(outs, dim=1).float()
 
 
 def check_batches(w: GGMLTensor, x: torch.Tensor) -> torch.Tensor:
@@ -47,9 +53,10 @@ def check_batches(w: GGMLTensor, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", B32_TYPES)
 def test_partial_panels_and_micro_tiles_keep_each_rows_bits(qtype):
-    """27 weight rows: three panels and a partial one; K = 640 is 20 blocks (not a multiple of 8)."""
+    """27 weight rows: three panels and a partial one; K = 640 is 20 blocks (not a multiple of 8;
+    IQ4_XS: 1280, five blocks of eight sub-blocks)."""
     torch.manual_seed(int(qtype))
-    n, k = 27, 640
+    n, k = 27, 1280 if qtype == Q.IQ4_XS else 640
     w = random_rows(qtype, n, k, seed=int(qtype) + 11)
     x = torch.randn(67, k) * torch.linspace(0.2, 3, k)
     alone = check_batches(w, x)
@@ -66,6 +73,17 @@ def test_one_block_rows_and_twenty_block_rows(qtype, k):
     torch.manual_seed(k)
     w = random_rows(qtype, 13, k, seed=k + int(qtype))
     check_batches(w, torch.randn(40, k))
+
+
+def test_a_fused_iq4_xs_and_q5_k_weight_splits_mid_panel():
+    """llama-quantize's IQ4_XS gives q and k IQ4_XS and some layers' v Q5_K: 13 rows of the
+    32-value family's tiles then 11 of the K family's, meeting inside a panel of eight."""
+    torch.manual_seed(6)
+    k = 512
+    a, b = random_rows(Q.IQ4_XS, 13, k, seed=23), random_rows(Q.Q5_K, 11, k, seed=24)
+    fused = GGMLTensor.cat([a, b])
+    assert [t for t, _ in fused.parts] == [Q.IQ4_XS, Q.Q5_K]
+    check_batches(fused, torch.randn(40, k) * torch.linspace(0.5, 2, k))
 
 
 def test_a_fused_q5_0_and_q8_0_weight_splits_mid_panel():

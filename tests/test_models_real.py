@@ -399,6 +399,8 @@ _SCALE_OFFSETS = {
     Q.Q5_K: (0, 2),
     Q.Q6_K: (208,),
     Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
+    Q.IQ3_XXS: (0,),
 }
 
 
@@ -515,7 +517,7 @@ def model_dir(tmp_path, monkeypatch) -> Path:
 
 
 ALL_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
-ALL_TYPES += [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+ALL_TYPES += [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
 
 
 def test_gguf_of_every_supported_type_matches_transformers(model_dir):
@@ -571,8 +573,8 @@ def test_gguf_rope_freq_factors_match_llama3_scaling_in_transformers(model_dir, 
 
 
 def test_gguf_unsupported_quantization_type_is_refused_by_name(model_dir):
-    path = write_gguf(model_dir / "iq.gguf", [Q.IQ4_NL])
-    with pytest.raises(ModelLoadError, match="IQ4_NL"):
+    path = write_gguf(model_dir / "iq.gguf", [Q.IQ3_XXS])
+    with pytest.raises(ModelLoadError, match="IQ3_XXS"):
         load_model(str(path))
 
 

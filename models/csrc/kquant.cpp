@@ -1,4 +1,5 @@
-// GGUF block formats multiplied in place: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K.
+// GGUF block formats multiplied in place: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL,
+// IQ4_XS.
 // AVX2 + FMA + F16C (x86-64-v3); registered as torch.ops.cbserve.ggml_linear / ggml_rows.
 //
 // The weights are the file's own bytes, one row per output (a row is K / block_size blocks laid
@@ -9,8 +10,9 @@
 // Two ways to multiply (the caller picks, per `kind`):
 // - float32 activations: each weight block is decoded to float32 (w = u * s + o, the same float
 //   as gguf's dequantize) and multiplied with FMA, for up to MR activation rows per decode.
-// - int8 activations: each row of x is quantized (per 32 inputs for the 32-value formats, per 256
-//   with sums per 16 for the K formats: llama.cpp's Q8_0 / Q8_K activations) and the nibbles meet
+// - int8 activations: each row of x is quantized (per 32 inputs for the 32-value formats and
+//   IQ4_XS, per 256 with sums per 16 for the K formats: llama.cpp's Q8_0 / Q8_K activations;
+//   IQ4_XS's 32-value sub-blocks have their own scales, so per 32 is exact and finer) and the nibbles meet
 //   them in vpmaddubsw (unsigned weight x signed activation pairs) then vpmaddwd with the block's
 //   integer sub-scales; fp32 only once per block (per 256 inputs for the K formats). A format's
 //   zero point or minimum enters through the activation block sums.
@@ -81,8 +83,7 @@ void quantize256(const float* x, int64_t K, int8_t* q, float* d, int16_t* bs) {
 template <int T>
 void unpack_f32(const uint8_t* w, int64_t nb, uint8_t* dst) {
   float* out = reinterpret_cast<float*>(dst);
-  constexpr int64_t V = T >= Q4_K ? 256 : 32;
-  for (int64_t b = 0; b < nb; ++b) decode_block<T>(w + b * block_bytes(T), out + b * V);
+  for (int64_t b = 0; b < nb; ++b) decode_block<T>(w + b * block_bytes(T), out + b * block_values(T));
 }
 
 template <int R>
@@ -144,18 +145,10 @@ void tile_f32(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, f
 }
 
 TileFn tile_for(int64_t type, bool int8) {
-  if (int8) return type >= Q4_K ? tile_k_a8(type) : tile_b32_a8(type);
-  switch (type) {
-    case Q4_0: return tile_f32<Q4_0>;
-    case Q4_1: return tile_f32<Q4_1>;
-    case Q5_0: return tile_f32<Q5_0>;
-    case Q5_1: return tile_f32<Q5_1>;
-    case Q8_0: return tile_f32<Q8_0>;
-    case Q4_K: return tile_f32<Q4_K>;
-    case Q5_K: return tile_f32<Q5_K>;
-    case Q6_K: return tile_f32<Q6_K>;
-    default: return nullptr;
-  }
+  if (int8) return k_family(type) ? tile_k_a8(type) : tile_b32_a8(type);
+  TileFn f = nullptr;
+  with_type(type, [&](auto t) { f = tile_f32<decltype(t)::value>; });
+  return f;
 }
 
 // parts: (P, 3) int64 rows [ggml type, rows, byte offset into qs]; their rows are the outputs in
@@ -187,7 +180,7 @@ at::Tensor ggml_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::op
     const Part p{type, n0, row[1], K / bv * bb, K / bv, base + row[2]};
     TORCH_CHECK(row[2] >= 0 && row[2] + p.rows * p.row_bytes <= qs.numel(), "ggml_linear: part ", i,
                 " lies outside qs");
-    (bv == 32 ? need32 : need256) = true;
+    (k_family(type) ? need256 : need32) = true;
     parts.push_back(p);
     tiles.push_back(tile_for(type, int8));
     n0 += p.rows;
@@ -284,24 +277,18 @@ at::Tensor ggml_rows(const at::Tensor& qs, int64_t type, int64_t K, const at::Te
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < rows, "ggml_rows: id ", ip[t], " out of range");
   const uint8_t* base = qs.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, std::max<int64_t>(1, (1 << 14) / K), [&](int64_t a, int64_t b) {
-    alignas(32) float buf[256];
-    for (int64_t t = a; t < b; ++t) {
-      const uint8_t* row = base + ip[t] * row_bytes;
-      for (int64_t i = 0; i < K / bv; ++i) {
-        switch (type) {
-          case Q4_0: decode_block<Q4_0>(row + i * bb, buf); break;
-          case Q4_1: decode_block<Q4_1>(row + i * bb, buf); break;
-          case Q5_0: decode_block<Q5_0>(row + i * bb, buf); break;
-          case Q5_1: decode_block<Q5_1>(row + i * bb, buf); break;
-          case Q8_0: decode_block<Q8_0>(row + i * bb, buf); break;
-          case Q4_K: decode_block<Q4_K>(row + i * bb, buf); break;
-          case Q5_K: decode_block<Q5_K>(row + i * bb, buf); break;
-          default: decode_block<Q6_K>(row + i * bb, buf); break;
+  with_type(type, [&](auto ty) {
+    constexpr int64_t TY = decltype(ty)::value;
+    at::parallel_for(0, T, std::max<int64_t>(1, (1 << 14) / K), [&](int64_t a, int64_t b) {
+      alignas(32) float buf[256];
+      for (int64_t t = a; t < b; ++t) {
+        const uint8_t* row = base + ip[t] * row_bytes;
+        for (int64_t i = 0; i < K / bv; ++i) {
+          decode_block<TY>(row + i * bb, buf);
+          std::memcpy(op + t * K + i * bv, buf, bv * sizeof(float));
         }
-        std::memcpy(op + t * K + i * bv, buf, bv * sizeof(float));
       }
-    }
+    });
   });
   std::vector<int64_t> shape = ids_.sizes().vec();
   shape.push_back(K);

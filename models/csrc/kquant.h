@@ -4,7 +4,8 @@
 //
 // Layout of the family files: kquant.cpp owns the op (activation quantization, the threads, the
 // epilogue) and the float32-activation path; kquant_b32.cpp the int8 dots of the 32-value formats
-// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); kquant_k.cpp those of the 256-value K formats (Q4_K, Q5_K, Q6_K).
+// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, and IQ4_XS as eight 32-value sub-blocks with a scale each);
+// kquant_k.cpp those of the 256-value K formats (Q4_K, Q5_K, Q6_K).
 // A family may tile its work as it likes, with one rule: an activation row's result does not depend
 // on how many rows the call has (the same operations in the same order for any M).
 #pragma once
@@ -24,14 +25,27 @@
 namespace cbserve_kquant {
 
 // ggml type ids (ggml.h / gguf.GGMLQuantizationType).
-enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum Type : int64_t {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23
+};
+
+// f(std::integral_constant<int64_t, T>{}) for the format T = t; false for a type not read in place.
+template <typename F>
+inline bool with_type(int64_t t, F&& f) {
+  return cbserve::with_value<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS>(t, std::forward<F>(f));
+}
 // The kinds (GGUF rows, float32 or int8 activations) and epilogues shared with the other ops.
 constexpr int64_t GGML_F32 = cbserve::GGML, GGML_A8 = cbserve::GGML_A8;
 constexpr int64_t NONE = cbserve::NONE, SILU_MUL = cbserve::SILU_MUL, GELU_MUL = cbserve::GELU_MUL;
 
 constexpr int MR = 4;  // up to this many activation rows the dots read the file's rows (decode)
 
-constexpr int64_t block_values(int64_t t) { return t >= Q4_K ? 256 : 32; }
+// The K formats' int8 dots take activations per 256 with sums per 16 (kquant_k.cpp); every other
+// format's take them per 32 (kquant_b32.cpp).
+constexpr bool k_family(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K; }
+constexpr int64_t block_values(int64_t t) { return k_family(t) || t == IQ4_XS ? 256 : 32; }
+// Formats whose values are signed bytes (w = u s, no offset): Q8_0 and the IQ4 table's values.
+constexpr bool signed_values(int64_t t) { return t == Q8_0 || t == IQ4_NL || t == IQ4_XS; }
 constexpr int64_t block_bytes(int64_t t) {
   switch (t) {
     case Q4_0: return 18;
@@ -42,6 +56,8 @@ constexpr int64_t block_bytes(int64_t t) {
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
+    case IQ4_NL: return 18;
+    case IQ4_XS: return 136;
     default: return 0;
   }
 }
@@ -81,6 +97,24 @@ inline __m256i bits32(const uint8_t* p) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask), _mm256_set1_epi8(0x10));
 }
 
+// IQ4_NL / IQ4_XS: 16 bytes of nibbles -> 32 signed values, each nibble an index into llama.cpp's
+// non-linear table (kvalues_iq4nl), looked up by one vpshufb.
+inline __m256i iq4_values(const uint8_t* p) {
+  const __m256i table = _mm256_broadcastsi128_si256(
+      _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+  return _mm256_shuffle_epi8(table, nibbles32(p));
+}
+
+// IQ4_XS: sub-block j's (of 8) scale in units of d: six bits (four from scales_l, two from
+// scales_h) minus 32.
+inline int iq4xs_scale(const uint8_t* b, int j) {
+  uint16_t h;
+  std::memcpy(&h, b + 2, 2);
+  return (((b[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((h >> (2 * j)) & 3) << 4)) - 32;
+}
+// ... and its 32 values.
+inline __m256i iq4xs_values(const uint8_t* b, int j) { return iq4_values(b + 8 + 16 * j); }
+
 // Q6_K's half n (128 values, unsigned 0..63) as four 32-byte vectors in the block's value order:
 // the low nibbles from ql, bits 4-5 from qh moved in place with 16-bit shifts (a byte's bits 4-5
 // then come only from its own bits 0-1, 2-3, 4-5 or 6-7) and one mask.
@@ -106,17 +140,18 @@ inline void scales_k4(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
   }
 }
 
-// A block's 32 values as bytes u (unsigned; Q8_0 signed), in the block's value order.
+// A 32-value block's values as bytes u (unsigned; signed_values(T): signed), in its value order.
 template <int T>
 inline __m256i values32(const uint8_t* b) {
   if constexpr (T == Q4_0) return nibbles32(b + 2);
   else if constexpr (T == Q4_1) return nibbles32(b + 4);
   else if constexpr (T == Q5_0) return _mm256_or_si256(nibbles32(b + 6), bits32(b + 2));
   else if constexpr (T == Q5_1) return _mm256_or_si256(nibbles32(b + 8), bits32(b + 4));
+  else if constexpr (T == IQ4_NL) return iq4_values(b + 2);
   else return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
 }
 
-// ... with the block's scale s and offset o: w = u * s + o (Q8_0: o = 0).
+// ... with the block's scale s and offset o: w = u * s + o (signed values: o = 0).
 template <int T>
 inline __m256i block32(const uint8_t* b, float& s, float& o) {
   s = fp16(b);
@@ -176,10 +211,15 @@ inline void decode_block(const uint8_t* b, float* dst) {
         }
       }
     }
+  } else if constexpr (T == IQ4_XS) {
+    const float d = fp16(b);
+    for (int j = 0; j < 8; ++j)
+      store_floats<true>(iq4xs_values(b, j), _mm256_set1_ps(d * static_cast<float>(iq4xs_scale(b, j))),
+                         _mm256_setzero_ps(), dst + 32 * j);
   } else {
     float s, o;
     const __m256i u = block32<T>(b, s, o);
-    store_floats<T == Q8_0>(u, _mm256_set1_ps(s), _mm256_set1_ps(o), dst);
+    store_floats<signed_values(T)>(u, _mm256_set1_ps(s), _mm256_set1_ps(o), dst);
   }
 }
 

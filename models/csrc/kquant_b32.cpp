@@ -1,16 +1,18 @@
-// int8-activation dots of the 32-value GGUF formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), register-tiled.
+// int8-activation dots of the 32-value GGUF formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), and
+// of IQ4_XS as eight 32-value sub-blocks with a scale each, register-tiled. Below, "block" means a
+// 32-value block or sub-block.
 //
 // Eight weight rows form a panel: per block, the eight rows' 32 value bytes are transposed so that
 // one 32-byte vector holds four consecutive bytes of every row (chunk c of the block), followed by
-// the rows' scales s and offsets o as 8 floats (w = u s + o; Q8_0: signed bytes, no o). A chunk
+// the rows' scales s and offsets o as 8 floats (w = u s + o; Q8_0, IQ4: signed bytes, no o). A chunk
 // meets one activation row's four bytes broadcast to all lanes in vpmaddubsw then vpmaddwd, so the
 // 8 int32 lanes of a result are already the 8 rows' partial dots: no horizontal adds, and a chunk
 // unpacked once serves up to four activation rows held in registers (the micro-tile: 8 weight rows
 // x 4 activation rows).
 //
 // The arithmetic of one (weight row, activation row) pair, the same on every path: per block b in
-// order, I = the block's exact integer dot (u x, or w x for Q8_0), then
-//   acc = fma(float(I), s * d32, acc); acc = fma(o, s32, acc) (not for Q8_0),
+// order, I = the block's exact integer dot (u x, or w x for signed values), then
+//   acc = fma(float(I), s * d32, acc); acc = fma(o, s32, acc) (not for signed values),
 // acc starting at 0 and being the result. A row is one float lane, so its result does not depend
 // on which lane, panel, tile or batch size it meets.
 //
@@ -66,17 +68,55 @@ inline void transpose8(__m256i* v) {
   }
 }
 
-// Block `b` of eight rows (w[n]: row n's first byte; rows past a partial panel's end repeat its
-// last row, their lanes never stored) into one panel block at dst.
+// The 32-value blocks in one block of T (IQ4_XS: 8 sub-blocks; the others: 1).
 template <int T>
-inline void unpack_block8(const uint8_t* const* w, int64_t b, uint8_t* dst) {
-  constexpr int64_t bb = block_bytes(T);
-  const int64_t off = b * bb;
+constexpr int64_t subs() { return block_values(T) / 32; }
+
+// Block j's values (of the row's K / 32 blocks) of the row at w.
+template <int T>
+inline __m256i sub_values(const uint8_t* w, int64_t j) {
+  if constexpr (T == IQ4_XS) return iq4xs_values(w + j / 8 * block_bytes(T), static_cast<int>(j % 8));
+  else return values32<T>(w + j * block_bytes(T));
+}
+
+// The scales s of eight rows for blocks b .. b + subs<T>() (one block of T; b a multiple of
+// subs<T>()) into s[]. IQ4_XS: d times each sub-block's integer scale (the float multiply gguf's
+// dequantize does), the 64 six-bit scales unpacked in lanes, a row a lane, once per 256 values.
+template <int T>
+inline void block_scales8(const uint8_t* const* w, int64_t b, __m256* s) {
+  if constexpr (T == IQ4_XS) {
+    const int64_t off = b / 8 * block_bytes(T);
+    auto u32 = [&](int n, int at) {
+      int32_t v;
+      std::memcpy(&v, w[n] + off + at, 4);
+      return v;
+    };
+    // lane n: row n's bytes 0..3 (d, scales_h) and 4..7 (scales_l)
+    const __m256i hi = _mm256_srli_epi32(
+        _mm256_setr_epi32(u32(0, 0), u32(1, 0), u32(2, 0), u32(3, 0), u32(4, 0), u32(5, 0), u32(6, 0), u32(7, 0)), 16);
+    const __m256i lo =
+        _mm256_setr_epi32(u32(0, 4), u32(1, 4), u32(2, 4), u32(3, 4), u32(4, 4), u32(5, 4), u32(6, 4), u32(7, 4));
+    const __m256 d = halves8(w, off);
+    #pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i l = _mm256_and_si256(_mm256_srli_epi32(lo, 4 * j), _mm256_set1_epi32(0x0F));
+      const __m256i h = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, 2 * j), _mm256_set1_epi32(3)), 4);
+      s[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(l, h), _mm256_set1_epi32(32))));
+    }
+  } else {
+    s[0] = halves8(w, b * block_bytes(T));
+  }
+}
+
+// Block `b` of eight rows (w[n]: row n's first byte; rows past a partial panel's end repeat its
+// last row, their lanes never stored), with their scales s, into one panel block at dst.
+template <int T>
+inline void unpack_block8(const uint8_t* const* w, int64_t b, __m256 s, uint8_t* dst) {
+  const int64_t off = b * block_bytes(T);
   __m256i v[8];
-  for (int n = 0; n < 8; ++n) v[n] = values32<T>(w[n] + off);
+  for (int n = 0; n < 8; ++n) v[n] = sub_values<T>(w[n], b);
   transpose8(v);
   for (int c = 0; c < 8; ++c) _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 32 * c), v[c]);
-  const __m256 s = halves8(w, off);
   _mm256_store_ps(reinterpret_cast<float*>(dst + 256), s);
   if constexpr (T == Q4_0 || T == Q5_0)  // o = -8 s or -16 s, the float multiply gguf's dequantize does
     _mm256_store_ps(reinterpret_cast<float*>(dst + 288), _mm256_mul_ps(s, _mm256_set1_ps(T == Q4_0 ? -8.f : -16.f)));
@@ -100,7 +140,7 @@ inline void panel_dot(const uint8_t* pan, int64_t nblk, const Acts& a, int64_t r
       std::memcpy(&v, p, 4);
       return _mm256_set1_epi32(v);
     };
-    if constexpr (T == Q8_0) {
+    if constexpr (signed_values(T)) {
       // |w| x (x with w's sign) = w x keeps vpmaddubsw's operands unsigned x signed; each result
       // is up to 2 x 128 x 127, so every chunk goes to int32 at once.
       #pragma GCC unroll 8
@@ -144,7 +184,7 @@ inline void panel_dot(const uint8_t* pan, int64_t nblk, const Acts& a, int64_t r
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * a.nb32 + b0 + b;
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(ws, _mm256_set1_ps(a.d32[i])), acc[r]);
-      if constexpr (T != Q8_0)
+      if constexpr (!signed_values(T))
         acc[r] = _mm256_fmadd_ps(_mm256_load_ps(reinterpret_cast<const float*>(pb + 288)), _mm256_set1_ps(a.s32[i]),
                                  acc[r]);
     }
@@ -157,6 +197,21 @@ inline void panel_dot(const uint8_t* pan, int64_t nblk, const Acts& a, int64_t r
 inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t b, int64_t nb) {
   for (int64_t o = b * bytes / nb & ~int64_t(63), e = (b + 1) * bytes / nb; o < e; o += 64)
     _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
+}
+
+// Blocks [b0, b1) of eight rows (b0 a multiple of subs<T>()) into consecutive panel blocks at
+// dst, asking for the matching shares of the next panel's `next_bytes` at `next` on the way.
+template <int T>
+inline void unpack_blocks8(const uint8_t* const* w, int64_t b0, int64_t b1, int64_t nb, uint8_t* dst,
+                           const uint8_t* next, int64_t next_bytes) {
+  for (int64_t b = b0; b < b1; b += subs<T>()) {
+    __m256 s[subs<T>()];
+    block_scales8<T>(w, b, s);
+    for (int64_t j = 0; j < subs<T>() && b + j < b1; ++j) {
+      prefetch_share(next, next_bytes, b + j, nb);
+      unpack_block8<T>(w, b + j, s[j], dst + (b + j - b0) * PB);
+    }
+  }
 }
 
 // Row pointers of the panel at output n (absolute in `p`), `rows` of them real.
@@ -182,33 +237,38 @@ inline void store_rows(const __m256* acc, int64_t r0, int64_t n, int64_t rows, f
 // leaves the eight rows' block dots in lanes as the panels do: the same integers, the same floats.
 template <int T>
 void tile_row1(const Part& p, int64_t n0, int64_t n1, const Acts& a, float* y) {
-  constexpr int64_t bb = block_bytes(T);
   const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t nb = p.nb * subs<T>();
   for (int64_t n = n0; n < n1; n += PR) {
     const int64_t rows = std::min(PR, n1 - n);
     const uint8_t* w[PR];
     panel_rows(p, n, rows, w);
     __m256 acc = _mm256_setzero_ps();
     const uint8_t* next = w[0] + PR * p.row_bytes;
-    for (int64_t b = 0; b < p.nb; ++b) {
-      prefetch_share(next, PR * p.row_bytes, b, p.nb);
-      const int64_t off = b * bb;
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q32 + b * 32));
-      __m256i s[8];
-      for (int i = 0; i < 8; ++i) {
-        const __m256i wv = values32<T>(w[i] + off);
-        if constexpr (T == Q8_0)
-          s[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
-        else
-          s[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+    for (int64_t b0 = 0; b0 < nb; b0 += subs<T>()) {
+      __m256 scales[subs<T>()];
+      block_scales8<T>(w, b0, scales);
+      #pragma GCC unroll 8
+      for (int j = 0; j < subs<T>(); ++j) {
+        const int64_t b = b0 + j;
+        prefetch_share(next, PR * p.row_bytes, b, nb);
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q32 + b * 32));
+        __m256i s[8];
+        for (int i = 0; i < 8; ++i) {
+          const __m256i wv = sub_values<T>(w[i], b);
+          if constexpr (signed_values(T))
+            s[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
+          else
+            s[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+        }
+        const __m256 ws = scales[j];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums8(s)), _mm256_mul_ps(ws, _mm256_set1_ps(a.d32[b])), acc);
+        if constexpr (T == Q4_0 || T == Q5_0)
+          acc = _mm256_fmadd_ps(_mm256_mul_ps(ws, _mm256_set1_ps(T == Q4_0 ? -8.f : -16.f)), _mm256_set1_ps(a.s32[b]),
+                                acc);
+        else if constexpr (T == Q4_1 || T == Q5_1)
+          acc = _mm256_fmadd_ps(halves8(w, b * block_bytes(T) + 2), _mm256_set1_ps(a.s32[b]), acc);
       }
-      const __m256 ws = halves8(w, off);
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums8(s)), _mm256_mul_ps(ws, _mm256_set1_ps(a.d32[b])), acc);
-      if constexpr (T == Q4_0 || T == Q5_0)
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(ws, _mm256_set1_ps(T == Q4_0 ? -8.f : -16.f)), _mm256_set1_ps(a.s32[b]),
-                              acc);
-      else if constexpr (T == Q4_1 || T == Q5_1)
-        acc = _mm256_fmadd_ps(halves8(w, off + 2), _mm256_set1_ps(a.s32[b]), acc);
     }
     store_rows<1>(&acc, 0, n, rows, y, 0);
   }
@@ -217,19 +277,18 @@ void tile_row1(const Part& p, int64_t n0, int64_t n1, const Acts& a, float* y) {
 // Decode: each panel a few blocks at a time, unpacked into L1 and met at once by all R rows.
 template <int T, int R>
 void tile_rows(const Part& p, int64_t n0, int64_t n1, const Acts& a, float* y, int64_t ldy) {
+  static_assert(ROWS_GROUP % subs<T>() == 0, "a piece starts on a block of T");
   uint8_t* buf = scratch(ROWS_GROUP * PB);
+  const int64_t nb = p.nb * subs<T>();
   for (int64_t n = n0; n < n1; n += PR) {
     const int64_t rows = std::min(PR, n1 - n);
     const uint8_t* w[PR];
     panel_rows(p, n, rows, w);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b0 = 0; b0 < p.nb; b0 += ROWS_GROUP) {
-      const int64_t g = std::min(ROWS_GROUP, p.nb - b0);
-      for (int64_t b = 0; b < g; ++b) {
-        prefetch_share(w[0] + PR * p.row_bytes, PR * p.row_bytes, b0 + b, p.nb);
-        unpack_block8<T>(w, b0 + b, buf + b * PB);
-      }
+    for (int64_t b0 = 0; b0 < nb; b0 += ROWS_GROUP) {
+      const int64_t g = std::min(ROWS_GROUP, nb - b0);
+      unpack_blocks8<T>(w, b0, b0 + g, nb, buf, w[0] + PR * p.row_bytes, PR * p.row_bytes);
       panel_dot<T, R>(buf, g, a, 0, b0, acc);
     }
     store_rows<R>(acc, 0, n, rows, y, ldy);
@@ -241,14 +300,15 @@ inline void quad(const uint8_t* pan, const Part& p, int64_t n, int64_t rows, con
                  int64_t ldy) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  panel_dot<T, R>(pan, p.nb, a, m0, 0, acc);
+  panel_dot<T, R>(pan, p.nb * subs<T>(), a, m0, 0, acc);
   store_rows<R>(acc, m0, n, rows, y, ldy);
 }
 
 // Prefill: a tile of panels unpacked whole, then every four activation rows over each panel.
 template <int T>
 void tile_panels(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
-  const int64_t panel_bytes = p.nb * PB;
+  const int64_t nb = p.nb * subs<T>();
+  const int64_t panel_bytes = nb * PB;
   const int64_t np = std::clamp<int64_t>(TILE_BYTES / panel_bytes, 1, 4);
   uint8_t* buf = scratch(np * panel_bytes);
   for (int64_t t0 = n0; t0 < n1; t0 += np * PR) {
@@ -257,10 +317,7 @@ void tile_panels(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M
       const uint8_t* w[PR];
       panel_rows(p, n, std::min(PR, t1 - n), w);
       uint8_t* pan = buf + (n - t0) / PR * panel_bytes;
-      for (int64_t b = 0; b < p.nb; ++b) {
-        prefetch_share(w[0] + PR * p.row_bytes, PR * p.row_bytes, b, p.nb);
-        unpack_block8<T>(w, b, pan + b * PB);
-      }
+      unpack_blocks8<T>(w, 0, nb, nb, pan, w[0] + PR * p.row_bytes, PR * p.row_bytes);
     }
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const int64_t mr = std::min<int64_t>(4, M - m0);
@@ -298,6 +355,8 @@ TileFn tile_b32_a8(int64_t type) {
     case Q5_0: return tile_b32<Q5_0>;
     case Q5_1: return tile_b32<Q5_1>;
     case Q8_0: return tile_b32<Q8_0>;
+    case IQ4_NL: return tile_b32<IQ4_NL>;
+    case IQ4_XS: return tile_b32<IQ4_XS>;
     default: return nullptr;
   }
 }
