@@ -5,7 +5,7 @@
 // Layout of the family files: kquant.cpp owns the op (activation quantization, the threads, the
 // epilogue) and the float32-activation path; kquant_b32.cpp the int8 dots of the 32-value formats
 // (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, and IQ4_XS as eight 32-value sub-blocks with a scale each);
-// kquant_k.cpp those of the 256-value K formats (Q4_K, Q5_K, Q6_K).
+// kquant_k.cpp those of the 256-value K formats (Q3_K, Q4_K, Q5_K, Q6_K).
 // A family may tile its work as it likes, with one rule: an activation row's result does not depend
 // on how many rows the call has (the same operations in the same order for any M).
 #pragma once
@@ -26,13 +26,14 @@ namespace cbserve_kquant {
 
 // ggml type ids (ggml.h / gguf.GGMLQuantizationType).
 enum Type : int64_t {
-  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
+  IQ4_XS = 23
 };
 
 // f(std::integral_constant<int64_t, T>{}) for the format T = t; false for a type not read in place.
 template <typename F>
 inline bool with_type(int64_t t, F&& f) {
-  return cbserve::with_value<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS>(t, std::forward<F>(f));
+  return cbserve::with_value<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS>(t, std::forward<F>(f));
 }
 // The kinds (GGUF rows, float32 or int8 activations) and epilogues shared with the other ops.
 constexpr int64_t GGML_F32 = cbserve::GGML, GGML_A8 = cbserve::GGML_A8;
@@ -42,7 +43,11 @@ constexpr int MR = 4;  // up to this many activation rows the dots read the file
 
 // The K formats' int8 dots take activations per 256 with sums per 16 (kquant_k.cpp); every other
 // format's take them per 32 (kquant_b32.cpp).
-constexpr bool k_family(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K; }
+constexpr bool k_family(int64_t t) { return t == Q3_K || t == Q4_K || t == Q5_K || t == Q6_K; }
+// K formats with a signed scale per 16 values and a fixed offset (w = d sc (u - offset)): Q6_K
+// (u 0..63, offset 32) and Q3_K (u 0..7, offset 4); the others have a minimum per 32.
+constexpr bool scaled16(int64_t t) { return t == Q3_K || t == Q6_K; }
+constexpr int k16_offset_shift(int64_t t) { return t == Q6_K ? 5 : 2; }  // log2 of the offset
 constexpr int64_t block_values(int64_t t) { return k_family(t) || t == IQ4_XS ? 256 : 32; }
 // Formats whose values are signed bytes (w = u s, no offset): Q8_0 and the IQ4 table's values.
 constexpr bool signed_values(int64_t t) { return t == Q8_0 || t == IQ4_NL || t == IQ4_XS; }
@@ -56,6 +61,7 @@ constexpr int64_t block_bytes(int64_t t) {
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
+    case Q3_K: return 110;
     case IQ4_NL: return 18;
     case IQ4_XS: return 136;
     default: return 0;
@@ -130,6 +136,46 @@ inline void q6k_values(__m256i u[4], const uint8_t* b, int n) {
                          _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
 }
 
+// Q3_K's half n (128 values, unsigned 0..7: two bits from qs, the third from hmask) as four
+// 32-byte vectors in the block's value order (vector k: qs bits 2k..2k+1, hmask bit 4n + k).
+inline void q3k_values(__m256i u[4], const uint8_t* b, int n) {
+  const __m256i m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
+  const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + 32 * n));
+  for (int k = 0; k < 4; ++k) {
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * k), m3);
+    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 4 * n + k), m1), 2);
+    u[k] = _mm256_or_si256(lo, hi);
+  }
+}
+
+// Q3_K: its 16 six-bit scales (four bits from bytes 0..7, two from bytes 8..11) minus 32, as
+// int8 in one vector (word-parallel bit moves, then one byte subtraction).
+inline __m128i q3k_scales(const uint8_t* b) {
+  uint32_t a[3];
+  std::memcpy(a, b + 96, 12);
+  const uint32_t m4 = 0x0F0F0F0F, m2 = 0x03030303;
+  const __m128i v = _mm_setr_epi32(static_cast<int32_t>((a[0] & m4) | ((a[2] & m2) << 4)),
+                                   static_cast<int32_t>((a[1] & m4) | (((a[2] >> 2) & m2) << 4)),
+                                   static_cast<int32_t>(((a[0] >> 4) & m4) | (((a[2] >> 4) & m2) << 4)),
+                                   static_cast<int32_t>(((a[1] >> 4) & m4) | (((a[2] >> 6) & m2) << 4)));
+  return _mm_sub_epi8(v, _mm_set1_epi8(32));
+}
+
+// Q6_K / Q3_K: the block's 16 int8 scales, its values (half n), and d.
+template <int T>
+inline __m128i k16_scales(const uint8_t* b) {
+  if constexpr (T == Q6_K) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+  else return q3k_scales(b);
+}
+template <int T>
+inline void k16_values(__m256i u[4], const uint8_t* b, int n) {
+  if constexpr (T == Q6_K) q6k_values(u, b, n);
+  else q3k_values(u, b, n);
+}
+template <int T>
+inline float k16_d(const uint8_t* b) { return fp16(b + (T == Q6_K ? 208 : 108)); }
+
 // Q4_K / Q5_K: 8 six-bit scales and 8 six-bit mins from their 12 packed bytes.
 inline void scales_k4(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
   for (int j = 0; j < 4; ++j) {
@@ -193,12 +239,14 @@ inline void decode_block(const uint8_t* b, float* dst) {
       store_floats<false>(hi, _mm256_set1_ps(d * sc[2 * j + 1]), _mm256_set1_ps(-(dmin * mn[2 * j + 1])),
                           dst + 64 * j + 32);
     }
-  } else if constexpr (T == Q6_K) {
-    const float d = fp16(b + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  } else if constexpr (scaled16(T)) {
+    const float d = k16_d<T>(b);
+    alignas(16) int8_t sc[16];
+    _mm_store_si128(reinterpret_cast<__m128i*>(sc), k16_scales<T>(b));
+    constexpr float offset = T == Q6_K ? 32.f : 4.f;
     for (int n = 0; n < 2; ++n) {
       __m256i u[4];
-      q6k_values(u, b, n);
+      k16_values<T>(u, b, n);
       for (int k = 0; k < 4; ++k) {
         alignas(32) uint8_t bytes[32];
         _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), u[k]);
@@ -207,7 +255,7 @@ inline void decode_block(const uint8_t* b, float* dst) {
           const __m256 v = _mm256_cvtepi32_ps(
               _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * i))));
           _mm256_store_ps(dst + 128 * n + 32 * k + 8 * i,
-                          _mm256_fmadd_ps(v, _mm256_set1_ps(s), _mm256_set1_ps(-32.f * s)));
+                          _mm256_fmadd_ps(v, _mm256_set1_ps(s), _mm256_set1_ps(-offset * s)));
         }
       }
     }

@@ -1,7 +1,7 @@
-// int8-activation dots of the 256-value K formats (Q4_K, Q5_K, Q6_K) against llama.cpp's Q8_K
+// int8-activation dots of the 256-value K formats (Q3_K, Q4_K, Q5_K, Q6_K) against llama.cpp's Q8_K
 // activations (int8 per 256 inputs, with sums per 16), and the tiles that run them.
 //
-// The 4-, 5- or 6-bit values meet the activations in vpmaddubsw, their integer sub-scales in
+// The 3-, 4-, 5- or 6-bit values meet the activations in vpmaddubsw, their integer sub-scales in
 // vpmaddwd (each sub-scale broadcast to 16-bit lanes by one vpshufb from a register holding the
 // block's scales); a format's minimum or offset enters through the activation sums per 16; fp32
 // once per 256 inputs. Decode's kernel, dot_k, takes NR weight rows against R activation rows so
@@ -61,7 +61,7 @@ inline __m128i k4_mins(__m256i sm) {
                           _mm_setr_epi8(4, -1, 5, -1, 6, -1, 7, -1, 12, -1, 13, -1, 14, -1, 15, -1));
 }
 
-// Q6_K: the vpshufb control that, from a half's 8 scales as 16-bit lanes (q6k_half_scales), gives
+// Q6_K / Q3_K: the vpshufb control that, from a half's 8 scales as 16-bit lanes (half_scales16), gives
 // vector k of that half (32 values, a scale per 16) scale 2k in its low half, 2k + 1 in its high.
 inline __m256i q6k_scale_ctrl(int k) {
   const int16_t lo = static_cast<int16_t>(0x0100 + 0x0202 * (2 * k)), hi = static_cast<int16_t>(lo + 0x0202);
@@ -83,10 +83,10 @@ inline void prefetch_slice(const uint8_t* pf, int64_t b, int64_t step) {
 // scales included, so that the micro-kernel's inner loop is loads, multiplies and adds only:
 // 8 value vectors (32 values each, vector v meets sub-block v's scale), 8 scale vectors (that
 // scale in every 16-bit lane), then Q4_K / Q5_K: the mins as 16-bit lanes, d and dmin;
-// Q6_K: all 16 scales as 16-bit lanes (for the offset of 32) and d.
+// Q6_K / Q3_K: all 16 scales as 16-bit lanes (for the offset) and d.
 template <int T>
 constexpr int64_t unpacked_block() {
-  return T == Q6_K ? 576 : 544;
+  return scaled16(T) ? 576 : 544;
 }
 
 // Q4_K / Q5_K: values 64j .. 64j + 63 of a block (low and high halves); qh (Q5_K's fifth bits)
@@ -104,15 +104,13 @@ inline void k4_values(const uint8_t* blk, int j, __m256i& qh, __m256i& lo, __m25
   }
 }
 
-// Q6_K: half h's 8 int8 scales as 16-bit lanes in both 128-bit halves (for q6k_scale_ctrl), and
-// all 16 scales as 16-bit lanes (met by the activation sums per 16 for the offset of 32).
-inline __m256i q6k_half_scales(const uint8_t* blk, int h) {
-  const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 192 + 8 * h));
-  return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
+// Q6_K / Q3_K: from the 16 int8 scales (k16_scales), half h's 8 as 16-bit lanes in both 128-bit
+// halves (for q6k_scale_ctrl), and all 16 as 16-bit lanes (met by the activation sums per 16
+// for the offset).
+inline __m256i half_scales16(__m128i sc, int h) {
+  return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(h == 0 ? sc : _mm_srli_si128(sc, 8)));
 }
-inline __m256i q6k_all_scales(const uint8_t* blk) {
-  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
-}
+inline __m256i all_scales16(__m128i sc) { return _mm256_cvtepi8_epi16(sc); }
 
 template <int T>
 void unpack_k(const uint8_t* w, int64_t nb, uint8_t* dst) {
@@ -121,18 +119,19 @@ void unpack_k(const uint8_t* w, int64_t nb, uint8_t* dst) {
     const uint8_t* blk = w + b * BB;
     uint8_t* o = dst + b * UB;
     auto put = [](uint8_t* at, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(at), v); };
-    if constexpr (T == Q6_K) {
+    if constexpr (scaled16(T)) {
+      const __m128i sc = k16_scales<T>(blk);
       for (int h = 0; h < 2; ++h) {
         __m256i u[4];
-        q6k_values(u, blk, h);
-        const __m256i scv = q6k_half_scales(blk, h);
+        k16_values<T>(u, blk, h);
+        const __m256i scv = half_scales16(sc, h);
         for (int k = 0; k < 4; ++k) {
           put(o + 128 * h + 32 * k, u[k]);
           put(o + 256 + 128 * h + 32 * k, _mm256_shuffle_epi8(scv, q6k_scale_ctrl(k)));
         }
       }
-      put(o + 512, q6k_all_scales(blk));
-      const float d = fp16(blk + 208);
+      put(o + 512, all_scales16(sc));
+      const float d = k16_d<T>(blk);
       std::memcpy(o + 544, &d, 4);
     } else {
       __m256i qh = T == Q5_K ? load256(blk + 16) : _mm256_setzero_si256();
@@ -186,15 +185,15 @@ void dot_u(const uint8_t* w, int64_t stride, const Acts& a, const int16_t* pairs
     }
     for (int n = 0; n < NR; ++n) {
       float d[2];
-      std::memcpy(d, blk[n] + (T == Q6_K ? 544 : 528), T == Q6_K ? 4 : 8);
+      std::memcpy(d, blk[n] + (scaled16(T) ? 544 : 528), scaled16(T) ? 4 : 8);
       const __m256 vd = _mm256_set1_ps(d[0]);
       for (int r = 0; r < R; ++r) {
         const int64_t rb = (r0 + r) * nbx + b;
         const __m256 dx = _mm256_set1_ps(a.d256[rb]);
         __m256& c = acc[n * R + r];
-        if constexpr (T == Q6_K) {
+        if constexpr (scaled16(T)) {
           const __m256i off = _mm256_madd_epi16(load256(blk[n] + 512), load256(a.bs16 + rb * 16));
-          const __m256i tot = _mm256_sub_epi32(sumi[n * R + r], _mm256_slli_epi32(off, 5));
+          const __m256i tot = _mm256_sub_epi32(sumi[n * R + r], _mm256_slli_epi32(off, k16_offset_shift(T)));
           c = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(vd, dx), c);
         } else {
           const __m128i mins = _mm_load_si128(reinterpret_cast<const __m128i*>(blk[n] + 512));
@@ -241,13 +240,13 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
     const int8_t* x[R];
     __m256 dx[R];
     __m128i pairs[R];  // Q4_K / Q5_K: the sums per 32 (one per min)
-    __m256i bs[R];     // Q6_K: the sums per 16 (one per scale)
+    __m256i bs[R];     // Q6_K / Q3_K: the sums per 16 (one per scale)
     for (int r = 0; r < R; ++r) {
       const int64_t rb = (r0 + r) * nbx + b;
       x[r] = a.q256 + rb * 256;
       dx[r] = _mm256_set1_ps(a.d256[rb]);
       const int16_t* s16 = a.bs16 + rb * 16;
-      if constexpr (T == Q6_K) {
+      if constexpr (scaled16(T)) {
         bs[r] = load256(s16);
       } else {
         pairs[r] = _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16)),
@@ -266,12 +265,13 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
       }
       __m256i sumi[R];
       for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-      if constexpr (T == Q6_K) {
+      if constexpr (scaled16(T)) {
+        const __m128i sc = k16_scales<T>(blk);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           __m256i u[4];
-          q6k_values(u, blk, h);
-          const __m256i scv = q6k_half_scales(blk, h);
+          k16_values<T>(u, blk, h);
+          const __m256i scv = half_scales16(sc, h);
 #pragma GCC unroll 4
           for (int k = 0; k < 4; ++k) {
             const __m256i s = _mm256_shuffle_epi8(scv, q6k_scale_ctrl(k));
@@ -282,11 +282,12 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
             }
           }
         }
-        // w = d sc (u - 32): take 32 sc x (the sums per 16) back out, in the same lanes.
-        const __m256i sc16 = q6k_all_scales(blk);
-        const __m256 vd = _mm256_set1_ps(fp16(blk + 208));
+        // w = d sc (u - offset): take offset sc x (the sums per 16) back out, in the same lanes.
+        const __m256i sc16 = all_scales16(sc);
+        const __m256 vd = _mm256_set1_ps(k16_d<T>(blk));
         for (int r = 0; r < R; ++r) {
-          const __m256i tot = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs[r]), 5));
+          const __m256i tot =
+              _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs[r]), k16_offset_shift(T)));
           acc[n * R + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(vd, dx[r]), acc[n * R + r]);
         }
       } else {
@@ -361,9 +362,9 @@ void tile_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, flo
   const int64_t ub = p.nb * unpacked_block<T>(), nbx = a.K / 256;
   const int64_t nt = std::clamp<int64_t>(((int64_t(128) << 10) / ub) & ~int64_t(1), 2, 16);
   // The tile, then Q4_K / Q5_K's activation sums per 32 (one per min), shared by every weight row.
-  uint8_t* buf = scratch(nt * ub + (T != Q6_K ? 16 * M * nbx : 0));
+  uint8_t* buf = scratch(nt * ub + (!scaled16(T) ? 16 * M * nbx : 0));
   int16_t* pairs = reinterpret_cast<int16_t*>(buf + nt * ub);
-  if constexpr (T != Q6_K) {
+  if constexpr (!scaled16(T)) {
     for (int64_t rb = 0; rb < M * nbx; ++rb) {
       const int16_t* s16 = a.bs16 + rb * 16;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs + 8 * rb),
@@ -391,6 +392,7 @@ void tile_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, flo
 
 TileFn tile_k_a8(int64_t type) {
   switch (type) {
+    case Q3_K: return tile_k<Q3_K>;
     case Q4_K: return tile_k<Q4_K>;
     case Q5_K: return tile_k<Q5_K>;
     case Q6_K: return tile_k<Q6_K>;
