@@ -445,8 +445,8 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         return value
 
     def blocks(self, name: str) -> GGMLTensor | None:
-        """The tensor's own quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K,
-        Q6_K, IQ4_NL, IQ4_XS), byte for byte, row-permuted like `self[name]` but never dequantized;
+        """The tensor's own quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K,
+        IQ4_NL, IQ4_XS), byte for byte, row-permuted like `self[name]` but never dequantized;
         None for other formats or names."""
         t = self._tensors.get(name)
         if t is None:

@@ -516,7 +516,7 @@ class LlamaForCausalLM(nn.Module):
         the head as packed weights, per `scheme`:
 
         - auto: the checkpoint's own blocks where `blocks(name)` has them (GGUF Q4_0, Q4_1, Q5_0,
-          Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, so the model computes exactly what the file holds; a
+          Q5_1, Q8_0, Q2_K .. Q6_K, IQ4_NL, IQ4_XS, so the model computes exactly what the file holds; a
           fused projection may mix them), else the float weights;
         - none: the float weights (float32 panels: the same numbers as F.linear);
         - q8_0 / q4_1: that format, quantized from the float weights unless the checkpoint

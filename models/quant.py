@@ -7,7 +7,7 @@ Formats (32 inputs per block, one scale per block and output row, as llama.cpp d
   the Q4_1 block with m = -8 d, exact in fp16, so it needs no kernel of its own.)
 - F32: float weights in the same panel layout (for models kept in float).
 
-Every other GGUF block format (Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), and Q4_0 / Q4_1 / Q8_0 where the
+Every other GGUF block format (Q5_0, Q5_1, Q2_K .. Q6_K, IQ4_NL, IQ4_XS), and Q4_0 / Q4_1 / Q8_0 where the
 activations are int8 on a CPU without AVX512-VNNI, is a `GGMLTensor`: the file's own rows of
 blocks, byte for byte, multiplied in place by `models.ops.ggml_linear`
 (models/csrc/kquant.cpp) with float32 or int8 activations (kinds GGML / GGML_A8). Its memory is
@@ -168,7 +168,7 @@ def quantize(w: torch.Tensor, kind: int) -> QTensor:
 # ggml type ids (gguf.GGMLQuantizationType) of the block formats read without dequantizing.
 GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 2, 3, 8
 GGML_Q5_0, GGML_Q5_1, GGML_Q4_K, GGML_Q5_K, GGML_Q6_K = 6, 7, 12, 13, 14
-GGML_Q3_K, GGML_IQ4_NL, GGML_IQ4_XS = 11, 20, 23
+GGML_Q2_K, GGML_Q3_K, GGML_IQ4_NL, GGML_IQ4_XS = 10, 11, 20, 23
 # type -> (values, bytes) a block, and the name weight_formats() reports
 GGML_BLOCKS = {
     GGML_Q4_0: (32, 18),
@@ -176,6 +176,7 @@ GGML_BLOCKS = {
     GGML_Q5_0: (32, 22),
     GGML_Q5_1: (32, 24),
     GGML_Q8_0: (32, 34),
+    GGML_Q2_K: (256, 84),
     GGML_Q3_K: (256, 110),
     GGML_Q4_K: (256, 144),
     GGML_Q5_K: (256, 176),
@@ -189,6 +190,7 @@ GGML_NAMES = {
     GGML_Q5_0: "q5_0",
     GGML_Q5_1: "q5_1",
     GGML_Q8_0: "q8_0",
+    GGML_Q2_K: "q2_k",
     GGML_Q3_K: "q3_k",
     GGML_Q4_K: "q4_k",
     GGML_Q5_K: "q5_k",

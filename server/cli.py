@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SCHEMES,
         default="auto",
         help="projection and head weights in the CPU kernels. auto: a GGUF file's own "
-        "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q3_K..Q6_K/IQ4_NL/IQ4_XS blocks as they are, float weights otherwise; "
+        "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K..Q6_K/IQ4_NL/IQ4_XS blocks as they are, float weights otherwise; "
         "none: float (a GGUF file dequantized); q8_0 / q4_1: quantize at load "
         "(default: %(default)s)",
     )

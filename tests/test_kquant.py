@@ -35,7 +35,8 @@ pytestmark = pytest.mark.skipif(
     not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"
 )
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES += [Q.IQ4_NL, Q.IQ4_XS]
 # byte offsets of each block's fp16 scales (the other bytes: any pattern is a valid block)
 SCALES = {
     Q.Q4_0: (0,),
@@ -43,6 +44,7 @@ SCALES = {
     Q.Q5_0: (0,),
     Q.Q5_1: (0, 2),
     Q.Q8_0: (0,),
+    Q.Q2_K: (80, 82),
     Q.Q3_K: (108,),
     Q.Q4_K: (0, 2),
     Q.Q5_K: (0, 2),
@@ -81,7 +83,7 @@ def round_activations(x: torch.Tensor, group: int) -> torch.Tensor:
 def group_of(qtype: Q) -> int:
     """The inputs per int8 activation scale: 256 for the K formats (llama.cpp's Q8_K), 32 for
     the rest (IQ4_XS's 256-value blocks have a scale per 32 values)."""
-    return 256 if qtype in (Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
+    return 256 if qtype in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -228,7 +230,7 @@ def test_bad_arguments_are_refused():
 
 
 def test_a_gguf_in_k_and_q5_formats_loads_without_float_copies(tmp_path, monkeypatch):
-    """A 2-layer Llama GGUF whose tensors rotate through nine formats (so q/k/v and gate/up fuse
+    """A 2-layer Llama GGUF whose tensors rotate through ten formats (so q/k/v and gate/up fuse
     parts of different formats): every projection, the head and the embedding keep the file's
     blocks, float32 activations give the float model's logits, int8 activations stay close."""
     from test_models_real import our_logits, random_ids, write_gguf
@@ -236,7 +238,7 @@ def test_a_gguf_in_k_and_q5_formats_loads_without_float_copies(tmp_path, monkeyp
     from models import load_model
 
     monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))
-    types = [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS, Q.Q3_K]
+    types = [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS, Q.Q3_K, Q.Q2_K]
     path = write_gguf(tmp_path / "kquant.gguf", types)
     reference = load_model(str(path), use_kernels=False)
     ids = random_ids(24, reference.config.vocab_size, seed=5)
@@ -245,7 +247,7 @@ def test_a_gguf_in_k_and_q5_formats_loads_without_float_copies(tmp_path, monkeyp
         lm = load_model(str(path), activations=activations)
         formats = lm.model.weight_formats()
         suffix = "+a8" if activations == "auto" else ""
-        names = ("q4_k", "q6_k", "q5_0", "q5_1", "q5_k", "iq4_nl", "iq4_xs", "q3_k")
+        names = ("q4_k", "q6_k", "q5_0", "q5_1", "q5_k", "iq4_nl", "iq4_xs", "q3_k", "q2_k")
         assert set(formats) >= {f"{n}{suffix}" for n in names}
         assert not any(n.startswith(("f32", "float")) for n in formats), formats
         assert isinstance(lm.model.embed_tokens, RowsEmbedding)  # no float table either

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
     not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"
 )
 
-K_TYPES = [Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+K_TYPES = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 BATCHES = (1, 2, 3, 4, 5, 7, 8, 9, 33, 64, 130)
 
 

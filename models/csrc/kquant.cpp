@@ -1,5 +1,5 @@
-// GGUF block formats multiplied in place: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K,
-// IQ4_NL, IQ4_XS.
+// GGUF block formats multiplied in place: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
+// Q6_K, IQ4_NL, IQ4_XS.
 // AVX2 + FMA + F16C (x86-64-v3); registered as torch.ops.cbserve.ggml_linear / ggml_rows.
 //
 // The weights are the file's own bytes, one row per output (a row is K / block_size blocks laid

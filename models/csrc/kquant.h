@@ -5,7 +5,7 @@
 // Layout of the family files: kquant.cpp owns the op (activation quantization, the threads, the
 // epilogue) and the float32-activation path; kquant_b32.cpp the int8 dots of the 32-value formats
 // (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, and IQ4_XS as eight 32-value sub-blocks with a scale each);
-// kquant_k.cpp those of the 256-value K formats (Q3_K, Q4_K, Q5_K, Q6_K).
+// kquant_k.cpp those of the 256-value K formats (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K).
 // A family may tile its work as it likes, with one rule: an activation row's result does not depend
 // on how many rows the call has (the same operations in the same order for any M).
 #pragma once
@@ -26,14 +26,14 @@ namespace cbserve_kquant {
 
 // ggml type ids (ggml.h / gguf.GGMLQuantizationType).
 enum Type : int64_t {
-  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
   IQ4_XS = 23
 };
 
 // f(std::integral_constant<int64_t, T>{}) for the format T = t; false for a type not read in place.
 template <typename F>
 inline bool with_type(int64_t t, F&& f) {
-  return cbserve::with_value<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS>(t, std::forward<F>(f));
+  return cbserve::with_value<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS>(t, std::forward<F>(f));
 }
 // The kinds (GGUF rows, float32 or int8 activations) and epilogues shared with the other ops.
 constexpr int64_t GGML_F32 = cbserve::GGML, GGML_A8 = cbserve::GGML_A8;
@@ -43,11 +43,12 @@ constexpr int MR = 4;  // up to this many activation rows the dots read the file
 
 // The K formats' int8 dots take activations per 256 with sums per 16 (kquant_k.cpp); every other
 // format's take them per 32 (kquant_b32.cpp).
-constexpr bool k_family(int64_t t) { return t == Q3_K || t == Q4_K || t == Q5_K || t == Q6_K; }
-// K formats with a signed scale per 16 values and a fixed offset (w = d sc (u - offset)): Q6_K
-// (u 0..63, offset 32) and Q3_K (u 0..7, offset 4); the others have a minimum per 32.
-constexpr bool scaled16(int64_t t) { return t == Q3_K || t == Q6_K; }
-constexpr int k16_offset_shift(int64_t t) { return t == Q6_K ? 5 : 2; }  // log2 of the offset
+constexpr bool k_family(int64_t t) { return t == Q2_K || t == Q3_K || t == Q4_K || t == Q5_K || t == Q6_K; }
+// K formats with a scale per 16 values: Q6_K (u 0..63) and Q3_K (u 0..7) with a fixed offset
+// (w = d sc (u - offset), sc signed), Q2_K (u 0..3) with a minimum per 16 (w = d sc u - dmin m);
+// Q4_K and Q5_K have a scale and a minimum per 32.
+constexpr bool scaled16(int64_t t) { return t == Q2_K || t == Q3_K || t == Q6_K; }
+constexpr int k16_offset_shift(int64_t t) { return t == Q6_K ? 5 : 2; }  // log2 of the offset (Q6_K, Q3_K)
 constexpr int64_t block_values(int64_t t) { return k_family(t) || t == IQ4_XS ? 256 : 32; }
 // Formats whose values are signed bytes (w = u s, no offset): Q8_0 and the IQ4 table's values.
 constexpr bool signed_values(int64_t t) { return t == Q8_0 || t == IQ4_NL || t == IQ4_XS; }
@@ -62,6 +63,7 @@ constexpr int64_t block_bytes(int64_t t) {
     case Q5_K: return 176;
     case Q6_K: return 210;
     case Q3_K: return 110;
+    case Q2_K: return 84;
     case IQ4_NL: return 18;
     case IQ4_XS: return 136;
     default: return 0;
@@ -162,19 +164,32 @@ inline __m128i q3k_scales(const uint8_t* b) {
   return _mm_sub_epi8(v, _mm_set1_epi8(32));
 }
 
-// Q6_K / Q3_K: the block's 16 int8 scales, its values (half n), and d.
+// Q2_K's half n (128 values, 0..3): vector k holds qs bits 2k..2k+1.
+inline void q2k_values(__m256i u[4], const uint8_t* b, int n) {
+  const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * n));
+  for (int k = 0; k < 4; ++k) u[k] = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * k), _mm256_set1_epi8(3));
+}
+// ... its 16 four-bit minimums (the high nibbles of its scale bytes).
+inline __m128i q2k_mins(const uint8_t* b) {
+  return _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 4), _mm_set1_epi8(0x0F));
+}
+
+// Q6_K / Q3_K / Q2_K: the block's 16 int8 scales, its values (half n), d (and Q2_K's dmin).
 template <int T>
 inline __m128i k16_scales(const uint8_t* b) {
   if constexpr (T == Q6_K) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
-  else return q3k_scales(b);
+  else if constexpr (T == Q3_K) return q3k_scales(b);
+  else return _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), _mm_set1_epi8(0x0F));
 }
 template <int T>
 inline void k16_values(__m256i u[4], const uint8_t* b, int n) {
   if constexpr (T == Q6_K) q6k_values(u, b, n);
-  else q3k_values(u, b, n);
+  else if constexpr (T == Q3_K) q3k_values(u, b, n);
+  else q2k_values(u, b, n);
 }
 template <int T>
-inline float k16_d(const uint8_t* b) { return fp16(b + (T == Q6_K ? 208 : 108)); }
+inline float k16_d(const uint8_t* b) { return fp16(b + (T == Q6_K ? 208 : T == Q3_K ? 108 : 80)); }
+inline float q2k_dmin(const uint8_t* b) { return fp16(b + 82); }
 
 // Q4_K / Q5_K: 8 six-bit scales and 8 six-bit mins from their 12 packed bytes.
 inline void scales_k4(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
@@ -241,8 +256,10 @@ inline void decode_block(const uint8_t* b, float* dst) {
     }
   } else if constexpr (scaled16(T)) {
     const float d = k16_d<T>(b);
-    alignas(16) int8_t sc[16];
+    alignas(16) int8_t sc[16], mn[16];
     _mm_store_si128(reinterpret_cast<__m128i*>(sc), k16_scales<T>(b));
+    if constexpr (T == Q2_K) _mm_store_si128(reinterpret_cast<__m128i*>(mn), q2k_mins(b));
+    const float dmin = T == Q2_K ? q2k_dmin(b) : 0.f;
     constexpr float offset = T == Q6_K ? 32.f : 4.f;
     for (int n = 0; n < 2; ++n) {
       __m256i u[4];
@@ -251,11 +268,11 @@ inline void decode_block(const uint8_t* b, float* dst) {
         alignas(32) uint8_t bytes[32];
         _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), u[k]);
         for (int i = 0; i < 4; ++i) {  // 8 values; a scale per 16
-          const float s = d * sc[8 * n + 2 * k + i / 2];
+          const int j = 8 * n + 2 * k + i / 2;
+          const float s = d * sc[j], o = T == Q2_K ? -(dmin * mn[j]) : -offset * s;
           const __m256 v = _mm256_cvtepi32_ps(
               _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * i))));
-          _mm256_store_ps(dst + 128 * n + 32 * k + 8 * i,
-                          _mm256_fmadd_ps(v, _mm256_set1_ps(s), _mm256_set1_ps(-offset * s)));
+          _mm256_store_ps(dst + 128 * n + 32 * k + 8 * i, _mm256_fmadd_ps(v, _mm256_set1_ps(s), _mm256_set1_ps(o)));
         }
       }
     }

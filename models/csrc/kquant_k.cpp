@@ -1,7 +1,7 @@
-// int8-activation dots of the 256-value K formats (Q3_K, Q4_K, Q5_K, Q6_K) against llama.cpp's Q8_K
+// int8-activation dots of the 256-value K formats (Q2_K .. Q6_K) against llama.cpp's Q8_K
 // activations (int8 per 256 inputs, with sums per 16), and the tiles that run them.
 //
-// The 3-, 4-, 5- or 6-bit values meet the activations in vpmaddubsw, their integer sub-scales in
+// The 2- to 6-bit values meet the activations in vpmaddubsw, their integer sub-scales in
 // vpmaddwd (each sub-scale broadcast to 16-bit lanes by one vpshufb from a register holding the
 // block's scales); a format's minimum or offset enters through the activation sums per 16; fp32
 // once per 256 inputs. Decode's kernel, dot_k, takes NR weight rows against R activation rows so
@@ -83,7 +83,8 @@ inline void prefetch_slice(const uint8_t* pf, int64_t b, int64_t step) {
 // scales included, so that the micro-kernel's inner loop is loads, multiplies and adds only:
 // 8 value vectors (32 values each, vector v meets sub-block v's scale), 8 scale vectors (that
 // scale in every 16-bit lane), then Q4_K / Q5_K: the mins as 16-bit lanes, d and dmin;
-// Q6_K / Q3_K: all 16 scales as 16-bit lanes (for the offset) and d.
+// Q6_K / Q3_K: all 16 scales as 16-bit lanes (for the offset) and d; Q2_K: its 16 minimums as
+// 16-bit lanes, d and dmin.
 template <int T>
 constexpr int64_t unpacked_block() {
   return scaled16(T) ? 576 : 544;
@@ -130,9 +131,9 @@ void unpack_k(const uint8_t* w, int64_t nb, uint8_t* dst) {
           put(o + 256 + 128 * h + 32 * k, _mm256_shuffle_epi8(scv, q6k_scale_ctrl(k)));
         }
       }
-      put(o + 512, all_scales16(sc));
-      const float d = k16_d<T>(blk);
-      std::memcpy(o + 544, &d, 4);
+      put(o + 512, all_scales16(T == Q2_K ? q2k_mins(blk) : sc));
+      const float dd[2] = {k16_d<T>(blk), T == Q2_K ? q2k_dmin(blk) : 0.f};
+      std::memcpy(o + 544, dd, 8);
     } else {
       __m256i qh = T == Q5_K ? load256(blk + 16) : _mm256_setzero_si256();
       const __m256i sm = scales_mins_k4(blk + 4);
@@ -185,13 +186,17 @@ void dot_u(const uint8_t* w, int64_t stride, const Acts& a, const int16_t* pairs
     }
     for (int n = 0; n < NR; ++n) {
       float d[2];
-      std::memcpy(d, blk[n] + (scaled16(T) ? 544 : 528), scaled16(T) ? 4 : 8);
+      std::memcpy(d, blk[n] + (scaled16(T) ? 544 : 528), 8);
       const __m256 vd = _mm256_set1_ps(d[0]);
       for (int r = 0; r < R; ++r) {
         const int64_t rb = (r0 + r) * nbx + b;
         const __m256 dx = _mm256_set1_ps(a.d256[rb]);
         __m256& c = acc[n * R + r];
-        if constexpr (scaled16(T)) {
+        if constexpr (T == Q2_K) {
+          const __m256i pm = _mm256_madd_epi16(load256(blk[n] + 512), load256(a.bs16 + rb * 16));
+          c = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[n * R + r]), _mm256_mul_ps(vd, dx), c);
+          c = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_mul_ps(_mm256_set1_ps(d[1]), dx), c);
+        } else if constexpr (scaled16(T)) {
           const __m256i off = _mm256_madd_epi16(load256(blk[n] + 512), load256(a.bs16 + rb * 16));
           const __m256i tot = _mm256_sub_epi32(sumi[n * R + r], _mm256_slli_epi32(off, k16_offset_shift(T)));
           c = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(vd, dx), c);
@@ -240,7 +245,7 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
     const int8_t* x[R];
     __m256 dx[R];
     __m128i pairs[R];  // Q4_K / Q5_K: the sums per 32 (one per min)
-    __m256i bs[R];     // Q6_K / Q3_K: the sums per 16 (one per scale)
+    __m256i bs[R];     // Q6_K / Q3_K / Q2_K: the sums per 16 (one per scale)
     for (int r = 0; r < R; ++r) {
       const int64_t rb = (r0 + r) * nbx + b;
       x[r] = a.q256 + rb * 256;
@@ -282,13 +287,22 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
             }
           }
         }
-        // w = d sc (u - offset): take offset sc x (the sums per 16) back out, in the same lanes.
-        const __m256i sc16 = all_scales16(sc);
         const __m256 vd = _mm256_set1_ps(k16_d<T>(blk));
-        for (int r = 0; r < R; ++r) {
-          const __m256i tot =
-              _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs[r]), k16_offset_shift(T)));
-          acc[n * R + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(vd, dx[r]), acc[n * R + r]);
+        if constexpr (T == Q2_K) {  // w = d sc u - dmin m: dmin m x (the sums per 16) in float
+          const __m256i mn16 = all_scales16(q2k_mins(blk));
+          const __m256 vdmin = _mm256_set1_ps(q2k_dmin(blk));
+          for (int r = 0; r < R; ++r) {
+            __m256& c = acc[n * R + r];
+            c = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(vd, dx[r]), c);
+            c = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mn16, bs[r])), _mm256_mul_ps(vdmin, dx[r]), c);
+          }
+        } else {  // w = d sc (u - offset): take offset sc x (the sums per 16) back out, in the same lanes
+          const __m256i sc16 = all_scales16(sc);
+          for (int r = 0; r < R; ++r) {
+            const __m256i tot =
+                _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs[r]), k16_offset_shift(T)));
+            acc[n * R + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(vd, dx[r]), acc[n * R + r]);
+          }
         }
       } else {
         const __m256i sm = scales_mins_k4(blk + 4);
@@ -392,6 +406,7 @@ void tile_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, flo
 
 TileFn tile_k_a8(int64_t type) {
   switch (type) {
+    case Q2_K: return tile_k<Q2_K>;
     case Q3_K: return tile_k<Q3_K>;
     case Q4_K: return tile_k<Q4_K>;
     case Q5_K: return tile_k<Q5_K>;
