@@ -253,11 +253,16 @@ void tile_row1(const Part& p, int64_t n0, int64_t n1, const Acts& a, float* y) {
         const int64_t b = b0 + j;
         prefetch_share(next, PR * p.row_bytes, b, nb);
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q32 + b * 32));
+        // IQ4 (values -127..113): |x| (w with x's sign) = w x, |x| made once for the eight rows;
+        // Q8_0's -128 has no negation in int8, so there |w| (x with w's sign)
+        const __m256i xa = _mm256_sign_epi8(xv, xv);
         __m256i s[8];
         for (int i = 0; i < 8; ++i) {
           const __m256i wv = sub_values<T>(w[i], b);
-          if constexpr (signed_values(T))
+          if constexpr (T == Q8_0)
             s[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
+          else if constexpr (signed_values(T))
+            s[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(wv, xv)), ones);
           else
             s[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
         }
