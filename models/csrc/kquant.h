@@ -141,12 +141,15 @@ inline void q6k_values(__m256i u[4], const uint8_t* b, int n) {
 // Q3_K's half n (128 values, unsigned 0..7: two bits from qs, the third from hmask) as four
 // 32-byte vectors in the block's value order (vector k: qs bits 2k..2k+1, hmask bit 4n + k).
 inline void q3k_values(__m256i u[4], const uint8_t* b, int n) {
-  const __m256i m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
+  const __m256i m3 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(4);
   const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
   const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + 32 * n));
   for (int k = 0; k < 4; ++k) {
     const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * k), m3);
-    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 4 * n + k), m1), 2);
+    // hmask bit s = 4n + k moved straight to bit 2 (a 16-bit shift of at most 5: bit 2 of each
+    // byte then still comes from that byte)
+    const int sh = 4 * n + k;
+    const __m256i hi = _mm256_and_si256(sh >= 2 ? _mm256_srli_epi16(hm, sh - 2) : _mm256_slli_epi16(hm, 2 - sh), m4);
     u[k] = _mm256_or_si256(lo, hi);
   }
 }
