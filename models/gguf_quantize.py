@@ -1,6 +1,8 @@
-"""Reference GGUF quantizers: float32 tensors -> Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
-blocks, byte for byte what llama.cpp's `llama-quantize` writes without an importance matrix, and
-which of those formats each tensor of a Q4_K_M / Q5_K_M (or single-format) file gets.
+"""Reference GGUF quantizers: float32 tensors -> Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K,
+IQ4_NL, IQ4_XS blocks, byte for byte what llama.cpp's `llama-quantize` writes without an importance
+matrix, and which of those formats each tensor of a Q4_K_M / Q5_K_M / IQ4_NL / IQ4_XS (or
+single-format) file gets (without an importance matrix, the IQ4 formats' scale search weighs
+each value by x * x).
 
 Owns: `quantize(array, qtype)` (the blocks, as `gguf.quants.quantize` lays them out: the last axis
 in bytes) and `mix_types(tensors, ftype)` (llama-quantize's per-tensor choice of format for the
@@ -28,7 +30,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 Q = GGMLQuantizationType
 F32 = np.float32
 
-FORMATS = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+FORMATS = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 
 # What `llama-quantize IN OUT TYPE` takes -> the file type it writes and its default tensor format.
 FTYPES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
@@ -42,6 +44,8 @@ FTYPES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
     "Q4_K_M": (LlamaFileType.MOSTLY_Q4_K_M, Q.Q4_K),
     "Q5_K_M": (LlamaFileType.MOSTLY_Q5_K_M, Q.Q5_K),
     "Q6_K": (LlamaFileType.MOSTLY_Q6_K, Q.Q6_K),
+    "IQ4_NL": (LlamaFileType.MOSTLY_IQ4_NL, Q.IQ4_NL),
+    "IQ4_XS": (LlamaFileType.MOSTLY_IQ4_XS, Q.IQ4_XS),
 }
 
 # Values per numpy pass: the temporaries (a few dozen float32 copies of a chunk) stay in cache.
@@ -363,6 +367,90 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
     return out
 
 
+# -- non-linear 4-bit (IQ4_NL: 32-value blocks; IQ4_XS: 256-value super-blocks of eight) ---------
+
+# kvalues_iq4nl: the 16 levels a nibble indexes, as float32 (the C compares and subtracts them so).
+_IQ4_VALUES = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=F32
+)
+_GROUP_MAX_EPS = F32(1e-15)
+# best_index_int8 by table: the levels are integers, so every v in [k, k + 1) lies between the
+# same two; for k = -127 .. 113 (at k + 127) the index of the upper one and both levels.
+_IQ4_UPPER = np.clip(np.searchsorted(_IQ4_VALUES, np.arange(-127, 114), side="right"), 1, 15)
+_IQ4_BELOW = _IQ4_VALUES[_IQ4_UPPER - 1]
+_IQ4_ABOVE = _IQ4_VALUES[_IQ4_UPPER]
+_IQ4_UPPER = _IQ4_UPPER.astype(np.int8)
+
+
+def _iq4_index(v: np.ndarray) -> np.ndarray:
+    """best_index_int8 over the IQ4 levels (int8): the nearer of the two levels around v, the
+    upper one unless the lower is strictly nearer (float32 differences); v beyond the first or
+    last level takes it (clamping v first gives that index through the same comparison)."""
+    vc = np.clip(v, _IQ4_VALUES[0], _IQ4_VALUES[15])
+    k = np.floor(vc).astype(np.intp) + 127
+    below = np.take(_IQ4_BELOW, k, mode="clip")
+    above = np.take(_IQ4_ABOVE, k, mode="clip")
+    return np.take(_IQ4_UPPER, k, mode="clip") - ((vc - below) < (above - vc))
+
+
+def _iq4_scales(sub: np.ndarray) -> np.ndarray:
+    """quantize_row_iq4_nl_impl's scale search over rows of 32 without an importance matrix
+    (weights x * x, ntry 7): each row's scale, 0 where its |max| is below GROUP_MAX_EPS. On the
+    transpose, as `_make_qkx2`."""
+    xt = np.ascontiguousarray(sub.T)
+    w = xt * xt
+    amax, vmax = _first_absmax(sub)
+    zero = amax < _GROUP_MAX_EPS
+    vmax = np.where(zero, F32(1), vmax).astype(F32)
+
+    def trial(iscale):
+        q = np.take(_IQ4_VALUES, _iq4_index(iscale * xt))
+        wq = w * q
+        return _seq_sum0(wq * xt), _seq_sum0(wq * q)
+
+    # Both signs are tried: the first fit puts the max at the top level, the 15 tries near the
+    # bottom one (-127 +- 7).
+    first = -vmax / F32(_IQ4_VALUES[0])
+    sumqx, sumq2 = trial(F32(1) / first)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        d = np.where(sumq2 > 0, sumqx / np.where(sumq2 > 0, sumq2, F32(1)), F32(0)).astype(F32)
+    best = d * sumqx
+    for itry in range(-7, 8):
+        # (itry + values[0]) is an int, converted to float for the division by the signed max.
+        sumqx, sumq2 = trial(F32(itry + int(_IQ4_VALUES[0])) / vmax)
+        better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            new_d = (sumqx / np.where(better, sumq2, F32(1))).astype(F32)
+        d = np.where(better, new_d, d).astype(F32)
+        best = np.where(better, d * sumqx, best).astype(F32)
+    return np.where(zero, F32(0), d).astype(F32)
+
+
+def _iq4_nl(x: np.ndarray) -> np.ndarray:
+    scale = _iq4_scales(x)
+    # The levels come from the float32 scale, not from the fp16 one stored.
+    L = _iq4_index(_inv(scale)[:, None] * x)
+    return np.concatenate([_f16(scale), _pack_nibbles(L)], axis=1)
+
+
+def _iq4_xs(x: np.ndarray) -> np.ndarray:
+    nb = x.shape[0]
+    sub = x.reshape(nb * 8, 32)
+    scales = _iq4_scales(sub).reshape(nb, 8)
+    _, max_scale = _first_absmax(scales)
+    d = -max_scale / F32(32)  # -0.0 for an all-zero super-block, as in C
+    ls = np.clip(_nearest_int(_inv(d)[:, None] * scales), -32, 31)
+    dl = d[:, None] * ls.astype(F32)
+    L = _iq4_index(_inv(dl)[..., None] * sub.reshape(nb, 8, 32))
+    u = (ls + 32).astype(np.uint16)
+    lo = (u & 0xF).astype(np.uint8)
+    scales_l = lo[:, 0::2] | (lo[:, 1::2] << 4)
+    scales_h = ((u >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
+    scales_h = scales_h.astype("<u2").view(np.uint8).reshape(nb, 2)
+    qs = _pack_nibbles(L.reshape(nb * 8, 32)).reshape(nb, 128)
+    return np.concatenate([_f16(d), scales_h, scales_l, qs], axis=1)
+
+
 _QUANTIZERS = {
     Q.Q8_0: _q8_0,
     Q.Q4_0: _q4_0,
@@ -372,6 +460,8 @@ _QUANTIZERS = {
     Q.Q4_K: _q4_k,
     Q.Q5_K: _q5_k,
     Q.Q6_K: _q6_k,
+    Q.IQ4_NL: _iq4_nl,
+    Q.IQ4_XS: _iq4_xs,
 }
 
 
@@ -451,23 +541,37 @@ def _fallback(qtype: GGMLQuantizationType, ncols: int) -> GGMLQuantizationType:
     block = GGML_QUANT_SIZES[qtype][0]
     if ncols % block == 0:
         return qtype
-    smaller = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}.get(qtype, qtype)
+    smaller = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL}.get(qtype, qtype)
     return smaller if ncols % GGML_QUANT_SIZES[smaller][0] == 0 else Q.F16
+
+
+def _n_gqa(tensors: Mapping[str, tuple[Sequence[int], GGMLQuantizationType]]) -> int:
+    """Query heads per KV head from layer 0's attn_q / attn_k rows (equal head sizes); 1 when the
+    file has no separate attn_q and attn_k (a fused qkv: the caller knows the heads)."""
+    q = tensors.get("blk.0.attn_q.weight")
+    k = tensors.get("blk.0.attn_k.weight")
+    if q is None or k is None or int(k[0][0]) == 0:
+        return 1
+    return int(q[0][0]) // int(k[0][0])
 
 
 def mix_types(
     tensors: Mapping[str, tuple[Sequence[int], GGMLQuantizationType]],
     ftype: str,
     n_layer: int | None = None,
+    n_gqa: int | None = None,
 ) -> dict[str, GGMLQuantizationType]:
     """The format llama-quantize gives each tensor for `ftype` (a key of `FTYPES`).
 
     `tensors`: GGUF tensor name -> (numpy shape, rows last, i.e. (rows, row length); its type in
-    the input file). Tensors it does not quantize (1-D, norms) keep their type. Mirrors
-    llama_tensor_get_type for dense models without an importance matrix: the output head (and a
-    tied token embedding) in Q6_K (Q8_0 when its rows do not split into the blocks), attn_v /
-    attn_qkv and ffn_down of some layers one step up in the K_M mixes, and a 32-value format
-    where a row length does not split into 256.
+    the input file). Tensors it does not quantize (1-D, norms) keep their type. `n_layer`: the
+    block count (default: from the names); `n_gqa`: query heads per KV head (default: from layer
+    0's attn_q and attn_k shapes). Mirrors llama_tensor_get_type for dense models without an
+    importance matrix: the output head (and a tied token embedding) in Q6_K (Q8_0 when its rows
+    do not split into the blocks); in the K_M mixes attn_v / attn_qkv and ffn_down of some layers
+    in Q6_K; in the IQ4 mixes attn_v / attn_qkv in Q5_K when four or more query heads share a KV
+    head and ffn_down of the first eighth of the layers in Q5_K; and a 32-value format where a
+    row length does not split into 256.
     """
     if ftype not in FTYPES:
         raise ValueError(f"unknown file type {ftype!r}; choose one of {list(FTYPES)}")
@@ -479,6 +583,9 @@ def mix_types(
     tied = "output.weight" not in tensors
     if n_layer is None:
         n_layer = max((_layer(n) for n in order), default=-1) + 1
+    if n_gqa is None:
+        n_gqa = _n_gqa(tensors)
+    iq4 = ftype in ("IQ4_NL", "IQ4_XS")
     i_attn_v = 0
     i_ffn_down = 0
     out: dict[str, GGMLQuantizationType] = {}
@@ -499,12 +606,16 @@ def mix_types(
         elif cat == "token_embd":
             pass
         elif cat in ("attn_v", "attn_qkv", "attn_kv_b"):
-            if ftype in ("Q4_K_M", "Q5_K_M") and _use_more_bits(i_attn_v, n_attn_v):
+            if iq4 and n_gqa >= 4:
+                new = Q.Q5_K
+            elif ftype in ("Q4_K_M", "Q5_K_M") and _use_more_bits(i_attn_v, n_attn_v):
                 new = Q.Q6_K
             i_attn_v += 1
         elif cat == "ffn_down":
             if ftype in ("Q4_K_M", "Q5_K_M") and _use_more_bits(i_ffn_down, n_layer):
                 new = Q.Q6_K
+            elif iq4 and i_ffn_down < n_layer // 8:
+                new = Q.Q5_K
             i_ffn_down += 1
         out[name] = _fallback(new, ncols)
     return out

@@ -2,7 +2,8 @@
 
 In CI: each format's blocks decode through `gguf`'s own `dequantize` to the input within the
 format's error; the 32-value formats are byte for byte what `gguf`'s own quantizers write (which
-mirror llama.cpp's reference); the K_M mix gives the tensor types a real llama-quantize file has.
+mirror llama.cpp's reference); the K_M mix gives the tensor types a real llama-quantize file has,
+and the IQ4 mixes follow llama-quantize's rules for them.
 Where llama.cpp is built (`LLAMA_CPP_BIN`, else the peers' build folder): a random F32 / F16 model
 quantized by `llama-quantize` to each type has our bytes, tensor by tensor.
 """
@@ -39,6 +40,8 @@ RMS_BOUND = {
     Q.Q4_0: 0.12,
     Q.Q4_1: 0.12,
     Q.Q4_K: 0.1,
+    Q.IQ4_NL: 0.1,  # 16 levels, denser near zero, per 32 values
+    Q.IQ4_XS: 0.1,  # the same levels, the 32-value scales in 6 bits of a 256-value one
 }
 
 
@@ -86,6 +89,10 @@ def test_32_value_formats_are_byte_identical_to_gguf_own_quantizers(qtype):
 def test_bad_shapes_and_formats_are_refused():
     with pytest.raises(ValueError, match="multiple of 256"):
         quantize(np.zeros((2, 320), np.float32), Q.Q4_K)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quantize(np.zeros((2, 320), np.float32), Q.IQ4_XS)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(np.zeros((2, 48), np.float32), Q.IQ4_NL)
     with pytest.raises(ValueError, match="no reference quantizer"):
         quantize(np.zeros((2, 256), np.float32), Q.IQ2_XXS)
 
@@ -130,6 +137,26 @@ def test_q4_k_m_mix_matches_the_published_gemma_3_270m_file():
         assert types[f"blk.{i}.attn_q.weight"] == Q.Q5_0
 
 
+def test_iq4_mixes_for_the_gemma_3_270m_shape():
+    tensors = _gemma_270m_like_tensors()
+    xs = mix_types(tensors, "IQ4_XS")
+    nl = mix_types(tensors, "IQ4_NL")
+    # The tied head: Q6_K, whose 256-blocks do not fit 640: Q8_0.
+    assert xs["token_embd.weight"] == nl["token_embd.weight"] == Q.Q8_0
+    for i in range(18):
+        b = f"blk.{i}."
+        # 640-value rows: IQ4_XS falls back to IQ4_NL; attn_v (4 query heads a KV head) goes up
+        # to Q5_K, and 640 takes it to Q5_1.
+        assert xs[b + "attn_q.weight"] == nl[b + "attn_q.weight"] == Q.IQ4_NL
+        assert xs[b + "ffn_up.weight"] == Q.IQ4_NL
+        assert xs[b + "attn_v.weight"] == nl[b + "attn_v.weight"] == Q.Q5_1
+        # ffn_down's 2048-value rows: the first 18 // 8 layers in Q5_K.
+        assert xs[b + "ffn_down.weight"] == (Q.Q5_K if i < 2 else Q.IQ4_XS)
+        assert nl[b + "ffn_down.weight"] == (Q.Q5_K if i < 2 else Q.IQ4_NL)
+    # Fewer than four query heads a KV head: attn_v keeps the file's format.
+    assert mix_types(tensors, "IQ4_XS", n_gqa=2)["blk.0.attn_v.weight"] == Q.IQ4_NL
+
+
 def test_mixes_for_an_untied_llama_shape():
     shapes = {"token_embd.weight": (1000, 512), "output.weight": (1000, 512)}
     for i in range(8):
@@ -146,6 +173,10 @@ def test_mixes_for_an_untied_llama_shape():
     assert q4_0["output.weight"] == Q.Q6_K and q4_0["blk.3.attn_v.weight"] == Q.Q4_0
     assert mix_types(tensors, "Q8_0")["output.weight"] == Q.Q8_0
     assert mix_types(tensors, "F16")["blk.0.attn_q.weight"] == Q.F16
+    iq4 = mix_types(tensors, "IQ4_XS", n_gqa=4)  # no attn_k to tell the heads from
+    assert iq4["output.weight"] == Q.Q6_K and iq4["token_embd.weight"] == Q.IQ4_XS
+    assert iq4["blk.5.attn_v.weight"] == Q.Q5_K and iq4["blk.5.attn_q.weight"] == Q.IQ4_XS
+    assert [iq4[f"blk.{i}.ffn_down.weight"] for i in range(3)] == [Q.Q5_K, Q.IQ4_XS, Q.IQ4_XS]
     with pytest.raises(ValueError, match="unknown file type"):
         mix_types(tensors, "Q4_K_X")
 
@@ -221,7 +252,8 @@ def test_bytes_equal_llama_quantize(tmp_path, float_type):
     src = tmp_path / "in.gguf"
     values = write_random_llama(src, float_type)
     tensors = {n: (v.shape, float_type if v.ndim == 2 else Q.F32) for n, v in values.items()}
-    ftypes = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K"]
+    ftypes = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K",
+              "IQ4_NL", "IQ4_XS"]  # fmt: skip
     if float_type == Q.F16:
         ftypes = ["Q4_K_M", "Q5_0", "Q8_0"]  # the F16 input path; each format is covered above
     for ftype in ftypes:

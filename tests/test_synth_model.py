@@ -5,7 +5,8 @@ text; transformers' own tiny random Llama written to GGUF gives transformers' lo
 loader; every architecture's file holds exactly the tensors and keys llama.cpp's architecture
 table (gguf's constants) declares, in the layouts convert_hf_to_gguf.py writes (checked against
 transformers' modules tensor by tensor). Where llama.cpp is built: each architecture loads and
-generates in llama-server, and `synth F16` + `llama-quantize Q4_K_M` equals `synth Q4_K_M`.
+generates in llama-server, and `synth F16` + `llama-quantize Q4_K_M` (or IQ4_XS) equals
+`synth Q4_K_M` (IQ4_XS).
 The tokenizer is SmolLM2's (skipped where it was never fetched).
 """
 
@@ -65,7 +66,7 @@ def greedy(lm, prompts: list[str], n: int) -> list[list[int]]:
     return [out[r.request_id] for r in reqs]
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K_M", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q4_K_M", "Q8_0", "IQ4_XS"])
 def test_a_tiny_llama_synthetic_file_loads_and_generates_varied_text(tmp_path, smol_tokenizer, fmt):
     path = synth_model.write_synthetic(
         tmp_path / "tiny.gguf", "smollm2-360m", fmt, seed=3, tokenizer=smol_tokenizer,
@@ -75,6 +76,8 @@ def test_a_tiny_llama_synthetic_file_loads_and_generates_varied_text(tmp_path, s
     if fmt == "Q4_K_M":
         assert {Q.Q4_K, Q.Q6_K} <= set(types.values())
         assert types["token_embd.weight"] == Q.Q6_K  # the tied head
+    elif fmt == "IQ4_XS":
+        assert {Q.IQ4_XS, Q.Q6_K} <= set(types.values())
     else:
         assert {t for n, t in types.items() if "norm" not in n} == {Q.Q8_0}
     lm = load_model(str(path))
@@ -363,14 +366,18 @@ def test_each_architecture_loads_and_generates_in_llama_cpp(tmp_path, smol_token
 
 
 @pytest.mark.slow
-def test_synth_f16_then_llama_quantize_is_synth_q4_k_m(tmp_path, smol_tokenizer):
+@pytest.mark.parametrize("fmt", ["Q4_K_M", "IQ4_XS"])
+def test_synth_f16_then_llama_quantize_is_synth_quantized(tmp_path, smol_tokenizer, fmt):
     tool = llama_cpp_tool("llama-quantize")
     shape = dict(TINY, num_hidden_layers=4, intermediate_size=352)  # fallback rows too
+    if fmt == "IQ4_XS":
+        # Eight layers: layer 0's ffn_down goes up; one KV head for four: so do the attn_v.
+        shape |= dict(num_hidden_layers=8, num_key_value_heads=1)
     common = dict(seed=4, tokenizer=smol_tokenizer, **shape)
     f16 = synth_model.write_synthetic(tmp_path / "f16.gguf", "smollm2-360m", "F16", **common)
-    ours = synth_model.write_synthetic(tmp_path / "q.gguf", "smollm2-360m", "Q4_K_M", **common)
+    ours = synth_model.write_synthetic(tmp_path / "q.gguf", "smollm2-360m", fmt, **common)
     theirs = tmp_path / "theirs.gguf"
-    done = subprocess.run([str(tool), str(f16), str(theirs), "Q4_K_M"], capture_output=True)
+    done = subprocess.run([str(tool), str(f16), str(theirs), fmt], capture_output=True)
     assert done.returncode == 0, done.stderr[-2000:]
     a = {t.name: t for t in GGUFReader(str(ours)).tensors}
     b = {t.name: t for t in GGUFReader(str(theirs)).tensors}
@@ -378,3 +385,5 @@ def test_synth_f16_then_llama_quantize_is_synth_q4_k_m(tmp_path, smol_tokenizer)
     for name, t in a.items():
         assert t.tensor_type == b[name].tensor_type, name
         assert np.array_equal(np.asarray(t.data), np.asarray(b[name].data)), name
+    if fmt == "IQ4_XS":  # attn_v in Q5_K; ffn_down's 352-value rows in IQ4_NL, layer 0's in Q5_1
+        assert {Q.IQ4_XS, Q.IQ4_NL, Q.Q5_K, Q.Q5_1} <= {t.tensor_type for t in a.values()}

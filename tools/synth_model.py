@@ -483,7 +483,8 @@ def write_gguf(
     if fmt == "F32":
         types = {n: Q.F32 for n in tensors}
     else:
-        types = mix_types(source, fmt, n_layer=int(config["num_hidden_layers"]))
+        gqa = int(config["num_attention_heads"]) // int(config["num_key_value_heads"])
+        types = mix_types(source, fmt, n_layer=int(config["num_hidden_layers"]), n_gqa=gqa)
 
     path = Path(path)
     w = GGUFWriter(str(path), arch)
