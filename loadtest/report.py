@@ -80,9 +80,8 @@ def _rates_text(rates: Sequence[float]) -> str:
         if math.isinf(rate):
             return "all requests at once"
         # the seed's "8.0/s", but a finer rate as it is (0.25 is not "0.2")
-        return (
-            f"arrival rate {rate:.1f}/s" if round(rate, 1) == rate else f"arrival rate {rate:g}/s"
-        )
+        text = f"{rate:.1f}" if round(rate, 1) == rate else format_rate(rate)
+        return f"arrival rate {text}/s"
     return "arrival rates " + ", ".join(format_rate(r) for r in rates) + "/s"
 
 

@@ -263,7 +263,7 @@ inline void decode_block(const uint8_t* b, float* dst) {
     _mm_store_si128(reinterpret_cast<__m128i*>(sc), k16_scales<T>(b));
     if constexpr (T == Q2_K) _mm_store_si128(reinterpret_cast<__m128i*>(mn), q2k_mins(b));
     const float dmin = T == Q2_K ? q2k_dmin(b) : 0.f;
-    constexpr float offset = T == Q6_K ? 32.f : 4.f;
+    constexpr float offset = 1 << k16_offset_shift(T);
     for (int n = 0; n < 2; ++n) {
       __m256i u[4];
       k16_values<T>(u, b, n);

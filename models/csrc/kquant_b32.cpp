@@ -68,9 +68,11 @@ inline void transpose8(__m256i* v) {
   }
 }
 
-// The 32-value blocks in one block of T (IQ4_XS: 8 sub-blocks; the others: 1).
+// The 32-value blocks in one block of T (IQ4_XS: 8 sub-blocks; the others: 1), and in a row of p.
 template <int T>
 constexpr int64_t subs() { return block_values(T) / 32; }
+template <int T>
+inline int64_t row_blocks(const Part& p) { return p.nb * subs<T>(); }
 
 // Block j's values (of the row's K / 32 blocks) of the row at w.
 template <int T>
@@ -238,7 +240,7 @@ inline void store_rows(const __m256* acc, int64_t r0, int64_t n, int64_t rows, f
 template <int T>
 void tile_row1(const Part& p, int64_t n0, int64_t n1, const Acts& a, float* y) {
   const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t nb = p.nb * subs<T>();
+  const int64_t nb = row_blocks<T>(p);
   for (int64_t n = n0; n < n1; n += PR) {
     const int64_t rows = std::min(PR, n1 - n);
     const uint8_t* w[PR];
@@ -255,7 +257,7 @@ void tile_row1(const Part& p, int64_t n0, int64_t n1, const Acts& a, float* y) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q32 + b * 32));
         // IQ4 (values -127..113): |x| (w with x's sign) = w x, |x| made once for the eight rows;
         // Q8_0's -128 has no negation in int8, so there |w| (x with w's sign)
-        const __m256i xa = _mm256_sign_epi8(xv, xv);
+        [[maybe_unused]] const __m256i xa = signed_values(T) && T != Q8_0 ? _mm256_sign_epi8(xv, xv) : xv;
         __m256i s[8];
         for (int i = 0; i < 8; ++i) {
           const __m256i wv = sub_values<T>(w[i], b);
@@ -284,7 +286,7 @@ template <int T, int R>
 void tile_rows(const Part& p, int64_t n0, int64_t n1, const Acts& a, float* y, int64_t ldy) {
   static_assert(ROWS_GROUP % subs<T>() == 0, "a piece starts on a block of T");
   uint8_t* buf = scratch(ROWS_GROUP * PB);
-  const int64_t nb = p.nb * subs<T>();
+  const int64_t nb = row_blocks<T>(p);
   for (int64_t n = n0; n < n1; n += PR) {
     const int64_t rows = std::min(PR, n1 - n);
     const uint8_t* w[PR];
@@ -305,14 +307,14 @@ inline void quad(const uint8_t* pan, const Part& p, int64_t n, int64_t rows, con
                  int64_t ldy) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  panel_dot<T, R>(pan, p.nb * subs<T>(), a, m0, 0, acc);
+  panel_dot<T, R>(pan, row_blocks<T>(p), a, m0, 0, acc);
   store_rows<R>(acc, m0, n, rows, y, ldy);
 }
 
 // Prefill: a tile of panels unpacked whole, then every four activation rows over each panel.
 template <int T>
 void tile_panels(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
-  const int64_t nb = p.nb * subs<T>();
+  const int64_t nb = row_blocks<T>(p);
   const int64_t panel_bytes = nb * PB;
   const int64_t np = std::clamp<int64_t>(TILE_BYTES / panel_bytes, 1, 4);
   uint8_t* buf = scratch(np * panel_bytes);
