@@ -34,7 +34,6 @@ from models.quant import (
     PackedWeight,
     QTensor,
     RowsEmbedding,
-    int8_by_default,
     pack,
     pack_rows,
     quantize,
@@ -524,8 +523,8 @@ class LlamaForCausalLM(nn.Module):
         The float copies are dropped: the packed weights replace them.
 
         `activations` ("auto", "int8", "float32"): quantized projections multiply int8
-        activations (per row and 32 or 256 inputs) with integer dot products ("auto": see
-        `models.quant.int8_by_default`).
+        activations (per row and 32 or 256 inputs) with integer dot products ("auto" is int8, as
+        `models.quant.KernelOptions` says why).
         """
         if self.config.matmul_dtype not in (None, torch.float32):
             raise ValueError("the kernels run float32 activations; load the model in float32")
@@ -550,9 +549,7 @@ class LlamaForCausalLM(nn.Module):
                 qt = QTensor.cat(parts)  # type: ignore[arg-type]
             else:
                 qt = quantize(linear.weight.float(), F32 if target is None else target)
-            int8 = qt.kind != F32 and (
-                activations == "int8" or (activations == "auto" and int8_by_default(qt))
-            )
+            int8 = qt.kind != F32 and activations != "float32"
             return PackedLinear(pack(qt, gate_up=gate_up, int8=int8), linear.bias)
 
         embed_name = "model.embed_tokens.weight"

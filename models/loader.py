@@ -56,9 +56,8 @@ def load_model(
     `use_kernels=False` is the pure-torch path even where the kernels run (the reference that
     `tools.quant_quality` and tests compare against).
 
-    `activations`: "auto" (`models.quant.int8_by_default`: int8 for quantized weights wherever
-    the kernels run), "int8" or "float32": what the projections multiply (see
-    `models.quant.KernelOptions`).
+    `activations`: "auto" (int8 for quantized weights wherever the kernels run), "int8" or
+    "float32": what the projections multiply (see `models.quant.KernelOptions`).
 
     `kv_cache_dtype`: "auto" is int8 when the projections run int8 activations (quantized
     weights on an AVX512-VNNI CPU), float16 when the weights are quantized otherwise (as

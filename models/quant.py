@@ -69,7 +69,9 @@ class KernelOptions:
     `LlamaForCausalLM.enable_kernels`) and its projections' activations (`ACTIVATIONS`): int8
     (quantized per row and 32 inputs, or 256 for the K formats, multiplied with integer dot
     products: AVX512-VNNI, or AVX2's vpmaddubsw on GGUF rows, as llama.cpp does for its quantized
-    formats) or float32. "auto": `int8_by_default`, per projection."""
+    formats) or float32. "auto" is int8 for every quantized projection, on AVX512-VNNI and on
+    AVX2 alike: on AVX2 the int8 rows beat the float panels of Q4_0 / Q4_1 / Q8_0 too, at one
+    row and in prefill (docs/benchmarks.md, nineteenth session)."""
 
     quantization: str = "auto"
     activations: str = "auto"
@@ -422,15 +424,6 @@ def _vnni() -> bool:
     from models.kernels import has_int8_dot  # (models.kernels is importable on its own)
 
     return has_int8_dot()
-
-
-def int8_by_default(w: QTensor | GGMLTensor) -> bool:
-    """What --activation-dtype auto picks for quantized weights `w`: int8 where the CPU has
-    AVX512-VNNI, and on AVX2 for the formats the float panels do not hold (Q5_0, Q5_1, the K and
-    IQ4 formats: there vpmaddubsw on the file's rows is faster than decoding them to float). Q4_0,
-    Q4_1 and Q8_0 keep float32 activations on AVX2, where the panels' FMA kernel is as fast as
-    the int8 rows at one row and faster for prefill."""
-    return _vnni() or w.kind == GGML
 
 
 # A tied head over an embedding table the file holds as Q8_0, Q4_0 or Q4_1 (Gemma 3's 262,144 x
