@@ -241,20 +241,6 @@ def _qk_norm(qkv: torch.Tensor, weight: torch.Tensor, hd: int, eps: float, fused
     heads.copy_(F.rms_norm(heads, (hd,), eps=eps) * weight)
 
 
-class _Step(NamedTuple):
-    """One layer of `LlamaForCausalLM._forward_planned`."""
-
-    norms: tuple[torch.Tensor, ...]  # the layer's RMSNorm weights in `NORMS` order (2 or 4)
-    qkv: tuple  # (op, qs, d, m, kind, out_features, bias) of each packed projection
-    o: tuple
-    gate_up: tuple
-    down: tuple
-    qk_norm: torch.Tensor | None  # `Attention.qk_weight`
-    local_rope: bool
-    window: int
-    gelu: bool
-
-
 class Attention(nn.Module):
     """Self-attention of one layer: fused QKV projection, optional per-head QK-norm (Qwen3,
     Gemma 3), RoPE, paged attention over the layer's window, output projection."""
@@ -413,7 +399,8 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, layer_rope, None if kv_caches is None else kv_caches[i], meta)
         return self.norm(x)
 
-    _plan: list[_Step] | None = None  # set by enable_kernels when every layer is fully packed
+    # `ops.decoder_stack`'s (weights, layout), set by enable_kernels when every layer is packed
+    _plan: tuple[list, list[int]] | None = None
 
     def _embedding_scale(self, dtype: torch.dtype) -> float:
         """The embedding multiplier rounded to the embedding dtype, as transformers computes it
@@ -424,45 +411,20 @@ class LlamaForCausalLM(nn.Module):
         return scales[dtype]
 
     def _forward_planned(self, x, tables, local_tables, kv_caches, meta) -> torch.Tensor:
-        """The layer loop as straight calls of the kernel ops (what the layers' `forward`
-        computes, op for op) without nn.Module dispatch: ~10 module calls a layer cost ~2 ms a
-        step on SmolLM2, a quarter of a batch-1 decode step. Covers both layer shapes: Llama's
-        (the skip connections ride into the projections' epilogues) and Gemma 3's (each branch
-        normed before it joins the stream), with QK-norm, windows, local RoPE and GeGLU.
+        """The layer stack as one op (`models.ops.decoder_layers`): what the layers' `forward`
+        computes, op for op, without the interpreter between the ops. On SmolLM2 a step's ~180
+        kernel calls cost a few microseconds each from Python, ~10% of a batch-1 decode step.
         `tables`, `local_tables`: (cos, sin) halves (`Rotary.halves`) of the global and the
-        sliding-window layers. Every op here costs a few microseconds of dispatch whatever its
-        size, so the loop issues as few as it can: no views or temporaries it can do without."""
-        attention, norm, none = ops.attention, ops.rms_norm, Act.NONE
+        sliding-window layers."""
         c = self.config
-        eps, h, kvh, hd = c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim
-        scale = self.layers[0].self_attn.scale
-        tables_by_locality = (tables, local_tables)
-        slots, nd = meta.slot_mapping, meta.num_decode_tokens
-        block_tables = _or_empty(meta.decode_block_tables, 2)
-        lens = _or_empty(meta.decode_context_lens, 1)
-        chunk_meta, chunk_tables = meta.chunk_meta(), meta.chunk_tables()
-        for st, (kc, vc) in zip(self._plan, kv_caches, strict=True):
-            qkv_w, o_w, gu_w, down_w = st.qkv, st.o, st.gate_up, st.down
-            qkv = qkv_w[0](norm(x, st.norms[0], eps), *qkv_w[1:], None, none)
-            if st.qk_norm is not None:
-                ops.head_rms_norm(qkv, st.qk_norm, hd, eps)
-            cos, sin = tables_by_locality[st.local_rope]
-            o = attention(
-                qkv, cos, sin, kc, vc, slots, nd, block_tables, lens, chunk_meta, chunk_tables,
-                h, kvh, hd, scale, st.window,
-            )  # fmt: skip
-            llama = len(st.norms) == 2
-            if llama:  # x + o_proj(o), x + down(act(gate_up(norm(x))))
-                x = o_w[0](o, *o_w[1:], x, none)
-            else:  # Gemma 3: x + norm(o_proj(o)), x + norm(down(act(gate_up(norm(x)))))
-                x = norm(o_w[0](o, *o_w[1:], None, none), st.norms[1], eps, x)
-            y = norm(x, st.norms[1 if llama else 2], eps)
-            g = gu_w[0](y, *gu_w[1:], None, Act.GELU_MUL if st.gelu else Act.SILU_MUL)
-            if llama:
-                x = down_w[0](g, *down_w[1:], x, none)
-            else:
-                x = norm(down_w[0](g, *down_w[1:], None, none), st.norms[3], eps, x)
-        return norm(x, self.norm.weight, self.norm.eps)
+        weights, layout = self._plan
+        return ops.decoder_layers(
+            x, weights, layout, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
+            tables, local_tables, meta.slot_mapping, meta.num_decode_tokens,
+            _or_empty(meta.decode_block_tables, 2), _or_empty(meta.decode_context_lens, 1),
+            meta.chunk_meta(), meta.chunk_tables(), c.num_heads, c.num_kv_heads, c.head_dim,
+            self.layers[0].self_attn.scale, c.rms_norm_eps, self.norm.weight,
+        )  # fmt: skip
 
     @classmethod
     def without_weights(cls, config: ModelConfig) -> LlamaForCausalLM:
@@ -599,25 +561,41 @@ class LlamaForCausalLM(nn.Module):
         self.kernels = True
         self._plan = self._make_plan()
 
-    def _make_plan(self) -> list[_Step] | None:
-        """`_forward_planned`'s per-layer arguments, or None unless every projection is packed."""
+    def _make_plan(self) -> tuple[list, list[int]] | None:
+        """`_forward_planned`'s layer lists, or None unless every projection is packed and the
+        layers share what the one op takes once (eps, attention scale)."""
 
         def args(m: nn.Module) -> tuple:
             p = m.packed
-            return (p.op, p.qs, p.d, p.m, p.kind, p.out_features, m.bias)
+            return (p.qs, p.d, p.m, p.kind, p.out_features, m.bias)
 
-        steps = []
+        layers = []
+        c = self.config
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(isinstance(m, PackedLinear) for m in linears):
                 return None
-            norms = tuple(getattr(layer, n).weight for n in layer.NORMS)
-            steps.append(
-                _Step(norms, *(args(m) for m in linears), attn.qk_weight(), attn.local_rope,
-                      attn.window, mlp.gelu)
-            )  # fmt: skip
-        return steps
+            norms = [getattr(layer, n) for n in layer.NORMS]
+            if attn.q_norm is not None:
+                norms += [attn.q_norm, attn.k_norm]
+            if attn.scale != self.layers[0].self_attn.scale or any(
+                n.eps != c.rms_norm_eps for n in norms
+            ):
+                return None
+            layers.append(
+                ops.DecoderLayer(
+                    linears=tuple(args(m) for m in linears),  # type: ignore[arg-type]
+                    norms=tuple(n.weight for n in norms[: len(layer.NORMS)]),
+                    qk_norm=attn.qk_weight(),
+                    local_rope=attn.local_rope,
+                    window=attn.window,
+                    ffn_act=Act.GELU_MUL if mlp.gelu else Act.SILU_MUL,
+                )
+            )
+        if self.norm.eps != c.rms_norm_eps:
+            return None
+        return ops.decoder_stack(layers)
 
     def packed_kinds(self) -> set[Kind]:
         """The layout (`models.ops.Kind`) of every packed projection and head."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from enum import IntEnum
+from typing import NamedTuple
 
 import torch
 
@@ -49,6 +50,7 @@ _NAMES = (
     "argmax_rows",
     "top_candidates",
     "attention",
+    "decoder_layers",
     "has_int8_dot",
     "enum_values",
 )
@@ -88,6 +90,7 @@ _head_rms_norm = _unloaded["head_rms_norm"]
 _argmax_rows = _unloaded["argmax_rows"]
 _top_candidates = _unloaded["top_candidates"]
 _attention = _unloaded["attention"]
+_decoder_layers = _unloaded["decoder_layers"]
 _has_int8_dot = _unloaded["has_int8_dot"]
 _enum_values = _unloaded["enum_values"]
 
@@ -209,8 +212,83 @@ def attention(
     )  # fmt: skip
 
 
+class Layer(IntEnum):
+    """`decoder_layers`' strides: entries a layer in its `weights` and `layout` lists."""
+
+    TENSORS = 21
+    INTS = 11
+
+
+class DecoderLayer(NamedTuple):
+    """One layer of `decoder_layers`: what the single ops take for it. `linears`: the packed
+    (qs, d, m, kind, out_features, bias) of qkv, o, gate_up and down (`PackedWeight`'s fields);
+    `norms`: the RMSNorm weights, 2 (Llama: input, post-attention) or 4 (Gemma 3: input,
+    post-attention, pre-FFN, post-FFN); `qk_norm`: `head_rms_norm`'s table or None; `local_rope`:
+    the layer rotates with the local tables; `window`: 0 or its sliding window; `ffn_act`: the
+    gate/up epilogue (Act.SILU_MUL or GELU_MUL)."""
+
+    linears: tuple[tuple, tuple, tuple, tuple]
+    norms: tuple[torch.Tensor, ...]
+    qk_norm: torch.Tensor | None
+    local_rope: bool
+    window: int
+    ffn_act: int
+
+
+def decoder_stack(layers: list[DecoderLayer]) -> tuple[list[torch.Tensor | None], list[int]]:
+    """`decoder_layers`' flat `weights` and `layout` lists for `layers` (made once per model):
+    per layer the norms (4 slots), the QK-norm table, each linear's (qs, d, m, bias); and each
+    linear's (kind, out_features), the local-RoPE flag, the window and the FFN act."""
+    weights: list[torch.Tensor | None] = []
+    layout: list[int] = []
+    for layer in layers:
+        if len(layer.norms) not in (2, 4):
+            raise ValueError(f"a layer has 2 or 4 norms, not {len(layer.norms)}")
+        weights += [*layer.norms, *[None] * (4 - len(layer.norms)), layer.qk_norm]
+        for qs, d, m, kind, n, bias in layer.linears:
+            weights += [qs, d, m, bias]
+            layout += [int(kind), int(n)]
+        layout += [int(layer.local_rope), int(layer.window), int(layer.ffn_act)]
+    return weights, layout
+
+
+def decoder_layers(
+    x: torch.Tensor,
+    weights: list[torch.Tensor | None],
+    layout: list[int],
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+    rope: tuple[torch.Tensor, torch.Tensor],
+    local_rope: tuple[torch.Tensor, torch.Tensor],
+    slots: torch.Tensor,
+    num_decode: int,
+    decode_tables: torch.Tensor,
+    decode_lens: torch.Tensor,
+    chunk_meta: torch.Tensor,
+    chunk_tables: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    eps: float,
+    final_norm: torch.Tensor,
+) -> torch.Tensor:
+    """A decoder's layer stack and final norm in one op: per layer what `rms_norm`, the linears
+    (`packed_linear` / `ggml_linear` by kind), `head_rms_norm` and `attention` compute one by one
+    (Llama's layer, skip connections in the projections' epilogues, or Gemma 3's four norms),
+    with the same arguments, so the result is those ops' bit for bit. `weights`, `layout`:
+    `decoder_stack`'s lists; `k_caches` / `v_caches`: each layer's pools (written IN PLACE);
+    `rope` / `local_rope`: the (cos, sin) halves of the global and the sliding-window layers;
+    the rest as `attention` takes them. x (T, d) float32; returns the normed hidden (T, d)."""
+    return _decoder_layers(
+        x, weights, layout, k_caches, v_caches, *rope, *local_rope, slots, num_decode,
+        decode_tables, decode_lens, chunk_meta, chunk_tables, num_heads, num_kv_heads, head_dim,
+        scale, eps, final_norm,
+    )  # fmt: skip
+
+
 def enum_values() -> dict[str, int]:
-    """The C++ side's codes, {"Kind.F32": 0, ...}: what `Kind` and `Act` must equal."""
+    """The C++ side's codes, {"Kind.F32": 0, ...}: what `Kind`, `Act` and `Layer` must equal."""
     text = _enum_values()
     return {name: int(value) for name, value in (line.split("=") for line in text.split())}
 
@@ -246,6 +324,10 @@ def _register_fakes() -> None:
     def _(x, temps, k):
         b = x.shape[0]
         return x.new_empty((b, k)), x.new_empty((b, k), dtype=torch.long), x.new_empty((b,))
+
+    @torch.library.register_fake("cbserve::decoder_layers")
+    def _(x, *args):
+        return torch.empty_like(x)
 
     @torch.library.register_fake("cbserve::attention")
     def _(qkv, cos, sin, k_cache, v_cache, slots, nd, dt, dl, cm, ct, H, KVH, D, scale, window=0):  # noqa: N803

@@ -38,6 +38,7 @@ def test_every_op_in_the_library_is_wrapped_and_checked_here():
         "argmax_rows",
         "top_candidates",
         "attention",
+        "decoder_layers",
         "has_int8_dot",
         "enum_values",
     }
@@ -45,7 +46,8 @@ def test_every_op_in_the_library_is_wrapped_and_checked_here():
 
 
 def test_python_and_cpp_agree_on_every_code():
-    want = {f"{enum.__name__}.{m.name}": int(m) for enum in (ops.Kind, ops.Act) for m in enum}
+    enums = (ops.Kind, ops.Act, ops.Layer)
+    want = {f"{enum.__name__}.{m.name}": int(m) for enum in enums for m in enum}
     assert ops.enum_values() == want
 
 
@@ -186,3 +188,28 @@ def _attention_args(pool_dtype: torch.dtype, decode: bool, window: int = 0) -> t
 @pytest.mark.parametrize("window", [0, 2])
 def test_attention_opcheck(pool_dtype, decode, window):
     torch.library.opcheck(OP["attention"], _attention_args(pool_dtype, decode, window))
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_decoder_layers_opcheck(decode):
+    """TinyGPT's six layers (q8_0 projections) over small float16 pools: two decode rows, or a
+    prefill chunk with a past."""
+    from models import load_model
+
+    model = load_model("tinygpt", quantization="q8_0").model
+    weights, layout = model._plan
+    c = model.config
+    qkv, cos, sin, kc, vc, slots, nd, tables, lens, chunk_meta, chunk_tables, *_ = _attention_args(
+        torch.float16, decode
+    )
+    shape = (kc.shape[0], kc.shape[1], c.num_kv_heads, c.head_dim)
+    pools = [torch.zeros(shape, dtype=torch.float16) for _ in range(2 * c.num_layers)]
+    half = (qkv.shape[0], c.head_dim // 2)
+    cos, sin = torch.randn(half), torch.randn(half)
+    args = (
+        torch.randn(qkv.shape[0], c.hidden_size), weights, layout, pools[: c.num_layers],
+        pools[c.num_layers :], cos, sin, cos, sin, slots, nd, tables, lens, chunk_meta,
+        chunk_tables, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim**-0.5, c.rms_norm_eps,
+        model.norm.weight,
+    )  # fmt: skip
+    torch.library.opcheck(OP["decoder_layers"], args)

@@ -22,7 +22,7 @@ import torch
 from gguf import GGUFWriter
 
 from engine import ContinuousBatchEngine, Request, SamplingParams
-from models import ModelLoadError, kernels, load_model
+from models import AttentionMetadata, ModelLoadError, PrefillChunk, kernels, load_model, ops
 from tests.test_models_real import (
     ATOL,
     assert_logits_match,
@@ -173,6 +173,78 @@ def test_hf_directory_matches_transformers(checkpoint, use_kernels):
     lm = load_model(str(path), use_kernels=use_kernels)
     assert getattr(lm.model, "kernels", False) == use_kernels
     check_against(lm, ref, seed=len(name))
+
+
+def _layers_op_by_op(model, x, positions, pools, meta) -> torch.Tensor:
+    """What `ops.decoder_layers` claims to compute: its layer lists run as the single ops, one
+    call at a time (the loop the one op replaced)."""
+    c, eps = model.config, model.config.rms_norm_eps
+    weights, layout = model._plan
+    rope = model.rotary.halves(positions)
+    local = rope if model.rotary_local is None else model.rotary_local.halves(positions)
+    empty = torch.empty(0, dtype=torch.long)
+    tables = empty.view(0, 0) if meta.decode_block_tables is None else meta.decode_block_tables
+    lens = empty if meta.decode_context_lens is None else meta.decode_context_lens
+    for i, (kc, vc) in enumerate(pools):
+        w = weights[i * ops.Layer.TENSORS : (i + 1) * ops.Layer.TENSORS]
+        ints = layout[i * ops.Layer.INTS : (i + 1) * ops.Layer.INTS]
+
+        def linear(j, inp, residual, act, w=w, ints=ints):
+            qs, d, m, bias = w[5 + 4 * j : 9 + 4 * j]
+            kind, n = ints[2 * j : 2 * j + 2]
+            op = ops.ggml_linear if kind in (ops.Kind.GGML, ops.Kind.GGML_A8) else ops.packed_linear
+            return op(inp, qs, d, m, kind, n, bias, residual, act)
+
+        qkv = linear(0, ops.rms_norm(x, w[0], eps), None, ops.Act.NONE)
+        if w[4] is not None:
+            ops.head_rms_norm(qkv, w[4], c.head_dim, eps)
+        o = ops.attention(
+            qkv, *(local if ints[8] else rope), kc, vc, meta.slot_mapping, meta.num_decode_tokens,
+            tables, lens, meta.chunk_meta(), meta.chunk_tables(), c.num_heads, c.num_kv_heads,
+            c.head_dim, model.layers[0].self_attn.scale, ints[9],
+        )  # fmt: skip
+        if w[2] is None:  # Llama's layer
+            x = linear(1, o, x, ops.Act.NONE)
+            x = linear(3, linear(2, ops.rms_norm(x, w[1], eps), None, ints[10]), x, ops.Act.NONE)
+        else:  # Gemma 3's
+            x = ops.rms_norm(linear(1, o, None, ops.Act.NONE), w[1], eps, x)
+            g = linear(2, ops.rms_norm(x, w[2], eps), None, ints[10])
+            x = ops.rms_norm(linear(3, g, None, ops.Act.NONE), w[3], eps, x)
+    return ops.rms_norm(x, model.norm.weight, eps)
+
+
+def test_the_layer_stack_in_one_op_is_the_single_ops_bit_for_bit(checkpoint):
+    """`ops.decoder_layers` (the path the engine runs) against its lists run op by op: a prefill
+    chunk past Gemma's window, then a decode row, over fresh pools each; every value equal.
+    (That path against transformers: the tests above.)"""
+    _, path, _ = checkpoint
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason() or "no kernels")
+    model = load_model(str(path)).model
+    assert model._plan is not None
+    c, t = model.config, 20
+    ids = torch.tensor(random_ids(t + 1, VOCAB, seed=3))
+    table = torch.arange(8)
+    steps = [
+        (ids[:t], torch.arange(t),
+         AttentionMetadata(torch.arange(t), 0, None, None, [PrefillChunk(0, t, t, table)])),
+        (ids[t:], torch.tensor([t]),
+         AttentionMetadata(torch.tensor([t]), 1, table[None], torch.tensor([t + 1]), [])),
+    ]  # fmt: skip
+
+    def pools() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (8, 4, c.num_kv_heads, c.kv_layout.row_width)
+        return [(torch.zeros(shape, dtype=c.kv_dtype), torch.zeros(shape, dtype=c.kv_dtype))
+                for _ in range(c.num_layers)]  # fmt: skip
+
+    ours, ref = pools(), pools()
+    with torch.inference_mode():
+        for tokens, positions, meta in steps:
+            x = model.embed_tokens(tokens)
+            if c.embedding_scale is not None:
+                x = x * model._embedding_scale(x.dtype)
+            want = _layers_op_by_op(model, x, positions, ref, meta)
+            assert torch.equal(model(tokens, positions, ours, meta), want)
 
 
 def test_gemma3_config_reads_windows_scales_and_rope_bases(checkpoint):

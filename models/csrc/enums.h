@@ -14,9 +14,15 @@ namespace cbserve {
 // What a packed linear's epilogue emits: the plain result, or a gated MLP's act(gate) * up.
 #define CBSERVE_ACTS(X) X(NONE, 0) X(SILU_MUL, 1) X(GELU_MUL, 2)
 
+// decoder_layers' strides (layers.cpp): entries a layer in its `weights` and `layout` lists.
+#define CBSERVE_LAYER(X) X(TENSORS, 21) X(INTS, 11)
+
 #define CB_ENUM_ITEM(name, value) name = value,
+#define CB_LAYER_ITEM(name, value) LAYER_##name = value,
 enum Kind : int64_t { CBSERVE_KINDS(CB_ENUM_ITEM) };
 enum Act : int64_t { CBSERVE_ACTS(CB_ENUM_ITEM) };
+enum LayerStride : int64_t { CBSERVE_LAYER(CB_LAYER_ITEM) };
 #undef CB_ENUM_ITEM
+#undef CB_LAYER_ITEM
 
 }  // namespace cbserve

@@ -16,10 +16,13 @@ std::string enum_values() {
   std::string out;
 #define CB_KIND(name, value) out += "Kind." #name "=" + std::to_string(value) + " ";
 #define CB_ACT(name, value) out += "Act." #name "=" + std::to_string(value) + " ";
+#define CB_LAYER(name, value) out += "Layer." #name "=" + std::to_string(value) + " ";
   CBSERVE_KINDS(CB_KIND)
   CBSERVE_ACTS(CB_ACT)
+  CBSERVE_LAYER(CB_LAYER)
 #undef CB_KIND
 #undef CB_ACT
+#undef CB_LAYER
   return out;
 }
 
@@ -54,8 +57,16 @@ TORCH_LIBRARY(cbserve, m) {
       "attention(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
       "Tensor slots, int num_decode, Tensor dec_tables, Tensor dec_lens, Tensor chunk_meta, "
       "Tensor chunk_tables, int H, int KVH, int D, float scale, int window=0) -> Tensor");
+  // A decoder's whole layer stack (norms, projections, QK-norm, attention over the pools written in
+  // place) then the final norm: what those ops compute one by one, in one call (layers.cpp).
+  m.def(
+      "decoder_layers(Tensor x, Tensor?[] weights, int[] layout, Tensor(a!)[] k_caches, "
+      "Tensor(b!)[] v_caches, Tensor cos, Tensor sin, Tensor local_cos, Tensor local_sin, Tensor slots, "
+      "int num_decode, Tensor dec_tables, Tensor dec_lens, Tensor chunk_meta, Tensor chunk_tables, "
+      "int H, int KVH, int D, float scale, float eps, Tensor final_norm) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(cbserve, CPU, m) {
+  m.impl("decoder_layers", &cbserve::decoder_layers);
   m.impl("packed_linear", &cbserve::packed_linear);
   m.impl("ggml_linear", &cbserve::ggml_linear);
   m.impl("ggml_rows", &cbserve::ggml_rows);

@@ -18,6 +18,16 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
                      const at::Tensor& chunk_meta, const at::Tensor& chunk_tables, int64_t H,
                      int64_t KVH, int64_t D, double scale, int64_t window);
 
+// A decoder's layer stack over the paged pools (layers.cpp): `weights` LAYER_TENSORS a layer,
+// `layout` LAYER_INTS a layer, as that file lays them out.
+at::Tensor decoder_layers(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
+                          at::IntArrayRef layout, at::TensorList k_caches, at::TensorList v_caches,
+                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& local_cos,
+                          const at::Tensor& local_sin, const at::Tensor& slots, int64_t num_decode,
+                          const at::Tensor& dec_tables, const at::Tensor& dec_lens, const at::Tensor& chunk_meta,
+                          const at::Tensor& chunk_tables, int64_t H, int64_t KVH, int64_t D, double scale,
+                          double eps, const at::Tensor& final_norm);
+
 // GGUF rows as the file holds them (kquant.cpp): `parts` lists each fused part's (ggml type,
 // rows, byte offset); kind GGML (float32 activations) or GGML_A8 (int8).
 at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& d,
