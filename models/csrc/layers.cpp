@@ -2,11 +2,14 @@
 // packed. Each layer calls the same entry points the single ops do (rms_norm, the linears,
 // head_rms_norm, attention), in the same order on the same arguments, so its result is the
 // Python layer loop's bit for bit; what it saves is the Python interpreter and the dispatcher
-// between them (a few microseconds an op, ~180 ops a step on a 30-layer model).
+// between them (a few microseconds an op, ~180 ops a step on a 30-layer model). Each call is a
+// profiler scope named as its op, so torch.profiler still shows where a step goes.
 //
 // The layers' weights come flat, LAYER_TENSORS a layer (Tensor?[]), and their small parameters
 // LAYER_INTS a layer (int[]) (enums.h), in the order the enums below name: models/ops.py's
 // `DecoderLayer` builds both lists.
+#include <ATen/record_function.h>
+
 #include "common.h"
 #include "enums.h"
 #include "ops.h"
@@ -63,29 +66,44 @@ at::Tensor decoder_layers(const at::Tensor& x0, const Weights& weights, at::IntA
       const int64_t base = w0 + LINEARS + 4 * which, kind = ints[KINDS + 2 * which], N = ints[KINDS + 2 * which + 1];
       const at::Tensor qs = req(weights, base, "a linear's blocks");
       const auto d = opt(weights, base + 1), m = opt(weights, base + 2), bias = opt(weights, base + 3);
-      if (kind == GGML || kind == GGML_A8) return ggml_linear(in, qs, d, m, kind, N, bias, residual, act);
+      if (kind == GGML || kind == GGML_A8) {
+        RECORD_FUNCTION("cbserve::ggml_linear", std::vector<c10::IValue>());
+        return ggml_linear(in, qs, d, m, kind, N, bias, residual, act);
+      }
+      RECORD_FUNCTION("cbserve::packed_linear", std::vector<c10::IValue>());
       return packed_linear(in, qs, d, m, kind, N, bias, residual, act);
+    };
+    auto norm = [&](const at::Tensor& in, const at::Tensor& w, const c10::optional<at::Tensor>& residual) {
+      RECORD_FUNCTION("cbserve::rms_norm", std::vector<c10::IValue>());
+      return rms_norm(in, w, eps, residual);
     };
     const at::Tensor n0 = req(weights, w0 + NORM0, "a norm"), n1 = req(weights, w0 + NORM1, "a norm");
     const c10::optional<at::Tensor> n2 = opt(weights, w0 + NORM2), n3 = opt(weights, w0 + NORM3);
     const bool llama = !n2.has_value();  // else Gemma 3's four norms
-    at::Tensor qkv = linear(QKV, rms_norm(x, n0, eps, none), none, NONE);
-    if (const auto qk = opt(weights, w0 + QK_NORM)) head_rms_norm(qkv, *qk, D, eps);
+    at::Tensor qkv = linear(QKV, norm(x, n0, none), none, NONE);
+    if (const auto qk = opt(weights, w0 + QK_NORM)) {
+      RECORD_FUNCTION("cbserve::head_rms_norm", std::vector<c10::IValue>());
+      head_rms_norm(qkv, *qk, D, eps);
+    }
     const bool local = ints[USE_LOCAL_ROPE] != 0;
-    const at::Tensor o = attention(qkv, local ? local_cos : cos, local ? local_sin : sin, k_caches[l], v_caches[l],
-                                   slots, num_decode, dec_tables, dec_lens, chunk_meta, chunk_tables, H, KVH, D,
-                                   scale, ints[WINDOW]);
+    at::Tensor o;
+    {
+      RECORD_FUNCTION("cbserve::attention", std::vector<c10::IValue>());
+      o = attention(qkv, local ? local_cos : cos, local ? local_sin : sin, k_caches[l], v_caches[l], slots,
+                    num_decode, dec_tables, dec_lens, chunk_meta, chunk_tables, H, KVH, D, scale, ints[WINDOW]);
+    }
     if (llama) {  // x + o_proj(o), x + down(act(gate_up(norm(x))))
       x = linear(O, o, x, NONE);
-      const at::Tensor g = linear(GATE_UP, rms_norm(x, n1, eps, none), none, ints[FFN_ACT]);
+      const at::Tensor g = linear(GATE_UP, norm(x, n1, none), none, ints[FFN_ACT]);
       x = linear(DOWN, g, x, NONE);
     } else {  // Gemma 3: x + norm(o_proj(o)), x + norm(down(act(gate_up(norm(x)))))
       TORCH_CHECK(n3.has_value(), "decoder_layers: a four-norm layer needs its fourth norm");
-      x = rms_norm(linear(O, o, none, NONE), n1, eps, x);
-      const at::Tensor g = linear(GATE_UP, rms_norm(x, *n2, eps, none), none, ints[FFN_ACT]);
-      x = rms_norm(linear(DOWN, g, none, NONE), *n3, eps, x);
+      x = norm(linear(O, o, none, NONE), n1, x);
+      const at::Tensor g = linear(GATE_UP, norm(x, *n2, none), none, ints[FFN_ACT]);
+      x = norm(linear(DOWN, g, none, NONE), *n3, x);
     }
   }
+  RECORD_FUNCTION("cbserve::rms_norm", std::vector<c10::IValue>());
   return rms_norm(x, final_norm, eps, none);
 }
 
