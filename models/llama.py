@@ -35,9 +35,7 @@ from models.quant import (
     QTensor,
     RowsEmbedding,
     pack,
-    pack_rows,
     quantize,
-    tied_head_from_rows,
 )
 
 
@@ -543,11 +541,10 @@ class LlamaForCausalLM(nn.Module):
             )
             mlp.down_proj = packed(mlp.down_proj, [[f"{src}mlp.down_proj.weight"]])
         tied = self.config.tie_word_embeddings
-        if tied and scheme == "auto" and tied_head_from_rows(table, activations):
-            # the lookup's own rows (no second copy of the table)
-            self.lm_head = PackedLinear(pack_rows(table, int8=True), None)  # type: ignore[arg-type]
-        else:  # the table's (or the head's) blocks, packed like any projection
-            self.lm_head = packed(self.lm_head, [[embed_name if tied else "lm_head.weight"]])
+        # The table's (or the head's) blocks, packed like any projection: a tied head over a
+        # GGUF table with int8 activations on AVX2 multiplies the lookup's own rows, where they
+        # lie in the file map (Gemma 3's 262k x 640 Q8_0: no second 170 MB copy).
+        self.lm_head = packed(self.lm_head, [[embed_name if tied else "lm_head.weight"]])
         if (
             isinstance(table, GGMLTensor)
             and len(table.parts) == 1

@@ -26,7 +26,6 @@ can emit silu(gate) * up for 8 outputs per panel without a second pass.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -424,30 +423,6 @@ def _vnni() -> bool:
     from models.kernels import has_int8_dot  # (models.kernels is importable on its own)
 
     return has_int8_dot()
-
-
-# A tied head over an embedding table the file holds as Q8_0, Q4_0 or Q4_1 (Gemma 3's 262,144 x
-# 640 Q8_0: 170 MB). "rows" (the default) multiplies the file's rows, the ones the embedding
-# lookup reads, with int8 activations (`ggml_linear`, as llama.cpp does): the table is resident
-# once, and its register-tiled int8 kernel is at least as fast as the panels for one token and
-# faster for a batch. "panels" packs a second copy into float-activation panels.
-# CBSERVE_TIED_HEAD=panels chooses the panels; `tied_head_from_rows` says where the rows apply.
-TIED_HEAD_FROM_ROWS = os.environ.get("CBSERVE_TIED_HEAD", "rows") != "panels"
-
-
-def tied_head_from_rows(table: QTensor | GGMLTensor | None, activations: str) -> bool:
-    """A tied head multiplies `table`'s file rows (`TIED_HEAD_FROM_ROWS`) rather than panels:
-    for a one-tensor Q8_0 / Q4_0 / Q4_1 table (the K formats are rows anyway) whose head may
-    take int8 activations ("auto" or "int8"), on AVX2 (with AVX512-VNNI the panels' int8
-    kernel is the one measured)."""
-    return (
-        TIED_HEAD_FROM_ROWS
-        and isinstance(table, GGMLTensor)
-        and len(table.parts) == 1
-        and table.kind in (Q8_0, Q4_1)
-        and activations in ("auto", "int8")
-        and not _vnni()
-    )
 
 
 def _gate_up_order(n: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """GGUF weights computed where the file's map holds them (`models.quant._file_view`), and a tied
-head over the embedding's own rows (`models.quant.TIED_HEAD_FROM_ROWS`): no second copy of a
-quantized matrix. The oracle is the float model dequantized from the same file (gguf's
+head over the embedding's own rows (int8 activations on AVX2): no second copy of a quantized
+matrix. The oracle is the float model dequantized from the same file (gguf's
 dequantize, pure torch)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from models import kernels, load_model, quant
+from models import kernels, load_model
 from models.fetch import model_path
 from models.llama import PackedLinear
 from models.quant import GGML, GGML_A8, gguf_rows
@@ -62,17 +62,19 @@ def test_k_quant_projections_and_embedding_read_the_file_map_in_place(tmp_path, 
     torch.testing.assert_close(our_logits(lm, ids), want, rtol=0, atol=2e-4 * want.abs().max())
 
 
-@pytest.mark.parametrize("choice", ["rows", "panels"])
+@pytest.mark.parametrize("activations", ["auto", "float32"])
 def test_a_tied_q8_0_head_is_the_embeddings_rows_or_a_packed_copy(
-    tmp_path, smol_tokenizer, monkeypatch, choice
+    tmp_path, smol_tokenizer, activations
 ):
+    """int8 activations on AVX2 multiply the lookup's own rows; float32 activations, or int8 on
+    AVX512-VNNI, a packed copy of the table in panels."""
     path = gemma_file(tmp_path, smol_tokenizer, "Q8_0")
-    monkeypatch.setattr(quant, "TIED_HEAD_FROM_ROWS", choice == "rows")
-    lm = load_model(str(path), kv_cache_dtype="float32")
+    lm = load_model(str(path), kv_cache_dtype="float32", activations=activations)
     head, table = lm.model.lm_head.packed, lm.model.embed_tokens.qs
     shared = head.qs.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()
-    assert shared == (choice == "rows")
-    assert (head.kind == GGML_A8) == (choice == "rows")
+    rows = activations == "auto" and not kernels.has_int8_dot()
+    assert shared == rows
+    assert (head.kind == GGML_A8) == rows
     floats = load_model(str(path), use_kernels=False)
     ids = [1, *range(40, 60)]
     want = our_logits(floats, ids)
