@@ -60,8 +60,9 @@ def load_model(
     "float32": what the projections multiply (see `models.quant.KernelOptions`).
 
     `kv_cache_dtype`: "auto" is int8 when the projections run int8 activations (quantized
-    weights on an AVX512-VNNI CPU), float16 when the weights are quantized otherwise (as
-    llama.cpp's default cache) and float32 for float weights; "float16" and "int8" (per 32 values
+    weights, the default on AVX2 and AVX512-VNNI alike) and head_dim is a multiple of 32,
+    float16 when the weights are quantized otherwise (as llama.cpp's default cache) and float32
+    for float weights; "float16" and "int8" (per 32 values
     an int8 and a float32 scale: 0.56 of float16's bytes at head_dim 64, so long-context decode
     reads about half as much) need the kernels.
 
@@ -106,14 +107,13 @@ def load_model(
         lm = _to_bfloat16(lm, dtype)  # type: ignore[arg-type]
     layouts = model.packed_kinds() if use_kernels else set()
     quantized = bool(layouts - {F32})
-    # (attention's q.k runs on integer dot products over an int8 pool only with AVX512-VNNI)
-    integer_dots = kernels.has_int8_dot() and bool(layouts & INT8_KINDS)
     if kv_cache_dtype == "auto":
-        # int8 where the projections already multiply int8 activations (quantized weights on an
-        # AVX512-VNNI CPU, where attention's q.k runs on integer dot products too): its
-        # perplexity cost (+0.4%) is within the int8 activations' own, and it halves the bytes
-        # long-context decode reads each step. float16 with quantized weights otherwise.
-        if integer_dots and lm.config.head_dim % 32 == 0:
+        # int8 where the projections already multiply int8 activations: it halves the bytes
+        # long-context decode reads each step (on AVX2 too, where q.k dequantizes the keys:
+        # decode 13-24% faster at 1-2k tokens of context, no slower at 128) for a perplexity
+        # cost within the int8 activations' own (docs/benchmarks.md, eighth and nineteenth
+        # sessions). float16 with quantized weights otherwise.
+        if layouts & INT8_KINDS and lm.config.head_dim % 32 == 0:
             kv = torch.int8
         else:
             kv = torch.float16 if quantized else torch.float32

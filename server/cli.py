@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", *KV_DTYPES),
         default="auto",
         help="KV pool storage. auto: int8 where the projections run int8 activations "
-        "(quantized weights, AVX512-VNNI), else float16 with quantized weights (as llama.cpp), "
+        "(quantized weights), else float16 with quantized weights (as llama.cpp), "
         "else float32; int8: per 32 values an int8 and a float32 scale (q8_0), about half of "
         "float16's bytes; attention computes in float32 either way (default: %(default)s)",
     )

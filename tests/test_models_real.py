@@ -348,11 +348,10 @@ def test_an_int8_kv_cache_needs_the_kernels_and_is_sized_by_its_rows():
     assert lm.config.kv_bytes_per_token == 2 * layout.num_layers * layout.num_kv_heads * 36
 
 
-def test_auto_kv_cache_is_int8_exactly_where_attention_has_integer_dots():
-    """`--kv-cache-dtype auto`: int8 where the projections multiply int8 activations and the CPU
-    has AVX512-VNNI (attention's q.k on integer dots), float16 for other quantized weights
-    (int8 activations on AVX2 too: `--activation-dtype auto` is int8 wherever the kernels run),
-    float32 for float weights."""
+def test_auto_kv_cache_is_int8_exactly_where_activations_are_int8():
+    """`--kv-cache-dtype auto`: int8 where the projections multiply int8 activations (quantized
+    weights, on AVX2 and AVX512-VNNI alike), float16 for quantized weights with float
+    activations, float32 for float weights."""
     from models import kernels
 
     if not kernels.available():
@@ -362,7 +361,7 @@ def test_auto_kv_cache_is_int8_exactly_where_attention_has_integer_dots():
     assert f32a.config.kv_dtype == torch.float16
     auto = load_model("tinygpt", quantization="q8_0")
     assert all(k.endswith("+a8") for k in auto.model.weight_formats())
-    assert auto.config.kv_dtype == (torch.int8 if kernels.has_int8_dot() else torch.float16)
+    assert auto.config.kv_dtype == torch.int8
 
 
 def test_missing_file_and_unknown_name_are_refused():
