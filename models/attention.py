@@ -57,6 +57,21 @@ class AttentionMetadata:
             self._chunk_meta = torch.tensor(rows, dtype=torch.long).view(-1, 3)
         return self._chunk_meta
 
+    def kernel_args(self) -> tuple:
+        """The step as the fused attention kernel takes it (`models.ops.attention`, and
+        `decoder_layers` for every layer): slots, num_decode, decode block tables and context
+        lengths (empty without decode rows), chunk_meta, chunk_tables."""
+        empty = torch.empty(0, dtype=torch.long)
+        tables, lens = self.decode_block_tables, self.decode_context_lens
+        return (
+            self.slot_mapping,
+            self.num_decode_tokens,
+            empty.view(0, 0) if tables is None else tables,
+            empty if lens is None else lens,
+            self.chunk_meta(),
+            self.chunk_tables(),
+        )
+
     def chunk_tables(self) -> torch.Tensor:
         """(C, max_blocks) long: each chunk's block table, padded with block 0."""
         if self._chunk_tables is None:

@@ -133,10 +133,6 @@ class RopeTables(NamedTuple):
     sin_half: torch.Tensor | None = None
 
 
-def _or_empty(t: torch.Tensor | None, dims: int) -> torch.Tensor:
-    return t if t is not None else torch.empty((0,) * dims, dtype=torch.long)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (T, heads, hd) with cos/sin from `Rotary.forward`."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
@@ -298,11 +294,7 @@ class Attention(nn.Module):
             # One kernel: RoPE, K/V into the pool, attention reading the pool's blocks in place
             # (keys outside a sliding window masked there too).
             return ops.attention(
-                qkv, cos=rope.cos_half, sin=rope.sin_half, k_cache=kv_cache[0], v_cache=kv_cache[1],
-                slots=meta.slot_mapping, num_decode=meta.num_decode_tokens,
-                decode_tables=_or_empty(meta.decode_block_tables, 2),
-                decode_lens=_or_empty(meta.decode_context_lens, 1),
-                chunk_meta=meta.chunk_meta(), chunk_tables=meta.chunk_tables(),
+                qkv, rope.cos_half, rope.sin_half, *kv_cache, *meta.kernel_args(),
                 num_heads=self.n_heads, num_kv_heads=self.n_kv, head_dim=self.hd, scale=self.scale,
                 window=self.window,
             )  # fmt: skip
@@ -418,9 +410,7 @@ class LlamaForCausalLM(nn.Module):
         weights, layout = self._plan
         return ops.decoder_layers(
             x, weights, layout, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
-            tables, local_tables, meta.slot_mapping, meta.num_decode_tokens,
-            _or_empty(meta.decode_block_tables, 2), _or_empty(meta.decode_context_lens, 1),
-            meta.chunk_meta(), meta.chunk_tables(), c.num_heads, c.num_kv_heads, c.head_dim,
+            tables, local_tables, *meta.kernel_args(), c.num_heads, c.num_kv_heads, c.head_dim,
             self.layers[0].self_attn.scale, c.rms_norm_eps, self.norm.weight,
         )  # fmt: skip
 
@@ -574,16 +564,15 @@ class LlamaForCausalLM(nn.Module):
             if not all(isinstance(m, PackedLinear) for m in linears):
                 return None
             norms = [getattr(layer, n) for n in layer.NORMS]
-            if attn.q_norm is not None:
-                norms += [attn.q_norm, attn.k_norm]
+            qk_norms = [] if attn.q_norm is None else [attn.q_norm, attn.k_norm]
             if attn.scale != self.layers[0].self_attn.scale or any(
-                n.eps != c.rms_norm_eps for n in norms
+                n.eps != c.rms_norm_eps for n in norms + qk_norms
             ):
                 return None
             layers.append(
                 ops.DecoderLayer(
                     linears=tuple(args(m) for m in linears),  # type: ignore[arg-type]
-                    norms=tuple(n.weight for n in norms[: len(layer.NORMS)]),
+                    norms=tuple(n.weight for n in norms),
                     qk_norm=attn.qk_weight(),
                     local_rope=attn.local_rope,
                     window=attn.window,

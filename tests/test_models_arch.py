@@ -182,9 +182,6 @@ def _layers_op_by_op(model, x, positions, pools, meta) -> torch.Tensor:
     weights, layout = model._plan
     rope = model.rotary.halves(positions)
     local = rope if model.rotary_local is None else model.rotary_local.halves(positions)
-    empty = torch.empty(0, dtype=torch.long)
-    tables = empty.view(0, 0) if meta.decode_block_tables is None else meta.decode_block_tables
-    lens = empty if meta.decode_context_lens is None else meta.decode_context_lens
     for i, (kc, vc) in enumerate(pools):
         w = weights[i * ops.Layer.TENSORS : (i + 1) * ops.Layer.TENSORS]
         ints = layout[i * ops.Layer.INTS : (i + 1) * ops.Layer.INTS]
@@ -199,9 +196,8 @@ def _layers_op_by_op(model, x, positions, pools, meta) -> torch.Tensor:
         if w[4] is not None:
             ops.head_rms_norm(qkv, w[4], c.head_dim, eps)
         o = ops.attention(
-            qkv, *(local if ints[8] else rope), kc, vc, meta.slot_mapping, meta.num_decode_tokens,
-            tables, lens, meta.chunk_meta(), meta.chunk_tables(), c.num_heads, c.num_kv_heads,
-            c.head_dim, model.layers[0].self_attn.scale, ints[9],
+            qkv, *(local if ints[8] else rope), kc, vc, *meta.kernel_args(), c.num_heads,
+            c.num_kv_heads, c.head_dim, model.layers[0].self_attn.scale, ints[9],
         )  # fmt: skip
         if w[2] is None:  # Llama's layer
             x = linear(1, o, x, ops.Act.NONE)
