@@ -66,6 +66,9 @@ class ModelConfig:
     # llama.cpp's per-frequency RoPE divisors (GGUF tensor rope_freqs, how Llama 3.x GGUFs carry
     # their rope scaling): inv_freq[i] /= rope_freq_factors[i]. None = no scaling by factors.
     rope_freq_factors: tuple[float, ...] | None = None
+    # q/k rows in GGML's order (a llama-architecture GGUF's, taken as the file holds them): RoPE
+    # rotates adjacent pairs (2i, 2i + 1) instead of Hugging Face's halves (i, i + head_dim/2).
+    rope_interleaved: bool = False
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q/k/v projections

@@ -404,6 +404,14 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
                 )
             self._tensors[_hf_name(t.name, path, arch)] = t
         self._unread = self._in_place_names() if in_place else frozenset()
+        # When the kernels take every q/k projection's blocks, they take them in the file's
+        # order, as views of its pages (reordered, they would be anonymous copies: about a tenth
+        # of a Llama file's weights), and RoPE pairs their rows as GGML does
+        # (`ModelConfig.rope_interleaved`).
+        qk = [n for n in self._tensors if n.split(".")[-2] in self._heads]
+        self.rope_interleaved = bool(qk) and all(n in self._unread for n in qk)
+        if self.rope_interleaved:
+            self._heads = {}
 
     def _in_place_names(self) -> frozenset[str]:
         """Projection weights the kernels take as blocks: each fused group (q/k/v, gate/up) all
@@ -446,8 +454,8 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
 
     def blocks(self, name: str) -> GGMLTensor | None:
         """The tensor's own quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K,
-        IQ4_NL, IQ4_XS), byte for byte, row-permuted like `self[name]` but never dequantized;
-        None for other formats or names."""
+        IQ4_NL, IQ4_XS), byte for byte, row-permuted like `self[name]` (q/k rows un-permuted
+        unless `rope_interleaved`) but never dequantized; None for other formats or names."""
         t = self._tensors.get(name)
         if t is None:
             return None
@@ -496,6 +504,7 @@ def load_gguf(
     in_place = kernels is not None and kernels.quantization == "auto"
     weights = GGUFWeights(path, reader, config, dtype, arch=gguf_arch, in_place=in_place)
     check_weight_names(weights, config, path.name, cls)
+    config = replace(config, rope_interleaved=weights.rope_interleaved)
 
     tok = _tokenizer(path, meta)
     eos = tok.eos_token_ids

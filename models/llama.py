@@ -133,8 +133,16 @@ class RopeTables(NamedTuple):
     sin_half: torch.Tensor | None = None
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, heads, hd) with cos/sin from `Rotary.forward`."""
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+) -> torch.Tensor:
+    """x: (T, heads, hd) with cos/sin from `Rotary.forward`. `interleaved`: x's head values in
+    GGML's order, pair i being (2i, 2i + 1) rather than (i, i + hd/2)."""
+    if interleaved:
+        half = x.shape[-1] // 2
+        c, s = cos[..., :half], sin[..., half:]  # (T, 1, hd/2): the tables' halves
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
@@ -251,6 +259,7 @@ class Attention(nn.Module):
         self.window = config.window(layer)
         # Windowed layers rotate with the local RoPE tables where the family has them.
         self.local_rope = self.window > 0 and config.rope_local_theta is not None
+        self.rope_interleaved = config.rope_interleaved
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             self.q_norm = RMSNorm(self.hd, config.rms_norm_eps)
@@ -296,7 +305,7 @@ class Attention(nn.Module):
             return ops.attention(
                 qkv, rope.cos_half, rope.sin_half, *kv_cache, *meta.kernel_args(),
                 num_heads=self.n_heads, num_kv_heads=self.n_kv, head_dim=self.hd, scale=self.scale,
-                window=self.window,
+                window=self.window, interleaved=self.rope_interleaved,
             )  # fmt: skip
         t = qkv.shape[0]
         # Rotate q and k in one go: they are adjacent columns of the fused projection.
@@ -304,6 +313,7 @@ class Attention(nn.Module):
             qkv[:, : self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv, self.hd),
             rope.cos,
             rope.sin,
+            self.rope_interleaved,
         )
         q, k = qk.split([self.n_heads, self.n_kv], dim=1)  # (T, H, hd), (T, KV, hd)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.n_kv, self.hd)  # (T, KV, hd)
@@ -577,6 +587,7 @@ class LlamaForCausalLM(nn.Module):
                     local_rope=attn.local_rope,
                     window=attn.window,
                     ffn_act=Act.GELU_MUL if mlp.gelu else Act.SILU_MUL,
+                    rope_interleaved=attn.rope_interleaved,
                 )
             )
         if self.norm.eps != c.rms_norm_eps:

@@ -193,11 +193,13 @@ def attention(
     head_dim: int,
     scale: float,
     window: int = 0,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     """RoPE, the K/V write and paged attention of one step's flat batch, in one op.
 
-    qkv (T, (H + 2 KVH) * D) float32, contiguous: q and k heads are roped IN PLACE (half-split
-    rotation by cos/sin (T, D/2)); this step's k and v are written into k_cache / v_cache (IN
+    qkv (T, (H + 2 KVH) * D) float32, contiguous: q and k heads are roped IN PLACE by cos/sin
+    (T, D/2), pair i being (i, i + D/2) (Hugging Face's rotate_half) or, `interleaved`,
+    (2i, 2i + 1) (GGML's order, a llama-architecture GGUF's q/k rows as stored); this step's k and v are written into k_cache / v_cache (IN
     PLACE) at `slots` (T,); then the first `num_decode` tokens attend as decode rows over
     `decode_tables` (B, max_blocks) up to `decode_lens` (B,) keys, and each prefill chunk
     (`chunk_meta` rows [token_start, num_tokens, context_len], `chunk_tables` (C, max_blocks))
@@ -208,7 +210,7 @@ def attention(
     """
     return _attention(
         qkv, cos, sin, k_cache, v_cache, slots, num_decode, decode_tables, decode_lens,
-        chunk_meta, chunk_tables, num_heads, num_kv_heads, head_dim, scale, window,
+        chunk_meta, chunk_tables, num_heads, num_kv_heads, head_dim, scale, window, interleaved,
     )  # fmt: skip
 
 
@@ -216,7 +218,7 @@ class Layer(IntEnum):
     """`decoder_layers`' strides: entries a layer in its `weights` and `layout` lists."""
 
     TENSORS = 21
-    INTS = 11
+    INTS = 12
 
 
 class DecoderLayer(NamedTuple):
@@ -225,7 +227,8 @@ class DecoderLayer(NamedTuple):
     `norms`: the RMSNorm weights, 2 (Llama: input, post-attention) or 4 (Gemma 3: input,
     post-attention, pre-FFN, post-FFN); `qk_norm`: `head_rms_norm`'s table or None; `local_rope`:
     the layer rotates with the local tables; `window`: 0 or its sliding window; `ffn_act`: the
-    gate/up epilogue (Act.SILU_MUL or GELU_MUL)."""
+    gate/up epilogue (Act.SILU_MUL or GELU_MUL); `rope_interleaved`: `attention`'s
+    `interleaved`."""
 
     linears: tuple[tuple, tuple, tuple, tuple]
     norms: tuple[torch.Tensor, ...]
@@ -233,12 +236,14 @@ class DecoderLayer(NamedTuple):
     local_rope: bool
     window: int
     ffn_act: int
+    rope_interleaved: bool = False
 
 
 def decoder_stack(layers: list[DecoderLayer]) -> tuple[list[torch.Tensor | None], list[int]]:
     """`decoder_layers`' flat `weights` and `layout` lists for `layers` (made once per model):
     per layer the norms (4 slots), the QK-norm table, each linear's (qs, d, m, bias); and each
-    linear's (kind, out_features), the local-RoPE flag, the window and the FFN act."""
+    linear's (kind, out_features), the local-RoPE flag, the window, the FFN act and the RoPE
+    pairing."""
     weights: list[torch.Tensor | None] = []
     layout: list[int] = []
     for layer in layers:
@@ -249,6 +254,7 @@ def decoder_stack(layers: list[DecoderLayer]) -> tuple[list[torch.Tensor | None]
             weights += [qs, d, m, bias]
             layout += [int(kind), int(n)]
         layout += [int(layer.local_rope), int(layer.window), int(layer.ffn_act)]
+        layout.append(int(layer.rope_interleaved))
     return weights, layout
 
 
@@ -330,5 +336,5 @@ def _register_fakes() -> None:
         return torch.empty_like(x)
 
     @torch.library.register_fake("cbserve::attention")
-    def _(qkv, cos, sin, k_cache, v_cache, slots, nd, dt, dl, cm, ct, H, KVH, D, scale, window=0):  # noqa: N803
+    def _(qkv, cos, sin, k_cache, v_cache, slots, nd, dt, dl, cm, ct, H, KVH, D, *rest):  # noqa: N803
         return qkv.new_empty((qkv.shape[0], H * D))

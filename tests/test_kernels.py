@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from models import kernels, ops
 from models.attention import AttentionMetadata, PrefillChunk, paged_attention
+from models.llama import apply_rotary
 from models.quant import F32, Q4_1, Q8_0, QB, QTensor, from_gguf_blocks, pack, quantize
 from tests.test_kquant import GATED
 
@@ -297,6 +298,66 @@ def _check_fused_attention(pool_dtype, H, KVH, D, window=0):  # noqa: N803
 @pytest.mark.parametrize("D", [32, 64])  # 64: the AVX-512 grouped decode kernel where it runs
 def test_fused_attention_matches_paged_attention(pool_dtype, D):  # noqa: N803
     _check_fused_attention(pool_dtype, H, KVH, D)
+
+
+def _ggml_order(x: torch.Tensor) -> torch.Tensor:
+    """Each head's values (last dim) as llama.cpp's converter stores q/k rows: (i, i + D/2) -> (2i, 2i + 1)."""
+    d = x.shape[-1]
+    return x.unflatten(-1, (2, d // 2)).transpose(-1, -2).flatten(-2)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.int8])
+def test_interleaved_rope_on_ggml_ordered_heads_is_the_halves_rope(pool_dtype):
+    """A llama-architecture GGUF's q/k rows taken in the file's order: the op rotating adjacent
+    pairs gives the same attention as rotating halves on Hugging Face's order (q.k does not see
+    the shared permutation), and its pool holds the same keys in the file's order; so does the
+    torch path (`apply_rotary`)."""
+    torch.manual_seed(3)
+    h, kvh, d, t, bs = 6, 2, 64, 9, 16
+    qkv = torch.randn(t, (h + 2 * kvh) * d)
+    cos, sin = _rope_tables(torch.arange(t), d)
+    qk = qkv[:, : (h + kvh) * d].view(t, h + kvh, d)
+    filed = torch.cat([_ggml_order(qk).flatten(1), qkv[:, (h + kvh) * d :]], dim=1)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(bs, bs + t),
+        num_decode_tokens=0,
+        decode_block_tables=None,
+        decode_context_lens=None,
+        prefills=[PrefillChunk(0, t, t, torch.tensor([1]))],
+    )
+    width = d + d // 8 if pool_dtype == torch.int8 else d
+    outs, pools = [], []
+    for x, interleaved in ((qkv, False), (filed, True)):
+        pool = [torch.zeros(3, bs, kvh, width, dtype=pool_dtype) for _ in range(2)]
+        outs.append(
+            ops.attention(
+                x.clone(),
+                cos,
+                sin,
+                *pool,
+                meta.slot_mapping,
+                0,
+                torch.empty(0, 1, dtype=torch.int64),
+                torch.empty(0, dtype=torch.int64),
+                meta.chunk_meta(),
+                meta.chunk_tables(),
+                h,
+                kvh,
+                d,
+                d**-0.5,
+                interleaved=interleaved,
+            )  # fmt: skip
+        )
+        pools.append(_from_pool(pool[0], d)[1, :t])
+    tol = 2e-2 if pool_dtype == torch.int8 else 1e-5  # (int8 groups hold other values per order)
+    torch.testing.assert_close(outs[1], outs[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(pools[1], _ggml_order(pools[0]), rtol=tol, atol=tol)
+
+    full_cos = torch.cat([cos, cos], -1)[:, None]
+    full_sin = torch.cat([-sin, sin], -1)[:, None]
+    halves = apply_rotary(qk, full_cos, full_sin)
+    pairs = apply_rotary(_ggml_order(qk), full_cos, full_sin, interleaved=True)
+    torch.testing.assert_close(pairs, _ggml_order(halves), rtol=1e-6, atol=1e-6)
 
 
 # (query heads, kv heads, head_dim): every group size 1..8 and the new families' head sizes --

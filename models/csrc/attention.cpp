@@ -116,9 +116,32 @@ void decode_heads(const float* q, int64_t G, const C* kc, const C* vc, const int
   }
 }
 
+// GGML's "normal" RoPE: pair i is (x[2i], x[2i + 1]), rotated by angle i. A llama-architecture
+// GGUF stores each q/k head's rows in this order (its converter interleaved the halves that
+// Hugging Face's rotate_half pairs), so taking the file's rows as they are needs this rotation; q.k
+// is the same as with the halves, the pool just holds each k head's values in the file's order.
+inline void rope_pairs(float* x, const float* c, const float* s, int64_t half) {
+  int64_t i = 0;
+  for (; i + 4 <= half; i += 4) {
+    // (a0 b0 a1 b1 ..) * (c0 c0 c1 c1 ..) -/+ (b0 a0 b1 a1 ..) * (s0 s0 s1 s1 ..): addsub
+    // subtracts in the even lanes and adds in the odd ones.
+    const __m128 c4 = _mm_loadu_ps(c + i), s4 = _mm_loadu_ps(s + i);
+    const __m256 vc = _mm256_set_m128(_mm_unpackhi_ps(c4, c4), _mm_unpacklo_ps(c4, c4));
+    const __m256 vs = _mm256_set_m128(_mm_unpackhi_ps(s4, s4), _mm_unpacklo_ps(s4, s4));
+    const __m256 v = _mm256_loadu_ps(x + 2 * i);
+    const __m256 swapped = _mm256_permute_ps(v, 0xB1);
+    _mm256_storeu_ps(x + 2 * i, _mm256_addsub_ps(_mm256_mul_ps(v, vc), _mm256_mul_ps(swapped, vs)));
+  }
+  for (; i < half; ++i) {
+    const float a = x[2 * i], b = x[2 * i + 1];
+    x[2 * i] = a * c[i] - b * s[i];
+    x[2 * i + 1] = b * c[i] + a * s[i];
+  }
+}
+
 template <typename C>
 void rope_and_write(float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, const float* cos,
-                    const float* sin, const int64_t* slots, C* kcache, C* vcache) {
+                    const float* sin, bool interleaved, const int64_t* slots, C* kcache, C* vcache) {
   const int64_t half = D / 2, width = (H + 2 * KVH) * D;
   at::parallel_for(0, T, std::max<int64_t>(1, (1 << 15) / width), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -127,6 +150,10 @@ void rope_and_write(float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, co
       const float* s = sin + t * half;
       for (int64_t h = 0; h < H + KVH; ++h) {  // q heads then k heads
         float* x = row + h * D;
+        if (interleaved) {
+          rope_pairs(x, c, s, half);
+          continue;
+        }
         int64_t i = 0;
         for (; i + 8 <= half; i += 8) {
           __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
@@ -253,12 +280,13 @@ void rope_write_attend(float* qkv, float* out, const at::Tensor& cos, const at::
                        const at::Tensor& vcache, const at::Tensor& slots, int64_t T, int64_t num_decode,
                        const at::Tensor& dec_tables, const at::Tensor& dec_lens, const at::Tensor& chunk_meta,
                        const at::Tensor& chunk_tables, int64_t H, int64_t KVH, int64_t D, float scale,
-                       int64_t window) {
+                       int64_t window, bool interleaved) {
   TORCH_CHECK(kcache.size(3) == row_width<C>(D) && vcache.sizes() == kcache.sizes(),
               "the KV pool's rows do not fit head_dim ", D);
   C* kc = kcache.data_ptr<C>();
   C* vc = vcache.data_ptr<C>();
-  rope_and_write<C>(qkv, T, H, KVH, D, cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(), kc, vc);
+  rope_and_write<C>(qkv, T, H, KVH, D, cos.data_ptr<float>(), sin.data_ptr<float>(), interleaved,
+                    slots.data_ptr<int64_t>(), kc, vc);
   attend<C>(qkv, out, kc, vc, kcache.size(1), num_decode, dec_tables, dec_lens, chunk_meta, chunk_tables, H, KVH, D,
             scale, window);
 }
@@ -307,12 +335,13 @@ void check_pool_indices(const at::Tensor& slots, int64_t T, int64_t num_decode, 
 
 // chunk_meta: (C, 3) int64 rows [token_start, num_tokens, context_len]; chunk_tables (C, maxb).
 // window > 0: a query at position p attends to keys at positions (p - window, p] only.
+// interleaved: RoPE rotates adjacent pairs (GGML's order, `rope_pairs`), else the halves.
 // The pools: (num_blocks, block_size, KVH, row width) of float32, float16 or int8 (`row_width`).
 at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos_, const at::Tensor& sin_,
                      const at::Tensor& kcache, const at::Tensor& vcache, const at::Tensor& slots_,
                      int64_t num_decode, const at::Tensor& dec_tables, const at::Tensor& dec_lens,
                      const at::Tensor& chunk_meta, const at::Tensor& chunk_tables, int64_t H,
-                     int64_t KVH, int64_t D, double scale_, int64_t window) {
+                     int64_t KVH, int64_t D, double scale_, int64_t window, bool interleaved) {
   // qkv is roped in place (the schema declares it written): the caller's own buffer, so it must be
   // one block of memory rather than a view the op would have to copy.
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.is_contiguous(),
@@ -326,6 +355,9 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos_, const at::Te
               "the KV pools must be 4-D, of one dtype");
   at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous(), slots = slots_.contiguous();
   const int64_t T = qkv.size(0);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(0) >= T && cos.size(1) == D / 2 &&
+                  sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat,
+              "cos and sin must be (T, D/2) float32");
   check_pool_indices(slots, T, num_decode, dec_tables, dec_lens, chunk_meta, chunk_tables, kcache.size(0),
                      kcache.size(1));
   const float scale = static_cast<float>(scale_);
@@ -337,7 +369,7 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos_, const at::Te
     if constexpr (std::is_same_v<C, int8_t>)
       TORCH_CHECK(D % 32 == 0, "an int8 KV pool needs head_dim to be a multiple of 32");
     rope_write_attend<C>(qp, op, cos, sin, kcache, vcache, slots, T, num_decode, dec_tables, dec_lens, chunk_meta,
-                         chunk_tables, H, KVH, D, scale, window);
+                         chunk_tables, H, KVH, D, scale, window, interleaved);
   });
   return out;
 }

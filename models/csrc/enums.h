@@ -15,7 +15,7 @@ namespace cbserve {
 #define CBSERVE_ACTS(X) X(NONE, 0) X(SILU_MUL, 1) X(GELU_MUL, 2)
 
 // decoder_layers' strides (layers.cpp): entries a layer in its `weights` and `layout` lists.
-#define CBSERVE_LAYER(X) X(TENSORS, 21) X(INTS, 11)
+#define CBSERVE_LAYER(X) X(TENSORS, 21) X(INTS, 12)
 
 #define CB_ENUM_ITEM(name, value) name = value,
 #define CB_LAYER_ITEM(name, value) LAYER_##name = value,

@@ -22,8 +22,8 @@ namespace {
 // linear's (qs, d, m, bias).
 enum LayerTensor : int64_t { NORM0, NORM1, NORM2, NORM3, QK_NORM, LINEARS, TENSORS_END = LINEARS + 16 };
 // Per layer, in `layout`: each linear's (kind, N), then the RoPE table it uses (1: local), the
-// sliding window (0: none) and the FFN's activation (Act).
-enum LayerInt : int64_t { KINDS, USE_LOCAL_ROPE = 8, WINDOW, FFN_ACT, INTS_END };
+// sliding window (0: none), the FFN's activation (Act) and the RoPE pairing (1: interleaved).
+enum LayerInt : int64_t { KINDS, USE_LOCAL_ROPE = 8, WINDOW, FFN_ACT, ROPE_INTERLEAVED, INTS_END };
 static_assert(TENSORS_END == LAYER_TENSORS && INTS_END == LAYER_INTS, "enums.h's strides");
 enum Linear : int64_t { QKV, O, GATE_UP, DOWN };
 
@@ -90,7 +90,8 @@ at::Tensor decoder_layers(const at::Tensor& x0, const Weights& weights, at::IntA
     {
       RECORD_FUNCTION("cbserve::attention", std::vector<c10::IValue>());
       o = attention(qkv, local ? local_cos : cos, local ? local_sin : sin, k_caches[l], v_caches[l], slots,
-                    num_decode, dec_tables, dec_lens, chunk_meta, chunk_tables, H, KVH, D, scale, ints[WINDOW]);
+                    num_decode, dec_tables, dec_lens, chunk_meta, chunk_tables, H, KVH, D, scale, ints[WINDOW],
+                  ints[ROPE_INTERLEAVED] != 0);
     }
     if (llama) {  // x + o_proj(o), x + down(act(gate_up(norm(x))))
       x = linear(O, o, x, NONE);

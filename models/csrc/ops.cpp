@@ -52,11 +52,12 @@ TORCH_LIBRARY(cbserve, m) {
   m.def("enum_values() -> str", &enum_values);
   // RoPE on qkv's q and k heads in place, this step's K/V written into the pools at `slots`, then
   // paged attention of every token (decode rows, then prefill chunks); returns (T, H * D). window
-  // > 0: a query at position p sees the keys at positions (p - window, p] only.
+  // > 0: a query at position p sees the keys at positions (p - window, p] only. interleaved: RoPE
+  // rotates adjacent pairs (a llama-architecture GGUF's q/k rows as the file holds them), else halves.
   m.def(
       "attention(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
       "Tensor slots, int num_decode, Tensor dec_tables, Tensor dec_lens, Tensor chunk_meta, "
-      "Tensor chunk_tables, int H, int KVH, int D, float scale, int window=0) -> Tensor");
+      "Tensor chunk_tables, int H, int KVH, int D, float scale, int window=0, bool interleaved=False) -> Tensor");
   // A decoder's whole layer stack (norms, projections, QK-norm, attention over the pools written in
   // place) then the final norm: what those ops compute one by one, in one call (layers.cpp).
   m.def(

@@ -16,7 +16,7 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
                      const at::Tensor& kcache, const at::Tensor& vcache, const at::Tensor& slots,
                      int64_t num_decode, const at::Tensor& dec_tables, const at::Tensor& dec_lens,
                      const at::Tensor& chunk_meta, const at::Tensor& chunk_tables, int64_t H,
-                     int64_t KVH, int64_t D, double scale, int64_t window);
+                     int64_t KVH, int64_t D, double scale, int64_t window, bool interleaved);
 
 // A decoder's layer stack over the paged pools (layers.cpp): `weights` LAYER_TENSORS a layer,
 // `layout` LAYER_INTS a layer, as that file lays them out.
