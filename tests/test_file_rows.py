@@ -25,9 +25,10 @@ TINY = dict(
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no kernels")
 
 
-def gemma_file(tmp_path, tokenizer, fmt: str):
+def gemma_file(tmp_path, tokenizer, fmt: str, preset: str = "gemma-3-270m"):
+    shape = TINY if preset.startswith("gemma") else {**TINY, "sliding_window": None}
     return synth_model.write_synthetic(
-        tmp_path / f"gemma-{fmt}.gguf", "gemma-3-270m", fmt, seed=4, tokenizer=tokenizer, **TINY
+        tmp_path / f"{preset}-{fmt}.gguf", preset, fmt, seed=4, tokenizer=tokenizer, **shape
     )
 
 
@@ -44,10 +45,16 @@ def test_rows_of_a_read_only_map_are_views_and_other_arrays_are_copied(tmp_path)
     assert torch.equal(view.parts[0][1], copied.parts[0][1])
 
 
-def test_k_quant_projections_and_embedding_read_the_file_map_in_place(tmp_path, smol_tokenizer):
-    """Fused q/k/v and gate/up included: their parts are addressed where they lie in the map."""
-    path = gemma_file(tmp_path, smol_tokenizer, "Q4_K_M")
+@pytest.mark.parametrize("preset", ["gemma-3-270m", "llama-3.2-1b"])
+def test_k_quant_projections_and_embedding_read_the_file_map_in_place(
+    tmp_path, smol_tokenizer, preset
+):
+    """Fused q/k/v and gate/up included: their parts are addressed where they lie in the map.
+    A llama-architecture file's q/k rows too, in the order its converter permuted them (RoPE
+    then pairs them as GGML does); the float oracle un-permutes them as transformers does."""
+    path = gemma_file(tmp_path, smol_tokenizer, "Q4_K_M", preset)
     lm = load_model(str(path), activations="float32", kv_cache_dtype="float32")
+    assert lm.config.rope_interleaved == preset.startswith("llama")
     model = lm.model
     size = path.stat().st_size
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
