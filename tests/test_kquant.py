@@ -190,14 +190,18 @@ GATED = {
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q4_K])
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("act", list(GATED))
-def test_gated_epilogue_matches_torch(qtype, int8, act):
-    # 2 x 27 rows: the gated pass's 8-wide loop and its tail
-    w = random_rows(qtype, 54, 512, seed=5)
-    x = torch.randn(5, 512) * 3  # gates well past the activations' bends, both signs
+@pytest.mark.parametrize("m", [1, 5, 700])
+def test_gated_epilogue_matches_torch(qtype, int8, act, m):
+    """2 x 203 rows: the gated pass's 8-wide loop and its tail; 700 activation rows: gate and
+    up rows taken in several chunks a thread (each chunk's tail too), with a bias."""
+    w = random_rows(qtype, 406, 512, seed=5)
+    x = torch.randn(m, 512) * 3  # gates well past the activations' bends, both signs
+    bias = torch.randn(406)
     packed = pack_rows(w, int8)
-    gate, up = linear(x, packed).chunk(2, dim=-1)
-    got = linear(x, packed, act=act)
-    torch.testing.assert_close(got, GATED[act](gate) * up, rtol=1e-5, atol=1e-5)
+    gate, up = linear(x, packed, bias).chunk(2, dim=-1)
+    got = linear(x, packed, bias, act=act)
+    want = GATED[act](gate) * up
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max())
 
 
 @pytest.mark.parametrize("kind", [Q8_0, Q4_1])
