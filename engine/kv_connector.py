@@ -31,6 +31,7 @@ class KVHeader:
     dtype: torch.dtype
     shape: tuple[int, ...]  # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
     num_tokens: int
+    interleaved_keys: bool = False  # `KVLayout.interleaved_keys` of the pool they came from
 
     @property
     def num_blocks(self) -> int:
@@ -46,7 +47,12 @@ def pack_blocks(runner: ModelRunner, block_ids: list[int], num_tokens: int) -> b
     if not block_ids:
         raise ValueError("nothing to pack: no blocks")
     blocks = runner.read_blocks(block_ids).contiguous()  # (L, 2, n, bs, kv, hd)
-    header = {"dtype": str(blocks.dtype), "shape": list(blocks.shape), "num_tokens": num_tokens}
+    header = {
+        "dtype": str(blocks.dtype),
+        "shape": list(blocks.shape),
+        "num_tokens": num_tokens,
+        "interleaved_keys": runner.layout.interleaved_keys,
+    }
     head = json.dumps(header).encode()
     # uint8 view: numpy has no bfloat16, and raw bytes are what a transport carries anyway.
     data = blocks.view(torch.uint8).numpy().tobytes()
@@ -60,7 +66,9 @@ def unpack_blocks(payload: bytes) -> tuple[KVHeader, torch.Tensor]:
     dtype = getattr(torch, raw["dtype"].removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"KV payload has an unknown dtype {raw['dtype']!r}")
-    header = KVHeader(dtype, tuple(raw["shape"]), raw["num_tokens"])
+    header = KVHeader(
+        dtype, tuple(raw["shape"]), raw["num_tokens"], bool(raw.get("interleaved_keys", False))
+    )
     data = memoryview(payload)[_LENGTH.size + head_len :]
     if len(data) != header.nbytes:
         raise ValueError(f"KV payload holds {len(data)} bytes, its header says {header.nbytes}")
@@ -94,6 +102,14 @@ class KVConnector:
             raise ValueError(
                 f"KV payload of {header.dtype} {header.shape} does not fit a pool of "
                 f"{runner.kv.dtype} {tuple(want)}"
+            )
+        if header.interleaved_keys != runner.layout.interleaved_keys:
+            # (the same model loaded with other kernel options orders its keys otherwise: its
+            # attention would read these keys permuted)
+            order = {False: "Hugging Face's", True: "GGML's"}
+            raise ValueError(
+                f"KV payload's keys are in {order[header.interleaved_keys]} order, this pool's in "
+                f"{order[runner.layout.interleaved_keys]}"
             )
         if len(block_ids) != header.num_blocks:
             raise ValueError(f"{header.num_blocks} blocks sent, {len(block_ids)} to receive them")

@@ -34,6 +34,9 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    # Each k head's values in GGML's order (`ModelConfig.rope_interleaved`): a pool filled by
+    # one model is read by another only if both order their keys alike.
+    interleaved_keys: bool = False
 
     @property
     def row_width(self) -> int:
@@ -116,7 +119,9 @@ class ModelConfig:
 
     @property
     def kv_layout(self) -> KVLayout:
-        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype)
+        return KVLayout(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype, self.rope_interleaved
+        )
 
     @property
     def kv_bytes_per_token(self) -> int:

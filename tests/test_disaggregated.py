@@ -14,7 +14,9 @@ from engine import Request, RequestTooLongError, SamplingParams
 from engine.disaggregated import DisaggregatedEngine, Phase
 from engine.kv_connector import KVConnector, pack_blocks, unpack_blocks
 from engine.model_runner import ModelRunner
+from models import kernels, load_model
 from tests.engine_utils import greedy, mixed_specs, seeded, serve, serve_individually
+from tools import synth_model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -230,3 +232,24 @@ def test_receive_refuses_blocks_of_another_shape(model):
         KVConnector().receive(payload, ModelRunner(model, num_blocks=4, block_size=8), [1])
     with pytest.raises(ValueError, match="blocks sent"):
         KVConnector().receive(payload, ModelRunner(model, num_blocks=4, block_size=16), [1, 2])
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no kernels")
+def test_receive_refuses_keys_ordered_otherwise(tmp_path, smol_tokenizer):
+    """One llama-architecture Q4_K_M file loaded two ways: with the kernels its keys stay in the
+    file's (GGML's) order, without them in Hugging Face's. The pools have the same shape, but a
+    cache moved from one to the other would be read permuted: refused, either way round."""
+    path = synth_model.write_synthetic(
+        tmp_path / "llama.gguf", "llama-3.2-1b", "Q4_K_M", seed=1, tokenizer=smol_tokenizer,
+        num_hidden_layers=1, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=256, head_dim=64, vocab_size=512,
+    )  # fmt: skip
+    packed = load_model(str(path), kv_cache_dtype="float32")
+    floats = load_model(str(path), use_kernels=False)
+    assert packed.config.rope_interleaved and not floats.config.rope_interleaved
+    src, dst = (ModelRunner(lm.model, num_blocks=4, block_size=16) for lm in (packed, floats))
+    with pytest.raises(ValueError, match="order"):
+        KVConnector().receive(pack_blocks(src, [1], num_tokens=3), dst, [1])
+    with pytest.raises(ValueError, match="order"):
+        KVConnector().receive(pack_blocks(dst, [1], num_tokens=3), src, [1])
+    KVConnector().receive(pack_blocks(src, [1], num_tokens=3), src, [2])  # alike: accepted
