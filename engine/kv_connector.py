@@ -51,7 +51,7 @@ def pack_blocks(runner: ModelRunner, block_ids: list[int], num_tokens: int) -> b
         "dtype": str(blocks.dtype),
         "shape": list(blocks.shape),
         "num_tokens": num_tokens,
-        "interleaved_keys": runner.layout.interleaved_keys,
+        "interleaved_keys": runner.model.config.kv_layout.interleaved_keys,
     }
     head = json.dumps(header).encode()
     # uint8 view: numpy has no bfloat16, and raw bytes are what a transport carries anyway.
@@ -103,13 +103,14 @@ class KVConnector:
                 f"KV payload of {header.dtype} {header.shape} does not fit a pool of "
                 f"{runner.kv.dtype} {tuple(want)}"
             )
-        if header.interleaved_keys != runner.layout.interleaved_keys:
+        ours = runner.model.config.kv_layout.interleaved_keys
+        if header.interleaved_keys != ours:
             # (the same model loaded with other kernel options orders its keys otherwise: its
             # attention would read these keys permuted)
             order = {False: "Hugging Face's", True: "GGML's"}
             raise ValueError(
                 f"KV payload's keys are in {order[header.interleaved_keys]} order, this pool's in "
-                f"{order[runner.layout.interleaved_keys]}"
+                f"{order[ours]}"
             )
         if len(block_ids) != header.num_blocks:
             raise ValueError(f"{header.num_blocks} blocks sent, {len(block_ids)} to receive them")

@@ -26,7 +26,6 @@ from models.base import CausalLM
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int) -> None:
         layout = model.config.kv_layout
-        self.layout = layout
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks

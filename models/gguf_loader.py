@@ -387,7 +387,7 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
     ) -> None:
         self.dtype = dtype
         # Only llama.cpp's "llama" converter permutes q/k rows.
-        self._heads = (
+        heads = (
             {"q_proj": config.num_heads, "k_proj": config.num_kv_heads} if arch == "llama" else {}
         )
         # Gemma's converter stores norm weights as w + 1; Hugging Face's (and the model's
@@ -408,10 +408,11 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         # order, as views of its pages (reordered, they would be anonymous copies: about a tenth
         # of a Llama file's weights), and RoPE pairs their rows as GGML does
         # (`ModelConfig.rope_interleaved`).
-        qk = [n for n in self._tensors if n.split(".")[-2] in self._heads]
+        # (a q/k bias is never taken as blocks: a file with one keeps Hugging Face's order)
+        qk = [n for n in self._tensors if n.split(".")[-2] in heads]
         self.rope_interleaved = bool(qk) and all(n in self._unread for n in qk)
-        if self.rope_interleaved:
-            self._heads = {}
+        # the rows `self[name]` and `blocks` un-permute, by their projection's head count
+        self._heads = {} if self.rope_interleaved else heads
 
     def _in_place_names(self) -> frozenset[str]:
         """Projection weights the kernels take as blocks: each fused group (q/k/v, gate/up) all

@@ -151,6 +151,20 @@ TileFn tile_for(int64_t type, bool int8) {
   return f;
 }
 
+// o[j] = act(g[j]) * u[j], j < n, 8 at a time; the tail through one padded vector, so every
+// output goes through the same arithmetic.
+inline void gated_row(int64_t act, const float* g, const float* u, int64_t n, float* o) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(o + j, cbserve::gated8(act, _mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
+  if (j < n) {
+    alignas(32) float gt[8] = {}, ut[8] = {}, ot[8];
+    std::memcpy(gt, g + j, (n - j) * sizeof(float));
+    std::memcpy(ut, u + j, (n - j) * sizeof(float));
+    _mm256_store_ps(ot, cbserve::gated8(act, _mm256_load_ps(gt), _mm256_load_ps(ut)));
+    std::memcpy(o + j, ot, (n - j) * sizeof(float));
+  }
+}
+
 // parts: (P, 3) int64 rows [ggml type, rows, byte offset into qs]; their rows are the outputs in
 // order. `d` is unused (the scales live in the blocks); kept so the schema is packed_linear's.
 at::Tensor ggml_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::optional<at::Tensor>& d_,
@@ -272,16 +286,7 @@ at::Tensor ggml_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::op
             g[j] += bp[c + j];
             u[j] += bp[F + c + j];
           }
-        float* o = op + m * F + c;
-        int64_t j = 0;
-        for (; j + 8 <= w; j += 8) _mm256_storeu_ps(o + j, cbserve::gated8(act, _mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
-        if (j < w) {  // the tail through one padded vector: the same arithmetic as the rest
-          alignas(32) float gt[8] = {}, ut[8] = {}, ot[8];
-          std::memcpy(gt, g + j, (w - j) * sizeof(float));
-          std::memcpy(ut, u + j, (w - j) * sizeof(float));
-          _mm256_store_ps(ot, cbserve::gated8(act, _mm256_load_ps(gt), _mm256_load_ps(ut)));
-          std::memcpy(o + j, ot, (w - j) * sizeof(float));
-        }
+        gated_row(act, g, u, w, op + m * F + c);
       }
     }
   });
