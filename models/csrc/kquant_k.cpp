@@ -16,8 +16,10 @@
 //
 // Batch invariance: every (weight row, activation row) pair goes through the same integer lanes,
 // the same fp32 multiply-adds per block in block order and the same final reduction (reduce4),
-// whatever NR and R are and whichever path, so the tiles may group rows as they like.
-#include "kquant.h"
+// whatever NR and R are and whichever path, so the tiles may group rows as they like. On
+// AVX512-VNNI CPUs prefill runs on kquant_k_vnni.cpp's panels instead, and decode here takes their
+// arithmetic (EXACT: whole-block integers, then one fp32 chain per pair).
+#include "kquant_k.h"
 
 namespace cbserve_kquant {
 namespace {
@@ -32,124 +34,6 @@ inline void reduce4(const __m256* acc, int n, float* res) {
   alignas(16) float out[4];
   _mm_store_ps(out, s);
   for (int i = 0; i < n; ++i) res[i] = out[i];
-}
-
-// Q4_K / Q5_K: the 12 packed bytes of 8 six-bit scales and 8 six-bit mins -> one vector of bytes
-// [sc0..3, mn0..3, sc4..7, mn4..7] in both 128-bit halves (word-parallel bit moves instead of a
-// byte loop; vpshufb then picks any of them zero-extended to 16-bit lanes).
-inline __m256i scales_mins_k4(const uint8_t* q) {
-  uint64_t lo;
-  uint32_t hi;
-  std::memcpy(&lo, q, 8);
-  std::memcpy(&hi, q + 8, 4);
-  const uint64_t h = hi | (static_cast<uint64_t>(hi >> 4) << 32);
-  const uint64_t first = lo & 0x3F3F3F3F3F3F3F3FULL;  // sc0..3 | mn0..3: the low six bits
-  // sc4..7 | mn4..7: four bits from bytes 8..11, the top two from the top of bytes 0..7
-  const uint64_t second = (h & 0x0F0F0F0F0F0F0F0FULL) | ((lo >> 2) & 0x3030303030303030ULL);
-  return _mm256_broadcastsi128_si256(
-      _mm_set_epi64x(static_cast<int64_t>(second), static_cast<int64_t>(first)));
-}
-
-// vpshufb controls: sub-block i's scale (byte i, or i + 4 from the fifth) in every 16-bit lane.
-inline __m256i k4_scale_ctrl(int i) {
-  const int byte = i < 4 ? i : i + 4;
-  return _mm256_set1_epi16(static_cast<int16_t>(0x8000 | byte));
-}
-// ... and the 8 mins as 16-bit lanes (low half).
-inline __m128i k4_mins(__m256i sm) {
-  return _mm_shuffle_epi8(_mm256_castsi256_si128(sm),
-                          _mm_setr_epi8(4, -1, 5, -1, 6, -1, 7, -1, 12, -1, 13, -1, 14, -1, 15, -1));
-}
-
-// Q6_K / Q3_K: the vpshufb control that, from a half's 8 scales as 16-bit lanes (half_scales16), gives
-// vector k of that half (32 values, a scale per 16) scale 2k in its low half, 2k + 1 in its high.
-inline __m256i q6k_scale_ctrl(int k) {
-  const int16_t lo = static_cast<int16_t>(0x0100 + 0x0202 * (2 * k)), hi = static_cast<int16_t>(lo + 0x0202);
-  return _mm256_setr_epi16(lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi);
-}
-
-inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
-
-// Prefetch the slice of the next rows' bytes that matches block b of this group (the group's rows
-// are contiguous, so `pf` + b * step covers the next group as this one is walked).
-inline void prefetch_slice(const uint8_t* pf, int64_t b, int64_t step) {
-  if (!pf) return;
-  const uint8_t* p = pf + b * step;
-  for (int64_t o = 0; o < step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
-}
-
-// Prefill meets each weight row many times, so a tile of rows is first unpacked into the exact
-// vectors the file-row kernel builds in registers (the same values, so the same integer lanes),
-// scales included, so that the micro-kernel's inner loop is loads, multiplies and adds only:
-// 8 value vectors (32 values each, vector v meets sub-block v's scale), 8 scale vectors (that
-// scale in every 16-bit lane), then Q4_K / Q5_K: the mins as 16-bit lanes, d and dmin;
-// Q6_K / Q3_K: all 16 scales as 16-bit lanes (for the offset) and d; Q2_K: its 16 minimums as
-// 16-bit lanes, d and dmin.
-template <int T>
-constexpr int64_t unpacked_block() {
-  return scaled16(T) ? 576 : 544;
-}
-
-// Q4_K / Q5_K: values 64j .. 64j + 63 of a block (low and high halves); qh (Q5_K's fifth bits)
-// is shifted down two bits a step, so its bits 0 and 1 are step j's.
-template <int T>
-inline void k4_values(const uint8_t* blk, int j, __m256i& qh, __m256i& lo, __m256i& hi) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m16 = _mm256_set1_epi8(0x10);
-  const __m256i q = load256(blk + (T == Q4_K ? 16 : 48) + 32 * j);
-  lo = _mm256_and_si256(q, m4);
-  hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-  if constexpr (T == Q5_K) {  // bit 2j of qh byte i is value 64j + i's fifth bit, bit 2j + 1 value 64j + 32 + i's
-    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), m16));
-    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), m16));
-    qh = _mm256_srli_epi16(qh, 2);
-  }
-}
-
-// Q6_K / Q3_K: from the 16 int8 scales (k16_scales), half h's 8 as 16-bit lanes in both 128-bit
-// halves (for q6k_scale_ctrl), and all 16 as 16-bit lanes (met by the activation sums per 16
-// for the offset).
-inline __m256i half_scales16(__m128i sc, int h) {
-  return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(h == 0 ? sc : _mm_srli_si128(sc, 8)));
-}
-inline __m256i all_scales16(__m128i sc) { return _mm256_cvtepi8_epi16(sc); }
-
-template <int T>
-void unpack_k(const uint8_t* w, int64_t nb, uint8_t* dst) {
-  constexpr int64_t BB = block_bytes(T), UB = unpacked_block<T>();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * BB;
-    uint8_t* o = dst + b * UB;
-    auto put = [](uint8_t* at, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(at), v); };
-    if constexpr (scaled16(T)) {
-      const __m128i sc = k16_scales<T>(blk);
-      for (int h = 0; h < 2; ++h) {
-        __m256i u[4];
-        k16_values<T>(u, blk, h);
-        const __m256i scv = half_scales16(sc, h);
-        for (int k = 0; k < 4; ++k) {
-          put(o + 128 * h + 32 * k, u[k]);
-          put(o + 256 + 128 * h + 32 * k, _mm256_shuffle_epi8(scv, q6k_scale_ctrl(k)));
-        }
-      }
-      put(o + 512, all_scales16(T == Q2_K ? q2k_mins(blk) : sc));
-      const float dd[2] = {k16_d<T>(blk), T == Q2_K ? q2k_dmin(blk) : 0.f};
-      std::memcpy(o + 544, dd, 8);
-    } else {
-      __m256i qh = T == Q5_K ? load256(blk + 16) : _mm256_setzero_si256();
-      const __m256i sm = scales_mins_k4(blk + 4);
-      for (int j = 0; j < 4; ++j) {
-        __m256i lo, hi;
-        k4_values<T>(blk, j, qh, lo, hi);
-        put(o + 64 * j, lo);
-        put(o + 64 * j + 32, hi);
-        put(o + 256 + 64 * j, _mm256_shuffle_epi8(sm, k4_scale_ctrl(2 * j)));
-        put(o + 256 + 64 * j + 32, _mm256_shuffle_epi8(sm, k4_scale_ctrl(2 * j + 1)));
-      }
-      _mm_store_si128(reinterpret_cast<__m128i*>(o + 512), k4_mins(sm));
-      const float dd[2] = {fp16(blk), fp16(blk + 2)};
-      std::memcpy(o + 528, dd, 8);
-    }
-  }
 }
 
 // The micro-kernel of prefill: NR unpacked weight rows (`stride` apart) against activation rows
@@ -231,13 +115,31 @@ void rows_u(const uint8_t* first, int64_t stride, int64_t count, const Acts& a, 
   }
 }
 
+// Formats whose weights carry a minimum per sub-block (w = d sc u - dmin m): its term comes from the
+// activation sums and meets dmin; the others' offset is folded into the integer sum.
+constexpr bool has_min(int64_t t) { return t == Q2_K || !scaled16(t); }
+
 // NR weight rows w[n] (nb blocks of type T each, the file's) against activation rows r0 .. r0 + R:
 // res[n * R + r] = sum_k w[n][k] x[r0 + r][k].
-template <int T, int NR, int R>
+// Per block and (weight row, activation row) pair the integer lanes give I1 (the scaled sum, an
+// offset taken out) and I2 (the minimums' term); then c += I1 (d dx) - I2 (dmin dx) in fp32.
+// EXACT = false (AVX2 CPUs): c is 8 lanes of partial sums, reduced once at the end (reduce4).
+// EXACT = true (AVX512-VNNI CPUs): each block's I1 and I2 are summed across lanes first (exact
+// integers), so c is one float per pair: the arithmetic of the VNNI panels, which compute the
+// same whole-block integers in another order (kquant_k_vnni.cpp).
+template <int T, int NR, int R, bool EXACT>
 void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float* res, const uint8_t* pf) {
   constexpr int64_t BB = block_bytes(T);
+  static_assert(!EXACT || NR * R <= 8, "the exact epilogue keeps one lane per pair");
   __m256 acc[NR * R];
   for (int i = 0; i < NR * R; ++i) acc[i] = _mm256_setzero_ps();
+  // EXACT: pair n * R + r's integer vectors, I1 at [pair] and I2 at [I2_AT + pair] (up to 4 pairs
+  // share one reduction), and its float in lane n * R + r.
+  constexpr int PAIRS = NR * R, I2_AT = PAIRS <= 4 ? 4 : 8;
+  __m256i ints[16];
+  for (int i = 0; i < 16; ++i) ints[i] = _mm256_setzero_si256();
+  __m128 exact4 = _mm_setzero_ps();
+  __m256 exact8 = _mm256_setzero_ps();
   const int64_t nbx = a.K / 256;
   for (int64_t b = 0; b < nb; ++b) {
     prefetch_slice(pf, b, NR * BB);
@@ -258,6 +160,7 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + 8)));
       }
     }
+    alignas(32) float dn[8] = {}, dminn[8] = {};  // EXACT: each pair's d and dmin
 #pragma GCC unroll 1
     for (int n = 0; n < NR; ++n) {
       const uint8_t* blk = w[n] + b * BB;
@@ -268,8 +171,9 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
         xs[r] = x[r];
         asm volatile("" : "+r"(xs[r]));
       }
-      __m256i sumi[R];
-      for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+      __m256i sumi[R], i2[R];
+      for (int r = 0; r < R; ++r) sumi[r] = i2[r] = _mm256_setzero_si256();
+      float d, dmin = 0.f;
       if constexpr (scaled16(T)) {
         const __m128i sc = k16_scales<T>(blk);
 #pragma GCC unroll 2
@@ -287,22 +191,15 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
             }
           }
         }
-        const __m256 vd = _mm256_set1_ps(k16_d<T>(blk));
-        if constexpr (T == Q2_K) {  // w = d sc u - dmin m: dmin m x (the sums per 16) in float
+        d = k16_d<T>(blk);
+        if constexpr (T == Q2_K) {  // w = d sc u - dmin m: m x (the sums per 16) meets dmin
           const __m256i mn16 = all_scales16(q2k_mins(blk));
-          const __m256 vdmin = _mm256_set1_ps(q2k_dmin(blk));
-          for (int r = 0; r < R; ++r) {
-            __m256& c = acc[n * R + r];
-            c = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(vd, dx[r]), c);
-            c = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mn16, bs[r])), _mm256_mul_ps(vdmin, dx[r]), c);
-          }
+          dmin = q2k_dmin(blk);
+          for (int r = 0; r < R; ++r) i2[r] = _mm256_madd_epi16(mn16, bs[r]);
         } else {  // w = d sc (u - offset): take offset sc x (the sums per 16) back out, in the same lanes
           const __m256i sc16 = all_scales16(sc);
-          for (int r = 0; r < R; ++r) {
-            const __m256i tot =
-                _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs[r]), k16_offset_shift(T)));
-            acc[n * R + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(vd, dx[r]), acc[n * R + r]);
-          }
+          for (int r = 0; r < R; ++r)
+            sumi[r] = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs[r]), k16_offset_shift(T)));
         }
       } else {
         const __m256i sm = scales_mins_k4(blk + 4);
@@ -321,24 +218,62 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
           }
         }
         const __m128i mins = k4_mins(sm);
-        const __m256 vd = _mm256_set1_ps(fp16(blk)), vdmin = _mm256_set1_ps(fp16(blk + 2));
+        d = fp16(blk);
+        dmin = fp16(blk + 2);
+        for (int r = 0; r < R; ++r) i2[r] = _mm256_zextsi128_si256(_mm_madd_epi16(mins, pairs[r]));
+      }
+      if constexpr (EXACT) {
         for (int r = 0; r < R; ++r) {
-          const __m256i pm = _mm256_zextsi128_si256(_mm_madd_epi16(mins, pairs[r]));
+          ints[n * R + r] = sumi[r];
+          if constexpr (has_min(T)) ints[I2_AT + n * R + r] = i2[r];
+          dn[n * R + r] = d;
+          dminn[n * R + r] = dmin;
+        }
+      } else {
+        const __m256 vd = _mm256_set1_ps(d), vdmin = _mm256_set1_ps(dmin);
+        for (int r = 0; r < R; ++r) {
           __m256& c = acc[n * R + r];
           c = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(vd, dx[r]), c);
-          c = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_mul_ps(vdmin, dx[r]), c);
+          if constexpr (has_min(T)) c = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(i2[r]), _mm256_mul_ps(vdmin, dx[r]), c);
         }
       }
     }
+    if constexpr (EXACT) {
+      alignas(32) float dxs[8] = {};
+      for (int n = 0; n < NR; ++n)
+        for (int r = 0; r < R; ++r) dxs[n * R + r] = a.d256[(r0 + r) * nbx + b];
+      if constexpr (PAIRS <= 4) {  // lanes 0-3: I1, 4-7: I2
+        const __m256 f = _mm256_cvtepi32_ps(sums8(ints));
+        const __m128 vdx = _mm_load_ps(dxs);
+        exact4 = _mm_fmadd_ps(_mm256_castps256_ps128(f), _mm_mul_ps(_mm_load_ps(dn), vdx), exact4);
+        if constexpr (has_min(T))
+          exact4 = _mm_fnmadd_ps(_mm256_extractf128_ps(f, 1), _mm_mul_ps(_mm_load_ps(dminn), vdx), exact4);
+      } else {
+        const __m256 vdx = _mm256_load_ps(dxs);
+        exact8 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums8(ints)), _mm256_mul_ps(_mm256_load_ps(dn), vdx), exact8);
+        if constexpr (has_min(T))
+          exact8 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(sums8(ints + 8)), _mm256_mul_ps(_mm256_load_ps(dminn), vdx),
+                                    exact8);
+      }
+    }
   }
-  for (int i = 0; i < NR * R; i += 4) reduce4(acc + i, std::min(4, NR * R - i), res + i);
+  if constexpr (EXACT) {
+    alignas(32) float out[8];
+    if constexpr (PAIRS <= 4)
+      _mm_store_ps(out, exact4);
+    else
+      _mm256_store_ps(out, exact8);
+    for (int i = 0; i < NR * R; ++i) res[i] = out[i];
+  } else {
+    for (int i = 0; i < NR * R; i += 4) reduce4(acc + i, std::min(4, NR * R - i), res + i);
+  }
 }
 
 // The file's rows [0, count) against activation rows m0 .. m0 + R (decode), in groups of NR weight
 // rows (NR * R <= 8 keeps the integer sums in registers); `stride` from one row to the next. The
 // next group's bytes are prefetched while this one is computed, since in a decode step the
 // weights stream from DRAM and each is used once.
-template <int T, int R>
+template <int T, int R, bool EXACT>
 void rows_k(const uint8_t* first, int64_t stride, int64_t count, const uint8_t* end, const Acts& a, int64_t nb,
             int64_t m0, float* y, int64_t ldy) {
   constexpr int NR = R <= 2 ? 4 : 2;
@@ -348,28 +283,34 @@ void rows_k(const uint8_t* first, int64_t stride, int64_t count, const uint8_t* 
     const uint8_t* w[NR];
     for (int k = 0; k < NR; ++k) w[k] = first + (i + k) * stride;
     const uint8_t* pf = w[0] + NR * stride;
-    dot_k<T, NR, R>(w, a, m0, nb, res, pf + NR * stride <= end ? pf : nullptr);
+    dot_k<T, NR, R, EXACT>(w, a, m0, nb, res, pf + NR * stride <= end ? pf : nullptr);
     for (int k = 0; k < NR; ++k)
       for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + i + k] = res[k * R + r];
   }
   for (; i < count; ++i) {
     const uint8_t* w = first + i * stride;
-    dot_k<T, 1, R>(&w, a, m0, nb, res, nullptr);
+    dot_k<T, 1, R, EXACT>(&w, a, m0, nb, res, nullptr);
     for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + i] = res[r];
   }
 }
 
-template <int T>
+// EXACT: the AVX512-VNNI CPUs' arithmetic (dot_k); prefill then runs on the VNNI panels.
+template <int T, bool EXACT>
 void tile_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
   using RowsFn = void (*)(const uint8_t*, int64_t, int64_t, const uint8_t*, const Acts&, int64_t, int64_t, float*,
                           int64_t);
-  static const RowsFn file_rows[MR + 1] = {nullptr, rows_k<T, 1>, rows_k<T, 2>, rows_k<T, 3>, rows_k<T, 4>};
+  static const RowsFn file_rows[MR + 1] = {nullptr, rows_k<T, 1, EXACT>, rows_k<T, 2, EXACT>, rows_k<T, 3, EXACT>,
+                                           rows_k<T, 4, EXACT>};
   using URowsFn = void (*)(const uint8_t*, int64_t, int64_t, const Acts&, const int16_t*, int64_t, int64_t, float*,
                            int64_t);
   static const URowsFn unpacked_rows[MR + 1] = {nullptr, rows_u<T, 1>, rows_u<T, 2>, rows_u<T, 3>, rows_u<T, 4>};
   const uint8_t* end = p.data + p.rows * p.row_bytes;
   if (M <= MR)
     return file_rows[M](p.data + (n0 - p.n0) * p.row_bytes, p.row_bytes, n1 - n0, end, a, p.nb, 0, y + n0, ldy);
+  if constexpr (EXACT) {
+    static const TileFn panels = panels_k_vnni(T);
+    return panels(p, n0, n1, a, M, y, ldy);
+  }
   // More activation rows (prefill): a tile of nt weight rows is unpacked once, then stays in
   // cache while every MR activation rows meet it: up to 16 rows, fewer (an even count) for long
   // rows so that the tile stays well inside L2 next to the activations.
@@ -405,14 +346,13 @@ void tile_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, flo
 }  // namespace
 
 TileFn tile_k_a8(int64_t type) {
-  switch (type) {
-    case Q2_K: return tile_k<Q2_K>;
-    case Q3_K: return tile_k<Q3_K>;
-    case Q4_K: return tile_k<Q4_K>;
-    case Q5_K: return tile_k<Q5_K>;
-    case Q6_K: return tile_k<Q6_K>;
-    default: return nullptr;
-  }
+  const bool vnni = cbserve::cpu_has_vnni();
+  TileFn f = nullptr;
+  cbserve::with_value<Q2_K, Q3_K, Q4_K, Q5_K, Q6_K>(type, [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    f = vnni ? tile_k<T, true> : tile_k<T, false>;
+  });
+  return f;
 }
 
 }  // namespace cbserve_kquant

@@ -1,0 +1,207 @@
+// The K formats (Q2_K .. Q6_K) for many activation rows on AVX512-VNNI CPUs: prefill and batched
+// decode of a GGUF file's rows.
+//
+// A thread's outputs go 16 at a time into a panel: the 16 rows unpacked (unpack_k) and laid out
+// so that one 64-byte vector holds the same four values of all 16 rows, then per block the
+// sub-scales as int32, the minimums (or Q6_K / Q3_K's scales per 16) as int16 pairs, d and dmin.
+// A panel is built once and met by every activation row, 8 at a time: a sub-block's values meet
+// an activation row's four bytes (broadcast) in vpdpbusd, 16 outputs x 4 values each, and its
+// sub-scale is applied once per sub-block with one vpmulld; the minimums' term is vpdpwssd against
+// the activation sums. No horizontal sums: a lane is an output.
+//
+// The arithmetic is dot_k's EXACT one (kquant_k.cpp): per block, I1 and I2 are whole integers (the
+// same numbers in any order), then c += I1 (d dx) - I2 (dmin dx) in fp32, one lane per output, so
+// an activation row's result is the same bits here and on the file-row path of decode.
+#include "kquant_k.h"
+
+namespace cbserve_kquant {
+namespace {
+
+constexpr int PANEL = 16;  // outputs a panel (one 512-bit lane each)
+constexpr int RA = 8;      // activation rows a micro-kernel call
+
+template <int T>
+constexpr int subs() {
+  return scaled16(T) ? 16 : 8;
+}
+// A panel's block: values (64 groups of 4 values x 16 rows), sub-scales (int32), the correction
+// pairs (two int16 a row), d and dmin (16 floats each).
+template <int T>
+constexpr int64_t panel_block() {
+  return 4096 + 96 * subs<T>() + 128;
+}
+template <int T>
+constexpr int64_t panel_scales() {
+  return 4096;
+}
+template <int T>
+constexpr int64_t panel_corr() {
+  return 4096 + 64 * subs<T>();
+}
+template <int T>
+constexpr int64_t panel_dd() {
+  return 4096 + 96 * subs<T>();
+}
+
+inline int32_t load_i32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// r[i] (16 dwords each) transposed: r[j] holds dword j of every input.
+CB_VNNI inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  // u[4k + j], 128-bit lane L: dword 4L + j of inputs 4k .. 4k + 3
+  __m512i u[16];
+  for (int k = 0; k < 4; ++k) {
+    u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+    r[j] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[4 + j] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+    r[8 + j] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+  }
+}
+
+// Rows t0 .. t0 + rows of the part (rows <= 16; the panel's other lanes are zeros) into `panel`;
+// `tmp` holds 16 unpacked rows.
+template <int T>
+CB_VNNI void build_panel(const Part& p, int64_t t0, int64_t rows, uint8_t* tmp, uint8_t* panel) {
+  constexpr int64_t UB = unpacked_block<T>(), PB = panel_block<T>(), NS = subs<T>();
+  const int64_t nb = p.nb, row_ub = nb * UB;
+  for (int64_t i = 0; i < PANEL; ++i) {
+    uint8_t* dst = tmp + i * row_ub;
+    if (i < rows)
+      unpack_k<T>(p.data + (t0 + i - p.n0) * p.row_bytes, nb, dst);
+    else
+      std::memset(dst, 0, row_ub);
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* pb = panel + b * PB;
+    for (int q = 0; q < 4; ++q) {  // values 64 q .. 64 q + 63 of the 16 rows
+      __m512i v[16];
+      for (int i = 0; i < PANEL; ++i) v[i] = _mm512_loadu_si512(tmp + i * row_ub + b * UB + 64 * q);
+      transpose16(v);
+      for (int g = 0; g < 16; ++g) _mm512_store_si512(pb + 64 * (16 * q + g), v[g]);
+    }
+    for (int64_t i = 0; i < PANEL; ++i) {
+      const uint8_t* u = tmp + i * row_ub + b * UB;
+      for (int s = 0; s < NS; ++s) {
+        int16_t sc;
+        std::memcpy(&sc, u + k_scale_at<T>(s), 2);
+        const int32_t v = sc;
+        std::memcpy(pb + panel_scales<T>() + 64 * s + 4 * i, &v, 4);
+      }
+      for (int q = 0; q < NS / 2; ++q) std::memcpy(pb + panel_corr<T>() + 64 * q + 4 * i, u + K_CORR + 4 * q, 4);
+      std::memcpy(pb + panel_dd<T>() + 4 * i, u + k_dd<T>(), 4);
+      std::memcpy(pb + panel_dd<T>() + 64 + 4 * i, u + k_dd<T>() + 4, 4);
+    }
+  }
+}
+
+// The panel's 16 outputs for activation rows r0 .. r0 + R into c[r * 16 + lane]. `corr`: per
+// (activation row, block) the sums that meet the correction pairs: Q4_K / Q5_K's sums per 32
+// (8 int16), the others' sums per 16 (16 int16, Acts::bs16).
+template <int T, int R>
+CB_VNNI void panel_dot(const uint8_t* panel, int64_t nb, const Acts& a, const int16_t* corr, int64_t r0, float* c) {
+  constexpr int64_t PB = panel_block<T>();
+  constexpr int NS = subs<T>(), GS = 64 / NS, CW = scaled16(T) ? 16 : 8;
+  const int64_t nbx = a.K / 256;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* pb = panel + b * PB;
+    const int8_t* x[R];
+    for (int r = 0; r < R; ++r) x[r] = a.q256 + ((r0 + r) * nbx + b) * 256;
+    __m512i i1[R];
+    for (int r = 0; r < R; ++r) i1[r] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+    for (int s = 0; s < NS; ++s) {
+      __m512i sv[R];
+      for (int r = 0; r < R; ++r) sv[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int g = 0; g < GS; ++g) {
+        const int grp = s * GS + g;
+        const __m512i w = _mm512_load_si512(pb + 64 * grp);
+        for (int r = 0; r < R; ++r) sv[r] = _mm512_dpbusd_epi32(sv[r], w, _mm512_set1_epi32(load_i32(x[r] + 4 * grp)));
+      }
+      const __m512i sc = _mm512_load_si512(pb + panel_scales<T>() + 64 * s);
+      for (int r = 0; r < R; ++r) i1[r] = _mm512_add_epi32(i1[r], _mm512_mullo_epi32(sv[r], sc));
+    }
+    __m512i i2[R];
+    for (int r = 0; r < R; ++r) i2[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int q = 0; q < NS / 2; ++q) {
+      const __m512i cv = _mm512_load_si512(pb + panel_corr<T>() + 64 * q);
+      for (int r = 0; r < R; ++r) {
+        const int16_t* src = corr + ((r0 + r) * nbx + b) * CW;
+        i2[r] = _mm512_dpwssd_epi32(i2[r], cv, _mm512_set1_epi32(load_i32(src + 2 * q)));
+      }
+    }
+    const __m512 vd = _mm512_load_ps(pb + panel_dd<T>()), vdmin = _mm512_load_ps(pb + panel_dd<T>() + 64);
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(a.d256[(r0 + r) * nbx + b]);
+      if constexpr (T == Q2_K || !scaled16(T)) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), _mm512_mul_ps(vd, dx), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(i2[r]), _mm512_mul_ps(vdmin, dx), acc[r]);
+      } else {
+        const __m512i tot = _mm512_sub_epi32(i1[r], _mm512_slli_epi32(i2[r], k16_offset_shift(T)));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(vd, dx), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(c + PANEL * r, acc[r]);
+}
+
+template <int T>
+CB_VNNI void panels_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
+  const int64_t nb = p.nb, nbx = a.K / 256;
+  const int64_t panel_bytes = nb * panel_block<T>(), tmp_bytes = PANEL * nb * unpacked_block<T>();
+  uint8_t* buf = scratch(panel_bytes + tmp_bytes + (!scaled16(T) ? 16 * M * nbx : 0));
+  uint8_t* panel = buf;
+  uint8_t* tmp = buf + panel_bytes;
+  const int16_t* corr = a.bs16;
+  if constexpr (!scaled16(T)) {  // Q4_K / Q5_K's minimums meet the sums per 32
+    int16_t* pairs = reinterpret_cast<int16_t*>(tmp + tmp_bytes);
+    for (int64_t rb = 0; rb < M * nbx; ++rb) {
+      const int16_t* s16 = a.bs16 + rb * 16;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs + 8 * rb),
+                       _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16)),
+                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + 8))));
+    }
+    corr = pairs;
+  }
+  alignas(64) float c[RA * PANEL];
+  for (int64_t t0 = n0; t0 < n1; t0 += PANEL) {
+    const int64_t rows = std::min<int64_t>(PANEL, n1 - t0);
+    build_panel<T>(p, t0, rows, tmp, panel);
+    for (int64_t m0 = 0; m0 < M; m0 += RA) {
+      const int64_t mr = std::min<int64_t>(RA, M - m0);
+      cbserve::with_count<RA>(mr, [&](auto n) { panel_dot<T, decltype(n)::value>(panel, nb, a, corr, m0, c); });
+      for (int64_t r = 0; r < mr; ++r)
+        for (int64_t i = 0; i < rows; ++i) y[(m0 + r) * ldy + t0 + i] = c[PANEL * r + i];
+    }
+  }
+}
+
+}  // namespace
+
+TileFn panels_k_vnni(int64_t type) {
+  TileFn f = nullptr;
+  cbserve::with_value<Q2_K, Q3_K, Q4_K, Q5_K, Q6_K>(type, [&](auto t) { f = panels_k<decltype(t)::value>; });
+  return f;
+}
+
+}  // namespace cbserve_kquant
