@@ -36,31 +36,6 @@ inline void quantize_query(const float* q, float softmax_scale, QueryInt8& out) 
   }
 }
 
-// 16 rows of 16 dwords -> vector d holding dword d of the 16 rows.
-CB_VNNI inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // r[4i + j], 128-bit quarter c: dword 4c + j of rows 4i .. 4i + 3
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int j = 0; j < 4; ++j) {
-    const __m512i v0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
-    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
-    const __m512i v3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
-    t[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    t[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-    t[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    t[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-  }
-  for (int d = 0; d < 16; ++d) r[d] = t[d];
-}
-
 // A tile of up to 16 keys, transposed for vpdpbusd (r[d]: dword d of each key, key t in lane t,
 // offset to unsigned), and the keys' two scales (lane t: key t's).
 struct KeyTile {

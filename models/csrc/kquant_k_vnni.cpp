@@ -49,32 +49,6 @@ inline int32_t load_i32(const void* p) {
   return v;
 }
 
-// r[i] (16 dwords each) transposed: r[j] holds dword j of every input.
-CB_VNNI inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int k = 0; k < 8; ++k) {
-    t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
-    t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
-  }
-  // u[4k + j], 128-bit lane L: dword 4L + j of inputs 4k .. 4k + 3
-  __m512i u[16];
-  for (int k = 0; k < 4; ++k) {
-    u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
-    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
-    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
-    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
-  }
-  for (int j = 0; j < 4; ++j) {
-    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
-    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
-    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
-    r[j] = _mm512_shuffle_i32x4(v0, w0, 0x88);
-    r[4 + j] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
-    r[8 + j] = _mm512_shuffle_i32x4(v1, w1, 0x88);
-    r[12 + j] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
-  }
-}
-
 // Rows t0 .. t0 + rows of the part (rows <= 16; the panel's other lanes are zeros) into `panel`;
 // `tmp` holds 16 unpacked rows.
 template <int T>
@@ -93,7 +67,7 @@ CB_VNNI void build_panel(const Part& p, int64_t t0, int64_t rows, uint8_t* tmp, 
     for (int q = 0; q < 4; ++q) {  // values 64 q .. 64 q + 63 of the 16 rows
       __m512i v[16];
       for (int i = 0; i < PANEL; ++i) v[i] = _mm512_loadu_si512(tmp + i * row_ub + b * UB + 64 * q);
-      transpose16(v);
+      cbserve::transpose16(v);
       for (int g = 0; g < 16; ++g) _mm512_store_si512(pb + 64 * (16 * q + g), v[g]);
     }
     for (int64_t i = 0; i < PANEL; ++i) {
