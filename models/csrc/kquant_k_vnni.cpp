@@ -1,9 +1,11 @@
 // The K formats (Q2_K .. Q6_K) for many activation rows on AVX512-VNNI CPUs: prefill and batched
 // decode of a GGUF file's rows.
 //
-// A thread's outputs go 16 at a time into a panel: the 16 rows unpacked (unpack_k) and laid out
-// so that one 64-byte vector holds the same four values of all 16 rows, then per block the
-// sub-scales as int32, the minimums (or Q6_K / Q3_K's scales per 16) as int16 pairs, d and dmin.
+// A thread's outputs go 16 at a time into a panel: the 16 rows laid out so that one 64-byte vector
+// holds the same four values of all 16 rows, then per block the sub-scales as int32, the minimums
+// (or Q6_K / Q3_K's scales per 16) as int16 pairs, d and dmin. Q4_K and Q6_K (a Q4_K_M file's
+// formats) are built from the file's bytes, transposed as dwords before their bits are split; the
+// others from unpack_k's rows.
 // A panel is built once and met by every activation row, 8 at a time: a sub-block's values meet
 // an activation row's four bytes (broadcast) in vpdpbusd, 16 outputs x 4 values each, and its
 // sub-scale is applied once per sub-block with one vpmulld; the minimums' term is vpdpwssd against
@@ -85,6 +87,94 @@ CB_VNNI void build_panel(const Part& p, int64_t t0, int64_t rows, uint8_t* tmp, 
   }
 }
 
+// Q4_K's panel straight from the file's bytes (no unpack_k): its 128 bytes of nibbles transposed as
+// 32 dwords (byte 32 j + 4 q + t holds value 64 j + 4 q + t low, 64 j + 32 + 4 q + t high), split
+// into the two groups; the scales and mins from their 12 bytes. The same panel as build_panel's.
+CB_VNNI void build_panel_q4k(const Part& p, int64_t t0, int64_t rows, uint8_t* panel) {
+  constexpr int64_t PB = panel_block<Q4_K>(), BB = block_bytes(Q4_K);
+  alignas(64) static const uint8_t zeros[BB] = {};
+  const uint8_t* row[PANEL];
+  for (int64_t i = 0; i < PANEL; ++i) row[i] = i < rows ? p.data + (t0 + i - p.n0) * p.row_bytes : nullptr;
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < p.nb; ++b) {
+    uint8_t* pb = panel + b * PB;
+    for (int h = 0; h < 2; ++h) {  // nibble bytes 64 h .. 64 h + 63: chunks j = 2 h, 2 h + 1
+      __m512i v[16];
+      for (int i = 0; i < PANEL; ++i)
+        v[i] = _mm512_loadu_si512((row[i] ? row[i] + b * BB : zeros) + 16 + 64 * h);
+      cbserve::transpose16(v);
+      for (int d = 0; d < 16; ++d) {
+        const int j = 2 * h + d / 8, q = d % 8;
+        _mm512_store_si512(pb + 64 * (16 * j + q), _mm512_and_si512(v[d], m4));
+        _mm512_store_si512(pb + 64 * (16 * j + 8 + q), _mm512_and_si512(_mm512_srli_epi16(v[d], 4), m4));
+      }
+    }
+    for (int64_t i = 0; i < PANEL; ++i) {
+      const uint8_t* blk = row[i] ? row[i] + b * BB : zeros;
+      uint8_t sc[8], mn[8];
+      scales_k4(blk + 4, sc, mn);
+      for (int s = 0; s < 8; ++s) {
+        const int32_t v = sc[s];
+        std::memcpy(pb + panel_scales<Q4_K>() + 64 * s + 4 * i, &v, 4);
+      }
+      for (int q = 0; q < 4; ++q) {
+        const int16_t m2[2] = {mn[2 * q], mn[2 * q + 1]};
+        std::memcpy(pb + panel_corr<Q4_K>() + 64 * q + 4 * i, m2, 4);
+      }
+      const float dd[2] = {fp16(blk), fp16(blk + 2)};
+      std::memcpy(pb + panel_dd<Q4_K>() + 4 * i, dd, 4);
+      std::memcpy(pb + panel_dd<Q4_K>() + 64 + 4 * i, dd + 1, 4);
+    }
+  }
+}
+
+// Q6_K's panel straight from the file's bytes: its 128 bytes of low nibbles and 64 of high bit
+// pairs transposed as dwords, then q6k_values' bit moves on the 16 rows at once; its 16 int8 scales
+// (and the same scales as the offset's pairs). The same panel as build_panel's.
+CB_VNNI void build_panel_q6k(const Part& p, int64_t t0, int64_t rows, uint8_t* panel) {
+  constexpr int64_t PB = panel_block<Q6_K>(), BB = block_bytes(Q6_K);
+  alignas(64) static const uint8_t zeros[256] = {};
+  const uint8_t* row[PANEL];
+  for (int64_t i = 0; i < PANEL; ++i) row[i] = i < rows ? p.data + (t0 + i - p.n0) * p.row_bytes : nullptr;
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  for (int64_t b = 0; b < p.nb; ++b) {
+    uint8_t* pb = panel + b * PB;
+    __m512i ql[32], qh[16];
+    for (int h = 0; h < 2; ++h) {
+      for (int i = 0; i < PANEL; ++i) ql[16 * h + i] = _mm512_loadu_si512((row[i] ? row[i] + b * BB : zeros) + 64 * h);
+      cbserve::transpose16(ql + 16 * h);
+    }
+    for (int i = 0; i < PANEL; ++i) qh[i] = _mm512_loadu_si512((row[i] ? row[i] + b * BB : zeros) + 128);
+    cbserve::transpose16(qh);
+    for (int n = 0; n < 2; ++n)
+      for (int d = 0; d < 8; ++d) {  // q6k_values, dword d of each 32-byte vector of half n
+        const __m512i l0 = ql[16 * n + d], l1 = ql[16 * n + 8 + d], hb = qh[8 * n + d];
+        const __m512i u[4] = {
+            _mm512_or_si512(_mm512_and_si512(l0, m4), _mm512_and_si512(_mm512_slli_epi16(hb, 4), m30)),
+            _mm512_or_si512(_mm512_and_si512(l1, m4), _mm512_and_si512(_mm512_slli_epi16(hb, 2), m30)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4), _mm512_and_si512(hb, m30)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4),
+                            _mm512_and_si512(_mm512_srli_epi16(hb, 2), m30))};
+        for (int k = 0; k < 4; ++k) _mm512_store_si512(pb + 64 * (32 * n + 8 * k + d), u[k]);
+      }
+    for (int64_t i = 0; i < PANEL; ++i) {
+      const uint8_t* blk = row[i] ? row[i] + b * BB : zeros;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      for (int s = 0; s < 16; ++s) {
+        const int32_t v = sc[s];
+        std::memcpy(pb + panel_scales<Q6_K>() + 64 * s + 4 * i, &v, 4);
+      }
+      for (int q = 0; q < 8; ++q) {
+        const int16_t s2[2] = {sc[2 * q], sc[2 * q + 1]};
+        std::memcpy(pb + panel_corr<Q6_K>() + 64 * q + 4 * i, s2, 4);
+      }
+      const float dd[2] = {fp16(blk + 208), 0.f};
+      std::memcpy(pb + panel_dd<Q6_K>() + 4 * i, dd, 4);
+      std::memcpy(pb + panel_dd<Q6_K>() + 64 + 4 * i, dd + 1, 4);
+    }
+  }
+}
+
 // The panel's 16 outputs for activation rows r0 .. r0 + R into c[r * 16 + lane]. `corr`: per
 // (activation row, block) the sums that meet the correction pairs: Q4_K / Q5_K's sums per 32
 // (8 int16), the others' sums per 16 (16 int16, Acts::bs16).
@@ -142,7 +232,7 @@ CB_VNNI void panel_dot(const uint8_t* panel, int64_t nb, const Acts& a, const in
 template <int T>
 CB_VNNI void panels_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
   const int64_t nb = p.nb, nbx = a.K / 256;
-  const int64_t panel_bytes = nb * panel_block<T>(), tmp_bytes = PANEL * nb * unpacked_block<T>();
+  const int64_t panel_bytes = nb * panel_block<T>(), tmp_bytes = T == Q4_K || T == Q6_K ? 0 : PANEL * nb * unpacked_block<T>();
   uint8_t* buf = scratch(panel_bytes + tmp_bytes + (!scaled16(T) ? 16 * M * nbx : 0));
   uint8_t* panel = buf;
   uint8_t* tmp = buf + panel_bytes;
@@ -160,7 +250,12 @@ CB_VNNI void panels_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int6
   alignas(64) float c[RA * PANEL];
   for (int64_t t0 = n0; t0 < n1; t0 += PANEL) {
     const int64_t rows = std::min<int64_t>(PANEL, n1 - t0);
-    build_panel<T>(p, t0, rows, tmp, panel);
+    if constexpr (T == Q4_K)
+      build_panel_q4k(p, t0, rows, panel);
+    else if constexpr (T == Q6_K)
+      build_panel_q6k(p, t0, rows, panel);
+    else
+      build_panel<T>(p, t0, rows, tmp, panel);
     for (int64_t m0 = 0; m0 < M; m0 += RA) {
       const int64_t mr = std::min<int64_t>(RA, M - m0);
       cbserve::with_count<RA>(mr, [&](auto n) { panel_dot<T, decltype(n)::value>(panel, nb, a, corr, m0, c); });
