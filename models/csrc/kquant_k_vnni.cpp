@@ -51,6 +51,22 @@ inline int32_t load_i32(const void* p) {
   return v;
 }
 
+// Lane i of a panel block's scalars: the sub-scales as int32, the correction values (the mins, or
+// the scales per 16) as int16 pairs, d and dmin.
+template <int T, typename S, typename C>
+CB_VNNI inline void put_lane(uint8_t* pb, int64_t i, const S* sc, const C* corr, float d, float dmin) {
+  for (int s = 0; s < subs<T>(); ++s) {
+    const int32_t v = sc[s];
+    std::memcpy(pb + panel_scales<T>() + 64 * s + 4 * i, &v, 4);
+  }
+  for (int q = 0; q < subs<T>() / 2; ++q) {
+    const int16_t c2[2] = {static_cast<int16_t>(corr[2 * q]), static_cast<int16_t>(corr[2 * q + 1])};
+    std::memcpy(pb + panel_corr<T>() + 64 * q + 4 * i, c2, 4);
+  }
+  std::memcpy(pb + panel_dd<T>() + 4 * i, &d, 4);
+  std::memcpy(pb + panel_dd<T>() + 64 + 4 * i, &dmin, 4);
+}
+
 // Rows t0 .. t0 + rows of the part (rows <= 16; the panel's other lanes are zeros) into `panel`;
 // `tmp` holds 16 unpacked rows.
 template <int T>
@@ -74,15 +90,12 @@ CB_VNNI void build_panel(const Part& p, int64_t t0, int64_t rows, uint8_t* tmp, 
     }
     for (int64_t i = 0; i < PANEL; ++i) {
       const uint8_t* u = tmp + i * row_ub + b * UB;
-      for (int s = 0; s < NS; ++s) {
-        int16_t sc;
-        std::memcpy(&sc, u + k_scale_at<T>(s), 2);
-        const int32_t v = sc;
-        std::memcpy(pb + panel_scales<T>() + 64 * s + 4 * i, &v, 4);
-      }
-      for (int q = 0; q < NS / 2; ++q) std::memcpy(pb + panel_corr<T>() + 64 * q + 4 * i, u + K_CORR + 4 * q, 4);
-      std::memcpy(pb + panel_dd<T>() + 4 * i, u + k_dd<T>(), 4);
-      std::memcpy(pb + panel_dd<T>() + 64 + 4 * i, u + k_dd<T>() + 4, 4);
+      int16_t sc[NS], corr[NS];
+      for (int s = 0; s < NS; ++s) std::memcpy(sc + s, u + k_scale_at<T>(s), 2);
+      std::memcpy(corr, u + K_CORR, sizeof(corr));
+      float dd[2];
+      std::memcpy(dd, u + k_dd<T>(), 8);
+      put_lane<T>(pb, i, sc, corr, dd[0], dd[1]);
     }
   }
 }
@@ -113,17 +126,7 @@ CB_VNNI void build_panel_q4k(const Part& p, int64_t t0, int64_t rows, uint8_t* p
       const uint8_t* blk = row[i] ? row[i] + b * BB : zeros;
       uint8_t sc[8], mn[8];
       scales_k4(blk + 4, sc, mn);
-      for (int s = 0; s < 8; ++s) {
-        const int32_t v = sc[s];
-        std::memcpy(pb + panel_scales<Q4_K>() + 64 * s + 4 * i, &v, 4);
-      }
-      for (int q = 0; q < 4; ++q) {
-        const int16_t m2[2] = {mn[2 * q], mn[2 * q + 1]};
-        std::memcpy(pb + panel_corr<Q4_K>() + 64 * q + 4 * i, m2, 4);
-      }
-      const float dd[2] = {fp16(blk), fp16(blk + 2)};
-      std::memcpy(pb + panel_dd<Q4_K>() + 4 * i, dd, 4);
-      std::memcpy(pb + panel_dd<Q4_K>() + 64 + 4 * i, dd + 1, 4);
+      put_lane<Q4_K>(pb, i, sc, mn, fp16(blk), fp16(blk + 2));
     }
   }
 }
@@ -160,17 +163,7 @@ CB_VNNI void build_panel_q6k(const Part& p, int64_t t0, int64_t rows, uint8_t* p
     for (int64_t i = 0; i < PANEL; ++i) {
       const uint8_t* blk = row[i] ? row[i] + b * BB : zeros;
       const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-      for (int s = 0; s < 16; ++s) {
-        const int32_t v = sc[s];
-        std::memcpy(pb + panel_scales<Q6_K>() + 64 * s + 4 * i, &v, 4);
-      }
-      for (int q = 0; q < 8; ++q) {
-        const int16_t s2[2] = {sc[2 * q], sc[2 * q + 1]};
-        std::memcpy(pb + panel_corr<Q6_K>() + 64 * q + 4 * i, s2, 4);
-      }
-      const float dd[2] = {fp16(blk + 208), 0.f};
-      std::memcpy(pb + panel_dd<Q6_K>() + 4 * i, dd, 4);
-      std::memcpy(pb + panel_dd<Q6_K>() + 64 + 4 * i, dd + 1, 4);
+      put_lane<Q6_K>(pb, i, sc, sc, fp16(blk + 208), 0.f);
     }
   }
 }
