@@ -130,6 +130,7 @@ constexpr bool has_min(int64_t t) { return t == Q2_K || !scaled16(t); }
 template <int T, int NR, int R, bool EXACT>
 void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float* res, const uint8_t* pf) {
   constexpr int64_t BB = block_bytes(T);
+  const bool pf_l2 = NR * nb * BB > L1_GROUP_BYTES;
   static_assert(!EXACT || NR * R <= 8, "the exact epilogue keeps one lane per pair");
   __m256 acc[NR * R];
   for (int i = 0; i < NR * R; ++i) acc[i] = _mm256_setzero_ps();
@@ -142,7 +143,7 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
   __m256 exact8 = _mm256_setzero_ps();
   const int64_t nbx = a.K / 256;
   for (int64_t b = 0; b < nb; ++b) {
-    prefetch_slice(pf, b, NR * BB);
+    prefetch_slice(pf, b, NR * BB, pf_l2);
     // The activation rows' share of the block, used by every weight row.
     const int8_t* x[R];
     __m256 dx[R];

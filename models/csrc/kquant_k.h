@@ -45,11 +45,19 @@ inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<co
 
 // Prefetch the slice of the next rows' bytes that matches block b of this group (the group's rows
 // are contiguous, so `pf` + b * step covers the next group as this one is walked).
-inline void prefetch_slice(const uint8_t* pf, int64_t b, int64_t step) {
+// `to_l2`: into L2 only, for groups too large to sit in L1 beside the group being read (1B-sized
+// down projections: 4 rows of 8,192 values are 18-27 KB; fetched into L1 they evict the current
+// group and stream at ~20 GB/s instead of ~28, docs/benchmarks.md).
+inline void prefetch_slice(const uint8_t* pf, int64_t b, int64_t step, bool to_l2) {
   if (!pf) return;
   const uint8_t* p = pf + b * step;
-  for (int64_t o = 0; o < step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+  if (to_l2)
+    for (int64_t o = 0; o < step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
+  else
+    for (int64_t o = 0; o < step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
 }
+// A group of weight rows whose bytes exceed this is prefetched into L2 (L1d is 32-48 KB).
+constexpr int64_t L1_GROUP_BYTES = 12 << 10;
 
 // Prefill meets each weight row many times, so a tile of rows is first unpacked into the exact
 // vectors the file-row kernel builds in registers (the same values, so the same integer lanes),
