@@ -111,6 +111,13 @@ inline bool cpu_has_avx512() {
   return ok;
 }
 
+// Four bytes as an int32 (for a broadcast), whatever their alignment.
+inline int32_t load_i32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
 // 16 rows of 16 dwords -> vector d holding dword d of the 16 rows.
 CB_VNNI inline void transpose16(__m512i r[16]) {
   __m512i t[16];

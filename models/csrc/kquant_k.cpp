@@ -115,6 +115,22 @@ void rows_u(const uint8_t* first, int64_t stride, int64_t count, const Acts& a, 
   }
 }
 
+// Prefetch the slice of the next rows' bytes that matches block b of this group (the group's rows
+// are contiguous, so `pf` + b * step covers the next group as this one is walked).
+// `to_l2`: into L2 only, for groups too large to sit in L1 beside the group being read (1B-sized
+// down projections: 4 rows of 8,192 values are 18-27 KB; fetched into L1 they evict the current
+// group and stream at ~20 GB/s instead of ~28, docs/benchmarks.md).
+inline void prefetch_slice(const uint8_t* pf, int64_t b, int64_t step, bool to_l2) {
+  if (!pf) return;
+  const uint8_t* p = pf + b * step;
+  if (to_l2)
+    for (int64_t o = 0; o < step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
+  else
+    for (int64_t o = 0; o < step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+}
+// A group of weight rows whose bytes exceed this is prefetched into L2 (L1d is 32-48 KB).
+constexpr int64_t L1_GROUP_BYTES = 12 << 10;
+
 // Formats whose weights carry a minimum per sub-block (w = d sc u - dmin m): its term comes from the
 // activation sums and meets dmin; the others' offset is folded into the integer sum.
 constexpr bool has_min(int64_t t) { return t == Q2_K || !scaled16(t); }
@@ -157,8 +173,7 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
       if constexpr (scaled16(T)) {
         bs[r] = load256(s16);
       } else {
-        pairs[r] = _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16)),
-                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + 8)));
+        pairs[r] = pair_sums(s16);
       }
     }
     alignas(32) float dn[8] = {}, dminn[8] = {};  // EXACT: each pair's d and dmin
@@ -320,14 +335,7 @@ void tile_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, flo
   // The tile, then Q4_K / Q5_K's activation sums per 32 (one per min), shared by every weight row.
   uint8_t* buf = scratch(nt * ub + (!scaled16(T) ? 16 * M * nbx : 0));
   int16_t* pairs = reinterpret_cast<int16_t*>(buf + nt * ub);
-  if constexpr (!scaled16(T)) {
-    for (int64_t rb = 0; rb < M * nbx; ++rb) {
-      const int16_t* s16 = a.bs16 + rb * 16;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs + 8 * rb),
-                       _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16)),
-                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + 8))));
-    }
-  }
+  if constexpr (!scaled16(T)) pair_sums_all(a, M, pairs);
   for (int64_t t0 = n0; t0 < n1; t0 += nt) {
     const int64_t t1 = std::min(n1, t0 + nt);
     for (int64_t n = t0; n < t1; ++n) unpack_k<T>(p.data + (n - p.n0) * p.row_bytes, p.nb, buf + (n - t0) * ub);

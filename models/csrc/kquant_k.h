@@ -1,6 +1,6 @@
-// The K formats' (Q2_K .. Q6_K) rows unpacked for the int8 dots: shared by the AVX2 tiles
-// (kquant_k.cpp) and the AVX512-VNNI panels (kquant_k_vnni.cpp), which both start from the same
-// unpacked block so that their integer sums are the same numbers.
+// The K formats' (Q2_K .. Q6_K) pieces shared by the AVX2 tiles (kquant_k.cpp) and the
+// AVX512-VNNI panels (kquant_k_vnni.cpp): a row's blocks unpacked (the AVX2 prefill tile, and the
+// panels of the formats they do not build from the file's bytes) and the activation sums per 32.
 #pragma once
 
 #include "kquant.h"
@@ -42,22 +42,6 @@ inline __m256i q6k_scale_ctrl(int k) {
 }
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
-
-// Prefetch the slice of the next rows' bytes that matches block b of this group (the group's rows
-// are contiguous, so `pf` + b * step covers the next group as this one is walked).
-// `to_l2`: into L2 only, for groups too large to sit in L1 beside the group being read (1B-sized
-// down projections: 4 rows of 8,192 values are 18-27 KB; fetched into L1 they evict the current
-// group and stream at ~20 GB/s instead of ~28, docs/benchmarks.md).
-inline void prefetch_slice(const uint8_t* pf, int64_t b, int64_t step, bool to_l2) {
-  if (!pf) return;
-  const uint8_t* p = pf + b * step;
-  if (to_l2)
-    for (int64_t o = 0; o < step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
-  else
-    for (int64_t o = 0; o < step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
-}
-// A group of weight rows whose bytes exceed this is prefetched into L2 (L1d is 32-48 KB).
-constexpr int64_t L1_GROUP_BYTES = 12 << 10;
 
 // Prefill meets each weight row many times, so a tile of rows is first unpacked into the exact
 // vectors the file-row kernel builds in registers (the same values, so the same integer lanes),
@@ -145,6 +129,18 @@ constexpr int64_t K_CORR = 512;
 template <int T>
 constexpr int64_t k_dd() {
   return scaled16(T) ? 544 : 528;
+}
+
+// Q4_K / Q5_K's minimums meet the activation sums per 32: from an (activation row, block)'s 16
+// sums per 16, its 8 sums per 32.
+inline __m128i pair_sums(const int16_t* s16) {
+  return _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16)),
+                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + 8)));
+}
+// ... for every (activation row, block) of a call: rows x blocks x 8 int16 into `pairs`.
+inline void pair_sums_all(const Acts& a, int64_t M, int16_t* pairs) {
+  for (int64_t rb = 0; rb < M * (a.K / 256); ++rb)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs + 8 * rb), pair_sums(a.bs16 + rb * 16));
 }
 
 // The tile for more than MR activation rows on AVX512-VNNI CPUs (kquant_k_vnni.cpp).

@@ -32,10 +32,7 @@ template <int T>
 constexpr int64_t panel_block() {
   return 4096 + 96 * subs<T>() + 128;
 }
-template <int T>
-constexpr int64_t panel_scales() {
-  return 4096;
-}
+constexpr int64_t PANEL_SCALES = 4096;  // after the values
 template <int T>
 constexpr int64_t panel_corr() {
   return 4096 + 64 * subs<T>();
@@ -45,19 +42,13 @@ constexpr int64_t panel_dd() {
   return 4096 + 96 * subs<T>();
 }
 
-inline int32_t load_i32(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
 // Lane i of a panel block's scalars: the sub-scales as int32, the correction values (the mins, or
 // the scales per 16) as int16 pairs, d and dmin.
 template <int T, typename S, typename C>
 CB_VNNI inline void put_lane(uint8_t* pb, int64_t i, const S* sc, const C* corr, float d, float dmin) {
   for (int s = 0; s < subs<T>(); ++s) {
     const int32_t v = sc[s];
-    std::memcpy(pb + panel_scales<T>() + 64 * s + 4 * i, &v, 4);
+    std::memcpy(pb + PANEL_SCALES + 64 * s + 4 * i, &v, 4);
   }
   for (int q = 0; q < subs<T>() / 2; ++q) {
     const int16_t c2[2] = {static_cast<int16_t>(corr[2 * q]), static_cast<int16_t>(corr[2 * q + 1])};
@@ -192,9 +183,9 @@ CB_VNNI void panel_dot(const uint8_t* panel, int64_t nb, const Acts& a, const in
       for (int g = 0; g < GS; ++g) {
         const int grp = s * GS + g;
         const __m512i w = _mm512_load_si512(pb + 64 * grp);
-        for (int r = 0; r < R; ++r) sv[r] = _mm512_dpbusd_epi32(sv[r], w, _mm512_set1_epi32(load_i32(x[r] + 4 * grp)));
+        for (int r = 0; r < R; ++r) sv[r] = _mm512_dpbusd_epi32(sv[r], w, _mm512_set1_epi32(cbserve::load_i32(x[r] + 4 * grp)));
       }
-      const __m512i sc = _mm512_load_si512(pb + panel_scales<T>() + 64 * s);
+      const __m512i sc = _mm512_load_si512(pb + PANEL_SCALES + 64 * s);
       for (int r = 0; r < R; ++r) i1[r] = _mm512_add_epi32(i1[r], _mm512_mullo_epi32(sv[r], sc));
     }
     __m512i i2[R];
@@ -204,7 +195,7 @@ CB_VNNI void panel_dot(const uint8_t* panel, int64_t nb, const Acts& a, const in
       const __m512i cv = _mm512_load_si512(pb + panel_corr<T>() + 64 * q);
       for (int r = 0; r < R; ++r) {
         const int16_t* src = corr + ((r0 + r) * nbx + b) * CW;
-        i2[r] = _mm512_dpwssd_epi32(i2[r], cv, _mm512_set1_epi32(load_i32(src + 2 * q)));
+        i2[r] = _mm512_dpwssd_epi32(i2[r], cv, _mm512_set1_epi32(cbserve::load_i32(src + 2 * q)));
       }
     }
     const __m512 vd = _mm512_load_ps(pb + panel_dd<T>()), vdmin = _mm512_load_ps(pb + panel_dd<T>() + 64);
@@ -232,12 +223,7 @@ CB_VNNI void panels_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int6
   const int16_t* corr = a.bs16;
   if constexpr (!scaled16(T)) {  // Q4_K / Q5_K's minimums meet the sums per 32
     int16_t* pairs = reinterpret_cast<int16_t*>(tmp + tmp_bytes);
-    for (int64_t rb = 0; rb < M * nbx; ++rb) {
-      const int16_t* s16 = a.bs16 + rb * 16;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs + 8 * rb),
-                       _mm_hadd_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16)),
-                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + 8))));
-    }
+    pair_sums_all(a, M, pairs);
     corr = pairs;
   }
   alignas(64) float c[RA * PANEL];

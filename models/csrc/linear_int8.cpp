@@ -21,12 +21,6 @@ namespace {
 // accumulation over blocks runs in one order for every row (one code path for every M).
 
 
-inline int32_t load_i32(const uint8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
 struct Int8Rows {
   const uint8_t* q;  // (M, K) int8 (or x + 128 as uint8 for Q8_0X)
   const float* da;   // (M, B) scales
