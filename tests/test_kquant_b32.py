@@ -2,9 +2,10 @@
 
 Weight rows go eight to a panel (a float lane each) and activation rows up to four to a micro-tile;
 one activation row takes its own path, 2..4 rows the panels a few blocks at a time, more a tile of
-whole panels. Every test here puts rows in partial panels and partial micro-tiles and checks two
-things: the result is gguf's dequantized weights times the rounded activations (the oracle), and
-a row's bits do not depend on the batch, the panel lane or the fused part around it.
+whole panels (on AVX512-VNNI CPUs: kquant_b32_vnni.cpp's panels of 16 weight rows met by 8
+activation rows at a time). Every test here puts rows in partial panels and partial micro-tiles and
+checks two things: the result is gguf's dequantized weights times the rounded activations (the
+oracle), and a row's bits do not depend on the batch, the panel lane or the fused part around it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 
 from models import kernels
 from models.quant import GGMLTensor, pack_rows
-from tests.test_kquant import group_of, linear, random_rows, round_activations
+from tests.test_kquant import GATED, group_of, linear, random_rows, round_activations
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"
@@ -99,3 +100,42 @@ def test_a_fused_q5_0_and_q8_0_weight_splits_mid_panel():
             [linear(x[:m], pack_rows(a, int8=True)), linear(x[:m], pack_rows(b, int8=True))], dim=1
         )
         assert torch.equal(alone[:m], side_by_side)
+
+
+@pytest.mark.parametrize("qtype", B32_TYPES)
+def test_many_outputs_and_activation_rows_keep_each_rows_bits(qtype):
+    """150 weight rows: several tiles of panels and a partial last panel (150 = 9 x 16 + 6);
+    K = 96, three blocks (an odd count; IQ4_XS: 512, two blocks of eight); up to 130 activation
+    rows, more than 8 micro-tiles and not a multiple of 8."""
+    torch.manual_seed(int(qtype) + 100)
+    k = 512 if qtype == Q.IQ4_XS else 96
+    w = random_rows(qtype, 150, k, seed=int(qtype) + 31)
+    x = torch.randn(133, k) * torch.linspace(0.3, 2, k)
+    alone = check_batches(w, x)
+    packed = pack_rows(w, int8=True)
+    for m, start in ((130, 0), (101, 3), (17, 116)):
+        assert torch.equal(linear(x[start : start + m], packed), alone[start : start + m])
+
+
+@pytest.mark.parametrize("act", list(GATED))
+def test_a_gated_weight_of_fused_parts_keeps_each_rows_bits(act):
+    """[gate; up] of 40 + 40 rows whose parts (Q5_0 17 rows, Q8_0 23, then IQ4_NL 40) meet inside
+    panels: the gated pass hands each part's tile its chunk of outputs with y based at the chunk's
+    first output, and every batch gives a row the bits it has alone."""
+    torch.manual_seed(8)
+    k = 320
+    gate = GGMLTensor.cat(
+        [random_rows(Q.Q5_0, 17, k, seed=41), random_rows(Q.Q8_0, 23, k, seed=42)]
+    )
+    up = random_rows(Q.IQ4_NL, 40, k, seed=43)
+    packed = pack_rows(GGMLTensor.cat([gate, up]), int8=True)
+    x = torch.randn(140, k) * 2
+    bias = torch.randn(80)
+    alone = torch.cat([linear(x[i : i + 1], packed, bias, act=act) for i in range(x.shape[0])])
+    g, u = linear(x, packed, bias).chunk(2, dim=-1)
+    want = GATED[act](g) * u
+    torch.testing.assert_close(alone, want, rtol=1e-5, atol=1e-6 * want.abs().max())
+    for m, start in ((5, 0), (9, 3), (64, 7), (140, 0)):
+        assert torch.equal(
+            linear(x[start : start + m], packed, bias, act=act), alone[start : start + m]
+        )

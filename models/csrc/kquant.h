@@ -4,7 +4,8 @@
 //
 // Layout of the family files: kquant.cpp owns the op (activation quantization, the threads, the
 // epilogue) and the float32-activation path; kquant_b32.cpp the int8 dots of the 32-value formats
-// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, and IQ4_XS as eight 32-value sub-blocks with a scale each);
+// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, and IQ4_XS as eight 32-value sub-blocks with a scale each;
+// kquant_b32_vnni.cpp their AVX512-VNNI panels for many activation rows);
 // kquant_k.cpp those of the 256-value K formats (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K).
 // A family may tile its work as it likes, with one rule: an activation row's result does not depend
 // on how many rows the call has (the same operations in the same order for any M).
@@ -347,5 +348,8 @@ using TileFn = void (*)(const Part& p, int64_t n0, int64_t n1, const Acts& a, in
 // The families' tiles for int8 activations (the float32 path is kquant.cpp's).
 TileFn tile_b32_a8(int64_t type);  // kquant_b32.cpp
 TileFn tile_k_a8(int64_t type);    // kquant_k.cpp
+// The AVX512-VNNI panels those tiles use for more than MR activation rows (call only where
+// cbserve::cpu_has_vnni()).
+TileFn panels_b32_vnni(int64_t type);  // kquant_b32_vnni.cpp
 
 }  // namespace cbserve_kquant

@@ -19,8 +19,9 @@
 // One activation row meets each row's blocks as the file holds them and reduces the eight rows'
 // partial sums across (tile_row1); two to four unpack each panel a few blocks at a time into L1;
 // more (prefill, a batch's lm head) unpack a tile of panels whole and run every four activation
-// rows over it. All of them prefetch the next panel's bytes while reading one.
-#include "kquant.h"
+// rows over it (on AVX512-VNNI CPUs kquant_b32_vnni.cpp's 16-row panels instead). All of them
+// prefetch the next panel's bytes while reading one.
+#include "kquant_b32.h"
 
 namespace cbserve_kquant {
 namespace {
@@ -30,24 +31,6 @@ constexpr int64_t PB = 8 * 32 + 2 * 32;  // bytes of a panel's block: 8 chunks, 
 constexpr int64_t ROWS_MAX_M = MR;       // up to this many activation rows, panels of a few blocks
 constexpr int64_t ROWS_GROUP = 8;        // blocks per panel piece on that path (2.5 KB, stays in L1)
 constexpr int64_t TILE_BYTES = 1 << 16;  // a prefill tile's panels: at most this (L2), at most 4 panels
-
-// The fp16 at byte `off` of eight rows, as floats (one conversion for the eight).
-inline __m256 halves8(const uint8_t* const* w, int64_t off) {
-  auto h = [&](int n) {
-    uint16_t v;
-    std::memcpy(&v, w[n] + off, 2);
-    return static_cast<int>(v);
-  };
-  __m128i v = _mm_cvtsi32_si128(h(0));
-  v = _mm_insert_epi16(v, h(1), 1);
-  v = _mm_insert_epi16(v, h(2), 2);
-  v = _mm_insert_epi16(v, h(3), 3);
-  v = _mm_insert_epi16(v, h(4), 4);
-  v = _mm_insert_epi16(v, h(5), 5);
-  v = _mm_insert_epi16(v, h(6), 6);
-  v = _mm_insert_epi16(v, h(7), 7);
-  return _mm256_cvtph_ps(v);
-}
 
 // 8 x 8 int32 transpose: v[c] lane n <- v[n] lane c.
 inline void transpose8(__m256i* v) {
@@ -68,62 +51,16 @@ inline void transpose8(__m256i* v) {
   }
 }
 
-// The 32-value blocks in one block of T (IQ4_XS: 8 sub-blocks; the others: 1), and in a row of p.
-template <int T>
-constexpr int64_t subs() { return block_values(T) / 32; }
-template <int T>
-inline int64_t row_blocks(const Part& p) { return p.nb * subs<T>(); }
-
-// Block j's values (of the row's K / 32 blocks) of the row at w.
-template <int T>
-inline __m256i sub_values(const uint8_t* w, int64_t j) {
-  if constexpr (T == IQ4_XS) return iq4xs_values(w + j / 8 * block_bytes(T), static_cast<int>(j % 8));
-  else return values32<T>(w + j * block_bytes(T));
-}
-
-// The scales s of eight rows for blocks b .. b + subs<T>() (one block of T; b a multiple of
-// subs<T>()) into s[]. IQ4_XS: d times each sub-block's integer scale (the float multiply gguf's
-// dequantize does), the 64 six-bit scales unpacked in lanes, a row a lane, once per 256 values.
-template <int T>
-inline void block_scales8(const uint8_t* const* w, int64_t b, __m256* s) {
-  if constexpr (T == IQ4_XS) {
-    const int64_t off = b / 8 * block_bytes(T);
-    auto u32 = [&](int n, int at) {
-      int32_t v;
-      std::memcpy(&v, w[n] + off + at, 4);
-      return v;
-    };
-    // lane n: row n's bytes 0..3 (d, scales_h) and 4..7 (scales_l)
-    const __m256i hi = _mm256_srli_epi32(
-        _mm256_setr_epi32(u32(0, 0), u32(1, 0), u32(2, 0), u32(3, 0), u32(4, 0), u32(5, 0), u32(6, 0), u32(7, 0)), 16);
-    const __m256i lo =
-        _mm256_setr_epi32(u32(0, 4), u32(1, 4), u32(2, 4), u32(3, 4), u32(4, 4), u32(5, 4), u32(6, 4), u32(7, 4));
-    const __m256 d = halves8(w, off);
-    #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const __m256i l = _mm256_and_si256(_mm256_srli_epi32(lo, 4 * j), _mm256_set1_epi32(0x0F));
-      const __m256i h = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, 2 * j), _mm256_set1_epi32(3)), 4);
-      s[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(l, h), _mm256_set1_epi32(32))));
-    }
-  } else {
-    s[0] = halves8(w, b * block_bytes(T));
-  }
-}
-
 // Block `b` of eight rows (w[n]: row n's first byte; rows past a partial panel's end repeat its
 // last row, their lanes never stored), with their scales s, into one panel block at dst.
 template <int T>
 inline void unpack_block8(const uint8_t* const* w, int64_t b, __m256 s, uint8_t* dst) {
-  const int64_t off = b * block_bytes(T);
   __m256i v[8];
   for (int n = 0; n < 8; ++n) v[n] = sub_values<T>(w[n], b);
   transpose8(v);
   for (int c = 0; c < 8; ++c) _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 32 * c), v[c]);
   _mm256_store_ps(reinterpret_cast<float*>(dst + 256), s);
-  if constexpr (T == Q4_0 || T == Q5_0)  // o = -8 s or -16 s, the float multiply gguf's dequantize does
-    _mm256_store_ps(reinterpret_cast<float*>(dst + 288), _mm256_mul_ps(s, _mm256_set1_ps(T == Q4_0 ? -8.f : -16.f)));
-  else if constexpr (T == Q4_1 || T == Q5_1)
-    _mm256_store_ps(reinterpret_cast<float*>(dst + 288), halves8(w, off + 2));
+  if constexpr (!signed_values(T)) _mm256_store_ps(reinterpret_cast<float*>(dst + 288), block_offsets8<T>(w, b, s));
 }
 
 // acc[r] (8 rows in lanes) through `nblk` panel blocks at `pan`, activation blocks b0.. of rows
@@ -193,14 +130,6 @@ inline void panel_dot(const uint8_t* pan, int64_t nblk, const Acts& a, int64_t r
   }
 }
 
-// A panel's rows are one run of bytes, read a block at a time as eight streams 1 row apart, which
-// the hardware prefetcher follows poorly (a panel starts with eight misses): while block b of a
-// panel is read, ask for the b-th share of the next panel's bytes (`next`, `bytes` of them).
-inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t b, int64_t nb) {
-  for (int64_t o = b * bytes / nb & ~int64_t(63), e = (b + 1) * bytes / nb; o < e; o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
-}
-
 // Blocks [b0, b1) of eight rows (b0 a multiple of subs<T>()) into consecutive panel blocks at
 // dst, asking for the matching shares of the next panel's `next_bytes` at `next` on the way.
 template <int T>
@@ -214,11 +143,6 @@ inline void unpack_blocks8(const uint8_t* const* w, int64_t b0, int64_t b1, int6
       unpack_block8<T>(w, b + j, s[j], dst + (b + j - b0) * PB);
     }
   }
-}
-
-// Row pointers of the panel at output n (absolute in `p`), `rows` of them real.
-inline void panel_rows(const Part& p, int64_t n, int64_t rows, const uint8_t** w) {
-  for (int64_t i = 0; i < PR; ++i) w[i] = p.data + (n - p.n0 + std::min(i, rows - 1)) * p.row_bytes;
 }
 
 template <int R>
@@ -244,7 +168,7 @@ void tile_row1(const Part& p, int64_t n0, int64_t n1, const Acts& a, float* y) {
   for (int64_t n = n0; n < n1; n += PR) {
     const int64_t rows = std::min(PR, n1 - n);
     const uint8_t* w[PR];
-    panel_rows(p, n, rows, w);
+    panel_rows<PR>(p, n, rows, w);
     __m256 acc = _mm256_setzero_ps();
     const uint8_t* next = w[0] + PR * p.row_bytes;
     for (int64_t b0 = 0; b0 < nb; b0 += subs<T>()) {
@@ -270,11 +194,8 @@ void tile_row1(const Part& p, int64_t n0, int64_t n1, const Acts& a, float* y) {
         }
         const __m256 ws = scales[j];
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums8(s)), _mm256_mul_ps(ws, _mm256_set1_ps(a.d32[b])), acc);
-        if constexpr (T == Q4_0 || T == Q5_0)
-          acc = _mm256_fmadd_ps(_mm256_mul_ps(ws, _mm256_set1_ps(T == Q4_0 ? -8.f : -16.f)), _mm256_set1_ps(a.s32[b]),
-                                acc);
-        else if constexpr (T == Q4_1 || T == Q5_1)
-          acc = _mm256_fmadd_ps(halves8(w, b * block_bytes(T) + 2), _mm256_set1_ps(a.s32[b]), acc);
+        if constexpr (!signed_values(T))
+          acc = _mm256_fmadd_ps(block_offsets8<T>(w, b, ws), _mm256_set1_ps(a.s32[b]), acc);
       }
     }
     store_rows<1>(&acc, 0, n, rows, y, 0);
@@ -290,7 +211,7 @@ void tile_rows(const Part& p, int64_t n0, int64_t n1, const Acts& a, float* y, i
   for (int64_t n = n0; n < n1; n += PR) {
     const int64_t rows = std::min(PR, n1 - n);
     const uint8_t* w[PR];
-    panel_rows(p, n, rows, w);
+    panel_rows<PR>(p, n, rows, w);
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += ROWS_GROUP) {
@@ -322,7 +243,7 @@ void tile_panels(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M
     const int64_t t1 = std::min(n1, t0 + np * PR);
     for (int64_t n = t0; n < t1; n += PR) {
       const uint8_t* w[PR];
-      panel_rows(p, n, std::min(PR, t1 - n), w);
+      panel_rows<PR>(p, n, std::min(PR, t1 - n), w);
       uint8_t* pan = buf + (n - t0) / PR * panel_bytes;
       unpack_blocks8<T>(w, 0, nb, nb, pan, w[0] + PR * p.row_bytes, PR * p.row_bytes);
     }
@@ -342,30 +263,34 @@ void tile_panels(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M
   }
 }
 
-template <int T>
+// VNNI (AVX512-VNNI CPUs): more than ROWS_MAX_M activation rows run on kquant_b32_vnni.cpp's
+// panels, the same arithmetic.
+template <int T, bool VNNI>
 void tile_b32(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
   switch (M <= ROWS_MAX_M ? M : 0) {
     case 1: return tile_row1<T>(p, n0, n1, a, y);
     case 2: return tile_rows<T, 2>(p, n0, n1, a, y, ldy);
     case 3: return tile_rows<T, 3>(p, n0, n1, a, y, ldy);
     case 4: return tile_rows<T, 4>(p, n0, n1, a, y, ldy);
-    default: return tile_panels<T>(p, n0, n1, a, M, y, ldy);
+    default:
+      if constexpr (VNNI) {
+        static const TileFn panels = panels_b32_vnni(T);
+        return panels(p, n0, n1, a, M, y, ldy);
+      }
+      return tile_panels<T>(p, n0, n1, a, M, y, ldy);
   }
 }
 
 }  // namespace
 
 TileFn tile_b32_a8(int64_t type) {
-  switch (type) {
-    case Q4_0: return tile_b32<Q4_0>;
-    case Q4_1: return tile_b32<Q4_1>;
-    case Q5_0: return tile_b32<Q5_0>;
-    case Q5_1: return tile_b32<Q5_1>;
-    case Q8_0: return tile_b32<Q8_0>;
-    case IQ4_NL: return tile_b32<IQ4_NL>;
-    case IQ4_XS: return tile_b32<IQ4_XS>;
-    default: return nullptr;
-  }
+  const bool vnni = cbserve::cpu_has_vnni();
+  TileFn f = nullptr;
+  cbserve::with_value<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS>(type, [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    f = vnni ? tile_b32<T, true> : tile_b32<T, false>;
+  });
+  return f;
 }
 
 }  // namespace cbserve_kquant
