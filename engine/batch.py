@@ -173,11 +173,16 @@ class BatchEngine(EngineBase):
     def _step(self) -> list[StepOutput]:
         sb = self.step_budget
         if sb is not None:
-            decoding = sum(
-                not s.finished and s.num_tokens - s.num_computed_tokens <= 1
-                for s in self.scheduler.running
-            )
-            self.scheduler.max_num_batched_tokens = sb.budget(decoding)
+            sch = self.scheduler
+            live = [s for s in sch.running if not s.finished]
+            prefilling = [s for s in live if s.num_tokens - s.num_computed_tokens > 1]
+            # Waiting for a first token: running prompts mid-prefill, and the queued requests
+            # this step could admit (a full batch admits none).
+            admissible = min(len(sch.waiting), max(0, sch.max_batch_size - len(sch.running)))
+            arrivals = [s.request.arrival_time for s in (*prefilling, *sch.waiting)]
+            waited = time.monotonic() - min(arrivals) if arrivals else 0.0
+            decoding = len(live) - len(prefilling)
+            sch.max_num_batched_tokens = sb.budget(decoding, len(prefilling) + admissible, waited)
         sched = self.scheduler.schedule()
         if not sched.rows:
             return []

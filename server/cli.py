@@ -106,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=120.0,
         help="while requests decode, give each step the tokens that keep it about this long, "
-        "learned from measured steps; 0 turns it off (a fixed budget every step) "
-        "(default: %(default)s)",
+        "learned from measured steps (a deep queue may lengthen it: each request waiting for "
+        "its first token gets as much of a step as each decoding one); 0 turns it off (a "
+        "fixed budget every step) (default: %(default)s)",
     )
     m.add_argument(
         "--kv-cache-memory",

@@ -123,6 +123,27 @@ def test_chunked_prefill_matches_unchunked(model):
     assert engine.num_steps >= 300 // 32
 
 
+def test_the_step_budget_with_a_starving_queue_does_not_change_greedy_output(
+    model, specs, alone_greedy
+):
+    """A step target far below TinyGPT's step time: 20 requests for 8 slots starve at once, so
+    the budget shares steps by head count (the queue's path) and the target's minimum chunks
+    alike; every request still finishes with its tokens alone."""
+    engine = ContinuousBatchEngine(model, max_batch_size=8, target_step_ms=0.05)
+    sb = engine.step_budget
+    calls = []
+    budget = sb.budget
+
+    def recorded(decoding, prefilling=0, waited_s=0.0):
+        calls.append((decoding, prefilling, waited_s))
+        return budget(decoding, prefilling, waited_s)
+
+    sb.budget = recorded
+    assert serve(engine, specs) == alone_greedy
+    starving = [c for c in calls if c[0] and c[1] and c[2] > sb.patience * sb.target_s]
+    assert starving, calls
+
+
 def test_static_batch_forms_whole_even_when_the_token_budget_is_small(model):
     engine = StaticBatchEngine(model, max_batch_size=4, max_num_batched_tokens=8)
     specs = [([i + 1] * 20, 3) for i in range(6)]

@@ -52,3 +52,22 @@ def test_a_slow_cold_small_step_does_not_zero_the_per_token_cost():
     assert sb.per_token_s is not None and sb.per_token_s > 0
     assert 1 <= sb.budget(1) <= 512
     assert sb.overhead_s <= 0.3
+
+
+def test_a_starving_queue_gets_a_share_of_the_step_by_head_count():
+    """A burst: 8 requests decode while 40 wait for their first token. The target alone leaves
+    prefill the 16-token minimum. Once the oldest has waited `patience` targets, sharing the step
+    by head count gives the 40 five times the decoders' time. Before that, or with a short queue
+    whose share is less than the target leaves, nothing changes; the ceiling still holds."""
+    sb = StepBudget(target_s=0.12, max_tokens=512)
+    sb.observe(1, 0, 0.025)  # a lone decode step: the fixed cost
+    sb.observe(8, 64, 0.025 + 0.004 * (64 + 8 * sb.decode_weight))
+    decode_s = sb.overhead_s + sb.per_token_s * 8 * sb.decode_weight
+    alone = sb.budget(8)
+    assert alone == 8 + max(16, int((0.12 - decode_s) / sb.per_token_s))
+    starving = sb.patience * 0.12 + 0.01
+    assert sb.budget(8, 40, waited_s=starving - 0.02) == alone
+    prefill = sb.budget(8, 40, waited_s=starving) - 8
+    assert abs(prefill * sb.per_token_s - 5 * decode_s) <= sb.per_token_s, (prefill, decode_s)
+    assert sb.budget(8, 1, waited_s=starving) == alone
+    assert sb.budget(8, 400, waited_s=starving) == 512
