@@ -179,10 +179,12 @@ class BatchEngine(EngineBase):
             # Waiting for a first token: running prompts mid-prefill, and the queued requests
             # this step could admit (a full batch admits none).
             admissible = min(len(sch.waiting), max(0, sch.max_batch_size - len(sch.running)))
-            arrivals = [s.request.arrival_time for s in (*prefilling, *sch.waiting)]
-            waited = time.monotonic() - min(arrivals) if arrivals else 0.0
-            decoding = len(live) - len(prefilling)
-            sch.max_num_batched_tokens = sb.budget(decoding, len(prefilling) + admissible, waited)
+            decoding, first = len(live) - len(prefilling), len(prefilling) + admissible
+            waited = 0.0
+            if decoding and first:  # (how long only matters when both groups share the step)
+                oldest = min(s.request.arrival_time for s in (*prefilling, *sch.waiting))
+                waited = time.monotonic() - oldest
+            sch.max_num_batched_tokens = sb.budget(decoding, first, waited)
         sched = self.scheduler.schedule()
         if not sched.rows:
             return []

@@ -52,14 +52,15 @@ inline float absmax(const float* x, int64_t n) {
   return _mm_cvtss_f32(s);
 }
 
-void quantize32(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+void quantize32(const float* x, int64_t K, int8_t* q, float* d, int32_t* is, float* s) {
   for (int64_t b = 0; b < K / 32; ++b) {
     const float dd = absmax(x + 32 * b, 32) / 127.f;
     const float inv = dd > 0.f ? 1.f / dd : 0.f;
     int32_t s0, s1;
     round32(x + 32 * b, inv, q + 32 * b, s0, s1);
     d[b] = dd;
-    s[b] = dd * static_cast<float>(s0 + s1);
+    is[b] = s0 + s1;
+    s[b] = dd * static_cast<float>(is[b]);
   }
 }
 
@@ -214,22 +215,30 @@ at::Tensor ggml_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::op
                 "residual must be (M, N) float32");
   }
   const float* xp = x.data_ptr<float>();
-  Acts acts{xp, K, nullptr, 0, nullptr, nullptr, nullptr, nullptr, nullptr};
+  Acts acts{xp, K, nullptr, 0, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
   std::vector<int8_t> q32, q256;
   std::vector<float> d32, s32, d256;
+  std::vector<int32_t> i32;
   std::vector<int16_t> bs16;
   if (int8) {
     const int64_t nb32 = b32_groups(K / 32) * 8;  // zero blocks pad rows to whole groups of 8
-    if (need32) { q32.assign(M * nb32 * 32, 0); d32.assign(M * nb32, 0.f); s32.assign(M * nb32, 0.f); }
+    if (need32) {
+      q32.assign(M * nb32 * 32, 0);
+      d32.assign(M * nb32, 0.f);
+      i32.assign(M * nb32, 0);
+      s32.assign(M * nb32, 0.f);
+    }
     if (need256) { q256.resize(M * K); d256.resize(M * K / 256); bs16.resize(M * K / 16); }
     at::parallel_for(0, M, std::max<int64_t>(1, (1 << 14) / K), [&](int64_t a, int64_t b) {
       for (int64_t r = a; r < b; ++r) {
-        if (need32) quantize32(xp + r * K, K, q32.data() + r * nb32 * 32, d32.data() + r * nb32, s32.data() + r * nb32);
+        if (need32)
+          quantize32(xp + r * K, K, q32.data() + r * nb32 * 32, d32.data() + r * nb32, i32.data() + r * nb32,
+                     s32.data() + r * nb32);
         if (need256)
           quantize256(xp + r * K, K, q256.data() + r * K, d256.data() + r * K / 256, bs16.data() + r * K / 16);
       }
     });
-    acts = Acts{xp, K, q32.data(), nb32, d32.data(), s32.data(), q256.data(), d256.data(), bs16.data()};
+    acts = Acts{xp, K, q32.data(), nb32, d32.data(), i32.data(), s32.data(), q256.data(), d256.data(), bs16.data()};
   }
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   // Outputs [c0, c1) of every activation row into y[m * ldy + n] (y addressed by absolute output

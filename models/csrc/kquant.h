@@ -294,14 +294,15 @@ inline void decode_block(const uint8_t* b, float* dst) {
 
 // -- activations ----------------------------------------------------------------------------------
 
-// int8 rows of x: per 32 inputs (d32 = max|x| / 127, s32 = d32 * sum(q)) and per 256 inputs
-// (d256, sums per 16 in bs16), whichever the weight formats of the call need.
+// int8 rows of x: per 32 inputs (d32 = max|x| / 127, i32 = sum(q), s32 = d32 * i32) and per 256
+// inputs (d256, sums per 16 in bs16), whichever the weight formats of the call need.
 struct Acts {
   const float* x;  // (M, K) float32 (the float path)
   int64_t K;
   const int8_t* q32;  // rows of nb32 blocks: K / 32 rounded up to 8, the padding zeros
   int64_t nb32;
   const float* d32;
+  const int32_t* i32;
   const float* s32;
   const int8_t* q256;
   const float* d256;

@@ -10,7 +10,8 @@
 //
 // vpdpbusd multiplies unsigned by signed bytes. The unsigned formats' values u are the unsigned
 // operand as they are; signed values w (Q8_0, IQ4) are stored as w + 128 (w XOR 0x80), and their
-// accumulator starts at -128 sum(x) of the activation block: sum (w + 128) x - 128 sum(x) = sum w x.
+// accumulator starts at -128 sum(x) of the activation block (Acts::i32): sum (w + 128) x - 128 sum(x)
+// = sum w x.
 // Either way the block's integer I is exact, the same number the AVX2 tiles compute.
 //
 // The arithmetic is kquant_b32.cpp's (its file-top comment): per block in order,
@@ -85,24 +86,9 @@ CB_VNNI void build_panel(const uint8_t* const* w, int64_t nb, uint8_t* pan, cons
   }
 }
 
-// Signed formats: -128 sum(x) of every activation block (rows m < M, blocks b < nb) into c[m nb + b],
-// the start of that block's accumulator.
-inline void block_corrections(const Acts& a, int64_t M, int64_t nb, int32_t* c) {
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q32 + (m * a.nb32 + b) * 32));
-      // the sum of x + 128 (unsigned) by vpsadbw, minus 32 x 128
-      const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(x, flip), _mm256_setzero_si256());
-      const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
-      const int64_t sum = _mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1) - 32 * 128;
-      c[m * nb + b] = static_cast<int32_t>(-128 * sum);
-    }
-}
-
 // The panel's `rows` outputs from output n for activation rows m0 .. m0 + R, into y[m * ldy + n].
 template <int T, int R>
-CB_VNNI void panel_dot(const uint8_t* pan, int64_t nb, const Acts& a, const int32_t* corr, int64_t m0, int64_t n,
+CB_VNNI void panel_dot(const uint8_t* pan, int64_t nb, const Acts& a, int64_t m0, int64_t n,
                        int64_t rows, float* y, int64_t ldy) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -112,7 +98,7 @@ CB_VNNI void panel_dot(const uint8_t* pan, int64_t nb, const Acts& a, const int3
     __m512i isum[R];
     for (int r = 0; r < R; ++r) {
       x[r] = a.q32 + ((m0 + r) * a.nb32 + b) * 32;
-      isum[r] = signed_values(T) ? _mm512_set1_epi32(corr[(m0 + r) * nb + b]) : _mm512_setzero_si512();
+      isum[r] = signed_values(T) ? _mm512_set1_epi32(-128 * a.i32[(m0 + r) * a.nb32 + b]) : _mm512_setzero_si512();
     }
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
@@ -137,9 +123,7 @@ template <int T>
 CB_VNNI void panels_b32(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
   const int64_t nb = row_blocks<T>(p), panel_bytes = nb * PB;
   const int64_t np = std::clamp<int64_t>(TILE_BYTES / panel_bytes, 1, 4);
-  uint8_t* buf = scratch(np * panel_bytes + (signed_values(T) ? 4 * M * nb : 0));
-  int32_t* corr = reinterpret_cast<int32_t*>(buf + np * panel_bytes);
-  if constexpr (signed_values(T)) block_corrections(a, M, nb, corr);
+  uint8_t* buf = scratch(np * panel_bytes);
   for (int64_t t0 = n0; t0 < n1; t0 += np * PANEL) {
     const int64_t t1 = std::min(n1, t0 + np * PANEL);
     for (int64_t n = t0; n < t1; n += PANEL) {
@@ -152,7 +136,7 @@ CB_VNNI void panels_b32(const Part& p, int64_t n0, int64_t n1, const Acts& a, in
       for (int64_t n = t0; n < t1; n += PANEL) {
         const uint8_t* pan = buf + (n - t0) / PANEL * panel_bytes;
         const int64_t rows = std::min(PANEL, t1 - n);
-        cbserve::with_count<RA>(mr, [&](auto r) { panel_dot<T, decltype(r)::value>(pan, nb, a, corr, m0, n, rows, y, ldy); });
+        cbserve::with_count<RA>(mr, [&](auto r) { panel_dot<T, decltype(r)::value>(pan, nb, a, m0, n, rows, y, ldy); });
       }
     }
   }
