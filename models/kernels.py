@@ -135,7 +135,7 @@ def build(force: bool = False) -> Path:
                 if linked.returncode != 0:
                     failed = [(Path(tmp), linked)]
         if failed:
-            os.unlink(tmp)
+            Path(tmp).unlink(missing_ok=True)  # (a failed link may have removed it)
             obj, result = failed[0]
             raise KernelBuildError(f"building {obj.stem} failed:\n{result.stderr[-3000:]}")
         # Readable by all (mkstemp's file was not), so an image's non-root user can load it.

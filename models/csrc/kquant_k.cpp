@@ -17,8 +17,9 @@
 // Batch invariance: every (weight row, activation row) pair goes through the same integer lanes,
 // the same fp32 multiply-adds per block in block order and the same final reduction (reduce4),
 // whatever NR and R are and whichever path, so the tiles may group rows as they like. On
-// AVX512-VNNI CPUs prefill runs on kquant_k_vnni.cpp's panels instead, and decode here takes their
-// arithmetic (EXACT: whole-block integers, then one fp32 chain per pair).
+// AVX512-VNNI CPUs prefill runs on kquant_k_vnni.cpp's panels instead, Q4_K / Q5_K decode on
+// kquant_k_rows_vnni.cpp's 512-bit rows, and the other formats' decode here takes their arithmetic
+// (EXACT: whole-block integers, then one fp32 chain per pair).
 #include "kquant_k.h"
 
 namespace cbserve_kquant {
@@ -114,26 +115,6 @@ void rows_u(const uint8_t* first, int64_t stride, int64_t count, const Acts& a, 
     for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + i] = res[r];
   }
 }
-
-// Prefetch the slice of the next rows' bytes that matches block b of this group (the group's rows
-// are contiguous, so `pf` + b * step covers the next group as this one is walked).
-// `to_l2`: into L2 only, for groups too large to sit in L1 beside the group being read (1B-sized
-// down projections: 4 rows of 8,192 values are 18-27 KB; fetched into L1 they evict the current
-// group and stream at ~20 GB/s instead of ~28, docs/benchmarks.md).
-inline void prefetch_slice(const uint8_t* pf, int64_t b, int64_t step, bool to_l2) {
-  if (!pf) return;
-  const uint8_t* p = pf + b * step;
-  if (to_l2)
-    for (int64_t o = 0; o < step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
-  else
-    for (int64_t o = 0; o < step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
-}
-// A group of weight rows whose bytes exceed this is prefetched into L2 (L1d is 32-48 KB).
-constexpr int64_t L1_GROUP_BYTES = 12 << 10;
-
-// Formats whose weights carry a minimum per sub-block (w = d sc u - dmin m): its term comes from the
-// activation sums and meets dmin; the others' offset is folded into the integer sum.
-constexpr bool has_min(int64_t t) { return t == Q2_K || !scaled16(t); }
 
 // NR weight rows w[n] (nb blocks of type T each, the file's) against activation rows r0 .. r0 + R:
 // res[n * R + r] = sum_k w[n][k] x[r0 + r][k].
@@ -258,71 +239,42 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
       alignas(32) float dxs[8] = {};
       for (int n = 0; n < NR; ++n)
         for (int r = 0; r < R; ++r) dxs[n * R + r] = a.d256[(r0 + r) * nbx + b];
-      if constexpr (PAIRS <= 4) {  // lanes 0-3: I1, 4-7: I2
-        const __m256 f = _mm256_cvtepi32_ps(sums8(ints));
-        const __m128 vdx = _mm_load_ps(dxs);
-        exact4 = _mm_fmadd_ps(_mm256_castps256_ps128(f), _mm_mul_ps(_mm_load_ps(dn), vdx), exact4);
-        if constexpr (has_min(T))
-          exact4 = _mm_fnmadd_ps(_mm256_extractf128_ps(f, 1), _mm_mul_ps(_mm_load_ps(dminn), vdx), exact4);
-      } else {
-        const __m256 vdx = _mm256_load_ps(dxs);
-        exact8 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums8(ints)), _mm256_mul_ps(_mm256_load_ps(dn), vdx), exact8);
-        if constexpr (has_min(T))
-          exact8 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(sums8(ints + 8)), _mm256_mul_ps(_mm256_load_ps(dminn), vdx),
-                                    exact8);
-      }
+      exact_block<PAIRS, has_min(T)>(ints, dn, dminn, dxs, exact4, exact8);
     }
   }
   if constexpr (EXACT) {
-    alignas(32) float out[8];
-    if constexpr (PAIRS <= 4)
-      _mm_store_ps(out, exact4);
-    else
-      _mm256_store_ps(out, exact8);
-    for (int i = 0; i < NR * R; ++i) res[i] = out[i];
+    exact_result<PAIRS>(exact4, exact8, res);
   } else {
     for (int i = 0; i < NR * R; i += 4) reduce4(acc + i, std::min(4, NR * R - i), res + i);
   }
 }
 
-// The file's rows [0, count) against activation rows m0 .. m0 + R (decode), in groups of NR weight
-// rows (NR * R <= 8 keeps the integer sums in registers); `stride` from one row to the next. The
-// next group's bytes are prefetched while this one is computed, since in a decode step the
-// weights stream from DRAM and each is used once.
+// Decode's rows (rows_of, kquant_k.h) through dot_k.
 template <int T, int R, bool EXACT>
 void rows_k(const uint8_t* first, int64_t stride, int64_t count, const uint8_t* end, const Acts& a, int64_t nb,
             int64_t m0, float* y, int64_t ldy) {
   constexpr int NR = R <= 2 ? 4 : 2;
-  float res[NR * R];
-  int64_t i = 0;
-  for (; i + NR <= count; i += NR) {
-    const uint8_t* w[NR];
-    for (int k = 0; k < NR; ++k) w[k] = first + (i + k) * stride;
-    const uint8_t* pf = w[0] + NR * stride;
-    dot_k<T, NR, R, EXACT>(w, a, m0, nb, res, pf + NR * stride <= end ? pf : nullptr);
-    for (int k = 0; k < NR; ++k)
-      for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + i + k] = res[k * R + r];
-  }
-  for (; i < count; ++i) {
-    const uint8_t* w = first + i * stride;
-    dot_k<T, 1, R, EXACT>(&w, a, m0, nb, res, nullptr);
-    for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + i] = res[r];
-  }
+  rows_of<NR, R, dot_k<T, NR, R, EXACT>, dot_k<T, 1, R, EXACT>>(first, stride, count, end, a, nb, m0, y, ldy);
 }
 
 // EXACT: the AVX512-VNNI CPUs' arithmetic (dot_k); prefill then runs on the VNNI panels.
 template <int T, bool EXACT>
 void tile_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
-  using RowsFn = void (*)(const uint8_t*, int64_t, int64_t, const uint8_t*, const Acts&, int64_t, int64_t, float*,
-                          int64_t);
   static const RowsFn file_rows[MR + 1] = {nullptr, rows_k<T, 1, EXACT>, rows_k<T, 2, EXACT>, rows_k<T, 3, EXACT>,
                                            rows_k<T, 4, EXACT>};
   using URowsFn = void (*)(const uint8_t*, int64_t, int64_t, const Acts&, const int16_t*, int64_t, int64_t, float*,
                            int64_t);
   static const URowsFn unpacked_rows[MR + 1] = {nullptr, rows_u<T, 1>, rows_u<T, 2>, rows_u<T, 3>, rows_u<T, 4>};
   const uint8_t* end = p.data + p.rows * p.row_bytes;
-  if (M <= MR)
-    return file_rows[M](p.data + (n0 - p.n0) * p.row_bytes, p.row_bytes, n1 - n0, end, a, p.nb, 0, y + n0, ldy);
+  if (M <= MR) {
+    RowsFn rows = file_rows[M];
+    if constexpr (EXACT) {  // the 512-bit rows where the format has them (the same bits)
+      static const RowsFn wide[MR + 1] = {nullptr, rows_k_vnni(T, 1), rows_k_vnni(T, 2), rows_k_vnni(T, 3),
+                                          rows_k_vnni(T, 4)};
+      if (wide[M]) rows = wide[M];
+    }
+    return rows(p.data + (n0 - p.n0) * p.row_bytes, p.row_bytes, n1 - n0, end, a, p.nb, 0, y + n0, ldy);
+  }
   if constexpr (EXACT) {
     static const TileFn panels = panels_k_vnni(T);
     return panels(p, n0, n1, a, M, y, ldy);

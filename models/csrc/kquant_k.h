@@ -143,7 +143,90 @@ inline void pair_sums_all(const Acts& a, int64_t M, int16_t* pairs) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs + 8 * rb), pair_sums(a.bs16 + rb * 16));
 }
 
+// Prefetch the slice of the next rows' bytes that matches block b of this group (the group's rows
+// are contiguous, so `pf` + b * step covers the next group as this one is walked).
+// `to_l2`: into L2 only, for groups too large to sit in L1 beside the group being read (1B-sized
+// down projections: 4 rows of 8,192 values are 18-27 KB; fetched into L1 they evict the current
+// group and stream at ~20 GB/s instead of ~28, docs/benchmarks.md).
+inline void prefetch_slice(const uint8_t* pf, int64_t b, int64_t step, bool to_l2) {
+  if (!pf) return;
+  const uint8_t* p = pf + b * step;
+  if (to_l2)
+    for (int64_t o = 0; o < step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
+  else
+    for (int64_t o = 0; o < step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+}
+// A group of weight rows whose bytes exceed this is prefetched into L2 (L1d is 32-48 KB).
+constexpr int64_t L1_GROUP_BYTES = 12 << 10;
+
+// Formats whose weights carry a minimum per sub-block (w = d sc u - dmin m): its term comes from the
+// activation sums and meets dmin; the others' offset is folded into the integer sum.
+constexpr bool has_min(int64_t t) { return t == Q2_K || !scaled16(t); }
+
+
+// EXACT arithmetic (dot_k, the VNNI rows and panels), one block: PAIRS (weight row, activation
+// row) pairs' whole-block integers, I1 in ints[pair] and I2 in ints[I2_AT + pair] (8-lane vectors
+// whose lanes sum to the integer; I2_AT = 4 up to 4 pairs, else 8), meet each pair's d, dmin and
+// activation scale: c += I1 (d dx) - I2 (dmin dx), one fp32 lane per pair (exact4 up to 4 pairs).
+template <int PAIRS, bool HAS_MIN>
+inline void exact_block(const __m256i* ints, const float* dn, const float* dminn, const float* dxs, __m128& exact4,
+                        __m256& exact8) {
+  static_assert(PAIRS <= 8, "the exact epilogue keeps one lane per pair");
+  if constexpr (PAIRS <= 4) {  // lanes 0-3: I1, 4-7: I2
+    const __m256 f = _mm256_cvtepi32_ps(sums8(ints));
+    const __m128 vdx = _mm_load_ps(dxs);
+    exact4 = _mm_fmadd_ps(_mm256_castps256_ps128(f), _mm_mul_ps(_mm_load_ps(dn), vdx), exact4);
+    if constexpr (HAS_MIN)
+      exact4 = _mm_fnmadd_ps(_mm256_extractf128_ps(f, 1), _mm_mul_ps(_mm_load_ps(dminn), vdx), exact4);
+  } else {
+    const __m256 vdx = _mm256_load_ps(dxs);
+    exact8 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums8(ints)), _mm256_mul_ps(_mm256_load_ps(dn), vdx), exact8);
+    if constexpr (HAS_MIN)
+      exact8 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(sums8(ints + 8)), _mm256_mul_ps(_mm256_load_ps(dminn), vdx), exact8);
+  }
+}
+template <int PAIRS>
+inline void exact_result(__m128 exact4, __m256 exact8, float* res) {
+  alignas(32) float out[8];
+  if constexpr (PAIRS <= 4)
+    _mm_store_ps(out, exact4);
+  else
+    _mm256_store_ps(out, exact8);
+  for (int i = 0; i < PAIRS; ++i) res[i] = out[i];
+}
+
+// Decode: the file's rows [0, count) against activation rows m0 .. m0 + R, in groups of NR weight
+// rows through DOT (NR rows) and DOT1 (the last count % NR), both (w, a, m0, nb, res, pf) with
+// res[n * R + r]; `stride` from one row to the next. The next group's bytes are prefetched while
+// this one is computed, since in a decode step the weights stream from DRAM and each is used once.
+using DotFn = void (*)(const uint8_t* const*, const Acts&, int64_t, int64_t, float*, const uint8_t*);
+template <int NR, int R, DotFn DOT, DotFn DOT1>
+void rows_of(const uint8_t* first, int64_t stride, int64_t count, const uint8_t* end, const Acts& a, int64_t nb,
+             int64_t m0, float* y, int64_t ldy) {
+  float res[NR * R];
+  int64_t i = 0;
+  for (; i + NR <= count; i += NR) {
+    const uint8_t* w[NR];
+    for (int k = 0; k < NR; ++k) w[k] = first + (i + k) * stride;
+    const uint8_t* pf = w[0] + NR * stride;
+    DOT(w, a, m0, nb, res, pf + NR * stride <= end ? pf : nullptr);
+    for (int k = 0; k < NR; ++k)
+      for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + i + k] = res[k * R + r];
+  }
+  for (; i < count; ++i) {
+    const uint8_t* w = first + i * stride;
+    DOT1(&w, a, m0, nb, res, nullptr);
+    for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + i] = res[r];
+  }
+}
+// rows_of's signature: a format's decode rows for one R.
+using RowsFn = void (*)(const uint8_t*, int64_t, int64_t, const uint8_t*, const Acts&, int64_t, int64_t, float*,
+                        int64_t);
+
 // The tile for more than MR activation rows on AVX512-VNNI CPUs (kquant_k_vnni.cpp).
 TileFn panels_k_vnni(int64_t type);
+// Decode's rows for R = 1 .. MR activation rows in 512-bit vectors on AVX512-VNNI CPUs
+// (kquant_k_rows_vnni.cpp; dot_k's EXACT results), or nullptr for a format they do not cover.
+RowsFn rows_k_vnni(int64_t type, int64_t R);
 
 }  // namespace cbserve_kquant

@@ -1,0 +1,119 @@
+// Decode's K-format rows (up to MR activation rows, the file's bytes) in 512-bit vectors on
+// AVX512-VNNI CPUs: Q4_K and Q5_K, the bulk of a Q4_K_M / Q5_K_M file.
+//
+// At one to four activation rows the weights are used once each, so a row's cost is the
+// instructions that turn its bytes into integer sums; dot_k's 256-bit loop (kquant_k.cpp) spends
+// about 90 a block and row, more than DRAM needs on these CPUs. Here one 64-byte load holds two
+// 32-value steps of a block: its low nibbles are sub-blocks 4c and 4c + 2, its high ones 4c + 1
+// and 4c + 3, so the activations are gathered to match once per block (two 32-byte halves a
+// vector, shared by every weight row), and each vector of values is one vpmaddubsw and one
+// vpdpwssd (sub-scales as 16-bit lanes, the multiply-add of the pairs and the running sum in one).
+//
+// The arithmetic is dot_k's EXACT one: per block and (weight row, activation row) pair the integer
+// sums I1 and I2 are whole numbers (the same in any order), then exact_block's fp32 chain, so a
+// row's result is the same bits as on the 256-bit rows and the VNNI panels of prefill.
+#include "kquant_k.h"
+
+namespace cbserve_kquant {
+namespace {
+
+// vpshufb controls that pick, from the block's 16 scale and min bytes (scales_mins_k4) in every
+// 128-bit lane, the sub-scales of 64-byte chunk c's low (h = 0) or high (h = 1) nibbles as 16-bit
+// lanes: sub-block 4c + h in the lower 256 bits, 4c + 2 + h in the upper.
+CB_VNNI inline __m512i k4_scale_ctrl512(int c, int h) {
+  auto lanes = [](int s) { return _mm256_set1_epi16(static_cast<int16_t>(0x8000 | (s < 4 ? s : s + 4))); };
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lanes(4 * c + h)), lanes(4 * c + 2 + h), 1);
+}
+
+// NR file rows w[n] against activation rows r0 .. r0 + R: res[n * R + r] (rows_of's DOT).
+template <int T, int NR, int R>
+CB_VNNI void dot_k4_512(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float* res,
+                        const uint8_t* pf) {
+  static_assert(T == Q4_K || T == Q5_K);
+  constexpr int64_t BB = block_bytes(T);
+  constexpr int PAIRS = NR * R, I2_AT = PAIRS <= 4 ? 4 : 8;
+  const bool pf_l2 = NR * nb * BB > L1_GROUP_BYTES;
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m16 = _mm512_set1_epi8(0x10);
+  __m128 exact4 = _mm_setzero_ps();
+  __m256 exact8 = _mm256_setzero_ps();
+  const int64_t nbx = a.K / 256;
+  for (int64_t b = 0; b < nb; ++b) {
+    prefetch_slice(pf, b, NR * BB, pf_l2);
+    // Activation row r's vectors for chunk c's low (2c) and high (2c + 1) nibbles, its sums per 32.
+    __m512i xv[R][4];
+    __m128i pairs[R];
+    alignas(32) float dxs[8] = {}, dn[8] = {}, dminn[8] = {};
+    for (int r = 0; r < R; ++r) {
+      const int64_t rb = (r0 + r) * nbx + b;
+      const int8_t* x = a.q256 + rb * 256;
+      for (int c = 0; c < 2; ++c)
+        for (int h = 0; h < 2; ++h)
+          xv[r][2 * c + h] = _mm512_inserti64x4(_mm512_castsi256_si512(load256(x + 128 * c + 32 * h)),
+                                                load256(x + 128 * c + 64 + 32 * h), 1);
+      pairs[r] = pair_sums(a.bs16 + rb * 16);
+      for (int n = 0; n < NR; ++n) dxs[n * R + r] = a.d256[rb];
+    }
+    __m256i ints[16];
+    for (int i = 0; i < 16; ++i) ints[i] = _mm256_setzero_si256();
+    for (int n = 0; n < NR; ++n) {
+      const uint8_t* blk = w[n] + b * BB;
+      const __m256i sm = scales_mins_k4(blk + 4);
+      const __m512i sm512 = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sm));
+      // Q5_K: bit 2j (2j + 1) of qh byte i is the fifth bit of step j's low (high) value i; the
+      // lower half of chunk c is step 2c, the upper step 2c + 1.
+      const __m512i qh = T == Q5_K ? _mm512_broadcast_i64x4(load256(blk + 16)) : _mm512_setzero_si512();
+      __m512i acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+      for (int c = 0; c < 2; ++c) {
+        const __m512i q = _mm512_loadu_si512(blk + (T == Q4_K ? 16 : 48) + 64 * c);
+        __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+        if constexpr (T == Q5_K) {
+          const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(4 * c)),
+                                                   _mm256_set1_epi16(static_cast<int16_t>(4 * c + 2)), 1);
+          const __m512i bits = _mm512_srlv_epi16(qh, shift);
+          lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(bits, 4), m16));
+          hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(bits, 3), m16));
+        }
+        const __m512i slo = _mm512_shuffle_epi8(sm512, k4_scale_ctrl512(c, 0));
+        const __m512i shi = _mm512_shuffle_epi8(sm512, k4_scale_ctrl512(c, 1));
+        for (int r = 0; r < R; ++r) {
+          acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_maddubs_epi16(lo, xv[r][2 * c]), slo);
+          acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_maddubs_epi16(hi, xv[r][2 * c + 1]), shi);
+        }
+      }
+      const __m128i mins = k4_mins(sm);
+      const float d = fp16(blk), dmin = fp16(blk + 2);
+      for (int r = 0; r < R; ++r) {
+        ints[n * R + r] = _mm256_add_epi32(_mm512_castsi512_si256(acc[r]), _mm512_extracti64x4_epi64(acc[r], 1));
+        ints[I2_AT + n * R + r] = _mm256_zextsi128_si256(_mm_madd_epi16(mins, pairs[r]));
+        dn[n * R + r] = d;
+        dminn[n * R + r] = dmin;
+      }
+    }
+    exact_block<PAIRS, true>(ints, dn, dminn, dxs, exact4, exact8);
+  }
+  exact_result<PAIRS>(exact4, exact8, res);
+}
+
+template <int T, int R>
+void rows_k4_512(const uint8_t* first, int64_t stride, int64_t count, const uint8_t* end, const Acts& a, int64_t nb,
+                 int64_t m0, float* y, int64_t ldy) {
+  constexpr int NR = R <= 2 ? 4 : 2;
+  rows_of<NR, R, dot_k4_512<T, NR, R>, dot_k4_512<T, 1, R>>(first, stride, count, end, a, nb, m0, y, ldy);
+}
+
+}  // namespace
+
+RowsFn rows_k_vnni(int64_t type, int64_t R) {
+  RowsFn f = nullptr;
+  if (R < 1 || R > MR) return f;
+  cbserve::with_value<Q4_K, Q5_K>(type, [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    static const RowsFn by_r[MR + 1] = {nullptr, rows_k4_512<T, 1>, rows_k4_512<T, 2>, rows_k4_512<T, 3>,
+                                        rows_k4_512<T, 4>};
+    f = by_r[R];
+  });
+  return f;
+}
+
+}  // namespace cbserve_kquant
