@@ -58,6 +58,32 @@ CB_VNNI inline void put_lane(uint8_t* pb, int64_t i, const S* sc, const C* corr,
   std::memcpy(pb + panel_dd<T>() + 64 + 4 * i, &dmin, 4);
 }
 
+// Bytes at .. at + 15 of 16 blocks (blk[i], row i's) as four vectors: dword d of every row, lane i
+// row i's (a 16 x 4 dword transpose by two-source permutes).
+CB_VNNI inline void lanes16x16(const uint8_t* const* blk, int64_t at, __m512i v[4]) {
+  __m512i z[4];
+  for (int g = 0; g < 4; ++g) {
+    auto row = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[4 * g + r] + at)); };
+    const __m512i two = _mm512_inserti32x4(_mm512_castsi128_si512(row(0)), row(1), 1);
+    z[g] = _mm512_inserti32x4(_mm512_inserti32x4(two, row(2), 2), row(3), 3);
+  }
+  for (int d = 0; d < 4; ++d) {
+    // lane i < 8: row i's dword d in z[i / 4] (index 4 (i % 4) + d, + 16 for the second source)
+    alignas(64) int32_t idx[16];
+    for (int i = 0; i < 16; ++i) idx[i] = 16 * ((i / 4) % 2) + 4 * (i % 4) + d;
+    const __m512i ix = _mm512_load_si512(idx);
+    v[d] = _mm512_mask_blend_epi32(0xFF00, _mm512_permutex2var_epi32(z[0], ix, z[1]),
+                                   _mm512_permutex2var_epi32(z[2], ix, z[3]));
+  }
+}
+
+// 16 fp16 values (blk[i] + at) as floats, lane i row i's.
+CB_VNNI inline __m512 halves16(const uint8_t* const* blk, int64_t at) {
+  alignas(32) uint16_t h[16];
+  for (int i = 0; i < 16; ++i) std::memcpy(h + i, blk[i] + at, 2);
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
+}
+
 // Rows t0 .. t0 + rows of the part (rows <= 16; the panel's other lanes are zeros) into `panel`;
 // `tmp` holds 16 unpacked rows.
 template <int T>
@@ -91,21 +117,28 @@ CB_VNNI void build_panel(const Part& p, int64_t t0, int64_t rows, uint8_t* tmp, 
   }
 }
 
+// Block b of the panel's rows t0 .. t0 + rows: blk[i], or `zeros` (a zero block) past them.
+template <int T>
+inline void panel_blocks(const Part& p, int64_t t0, int64_t rows, int64_t b, const uint8_t* zeros,
+                         const uint8_t** blk) {
+  for (int64_t i = 0; i < PANEL; ++i)
+    blk[i] = i < rows ? p.data + (t0 + i - p.n0) * p.row_bytes + b * block_bytes(T) : zeros;
+}
+
 // Q4_K's panel straight from the file's bytes (no unpack_k): its 128 bytes of nibbles transposed as
 // 32 dwords (byte 32 j + 4 q + t holds value 64 j + 4 q + t low, 64 j + 32 + 4 q + t high), split
 // into the two groups; the scales and mins from their 12 bytes. The same panel as build_panel's.
 CB_VNNI void build_panel_q4k(const Part& p, int64_t t0, int64_t rows, uint8_t* panel) {
-  constexpr int64_t PB = panel_block<Q4_K>(), BB = block_bytes(Q4_K);
-  alignas(64) static const uint8_t zeros[BB] = {};
-  const uint8_t* row[PANEL];
-  for (int64_t i = 0; i < PANEL; ++i) row[i] = i < rows ? p.data + (t0 + i - p.n0) * p.row_bytes : nullptr;
+  constexpr int64_t PB = panel_block<Q4_K>();
+  alignas(64) static const uint8_t zeros[block_bytes(Q4_K)] = {};
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < p.nb; ++b) {
     uint8_t* pb = panel + b * PB;
+    const uint8_t* blk[PANEL];
+    panel_blocks<Q4_K>(p, t0, rows, b, zeros, blk);
     for (int h = 0; h < 2; ++h) {  // nibble bytes 64 h .. 64 h + 63: chunks j = 2 h, 2 h + 1
       __m512i v[16];
-      for (int i = 0; i < PANEL; ++i)
-        v[i] = _mm512_loadu_si512((row[i] ? row[i] + b * BB : zeros) + 16 + 64 * h);
+      for (int i = 0; i < PANEL; ++i) v[i] = _mm512_loadu_si512(blk[i] + 16 + 64 * h);
       cbserve::transpose16(v);
       for (int d = 0; d < 16; ++d) {
         const int j = 2 * h + d / 8, q = d % 8;
@@ -113,12 +146,28 @@ CB_VNNI void build_panel_q4k(const Part& p, int64_t t0, int64_t rows, uint8_t* p
         _mm512_store_si512(pb + 64 * (16 * j + 8 + q), _mm512_and_si512(_mm512_srli_epi16(v[d], 4), m4));
       }
     }
-    for (int64_t i = 0; i < PANEL; ++i) {
-      const uint8_t* blk = row[i] ? row[i] + b * BB : zeros;
-      uint8_t sc[8], mn[8];
-      scales_k4(blk + 4, sc, mn);
-      put_lane<Q4_K>(pb, i, sc, mn, fp16(blk), fp16(blk + 2));
+    // The 16 rows' d, dmin and 12 scale bytes as dwords (lane = row): scales_k4's bit moves on
+    // all rows at once (dword 1: sc0..3, 2: mn0..3, 3: the low / high nibbles of sc4..7 / mn4..7).
+    __m512i v[4];
+    lanes16x16(blk, 0, v);
+    const __m512i m63 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15), m48 = _mm512_set1_epi32(48);
+    __m512i mn[8];
+    for (int k = 0; k < 4; ++k) {
+      const __m512i sc_lo = _mm512_and_si512(_mm512_srli_epi32(v[1], 8 * k), m63);
+      const __m512i sc_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v[3], 8 * k), m15),
+                                            _mm512_and_si512(_mm512_srli_epi32(v[1], 8 * k + 2), m48));
+      mn[k] = _mm512_and_si512(_mm512_srli_epi32(v[2], 8 * k), m63);
+      mn[4 + k] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v[3], 8 * k + 4), m15),
+                                  _mm512_and_si512(_mm512_srli_epi32(v[2], 8 * k + 2), m48));
+      _mm512_store_si512(pb + PANEL_SCALES + 64 * k, sc_lo);
+      _mm512_store_si512(pb + PANEL_SCALES + 64 * (4 + k), sc_hi);
     }
+    for (int q = 0; q < 4; ++q)
+      _mm512_store_si512(pb + panel_corr<Q4_K>() + 64 * q,
+                         _mm512_or_si512(mn[2 * q], _mm512_slli_epi32(mn[2 * q + 1], 16)));
+    const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
+    _mm512_store_ps(pb + panel_dd<Q4_K>(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(v[0], lo16))));
+    _mm512_store_ps(pb + panel_dd<Q4_K>() + 64, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v[0], 16))));
   }
 }
 
@@ -126,19 +175,19 @@ CB_VNNI void build_panel_q4k(const Part& p, int64_t t0, int64_t rows, uint8_t* p
 // pairs transposed as dwords, then q6k_values' bit moves on the 16 rows at once; its 16 int8 scales
 // (and the same scales as the offset's pairs). The same panel as build_panel's.
 CB_VNNI void build_panel_q6k(const Part& p, int64_t t0, int64_t rows, uint8_t* panel) {
-  constexpr int64_t PB = panel_block<Q6_K>(), BB = block_bytes(Q6_K);
+  constexpr int64_t PB = panel_block<Q6_K>();
   alignas(64) static const uint8_t zeros[256] = {};
-  const uint8_t* row[PANEL];
-  for (int64_t i = 0; i < PANEL; ++i) row[i] = i < rows ? p.data + (t0 + i - p.n0) * p.row_bytes : nullptr;
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
   for (int64_t b = 0; b < p.nb; ++b) {
     uint8_t* pb = panel + b * PB;
+    const uint8_t* blk[PANEL];
+    panel_blocks<Q6_K>(p, t0, rows, b, zeros, blk);
     __m512i ql[32], qh[16];
     for (int h = 0; h < 2; ++h) {
-      for (int i = 0; i < PANEL; ++i) ql[16 * h + i] = _mm512_loadu_si512((row[i] ? row[i] + b * BB : zeros) + 64 * h);
+      for (int i = 0; i < PANEL; ++i) ql[16 * h + i] = _mm512_loadu_si512(blk[i] + 64 * h);
       cbserve::transpose16(ql + 16 * h);
     }
-    for (int i = 0; i < PANEL; ++i) qh[i] = _mm512_loadu_si512((row[i] ? row[i] + b * BB : zeros) + 128);
+    for (int i = 0; i < PANEL; ++i) qh[i] = _mm512_loadu_si512(blk[i] + 128);
     cbserve::transpose16(qh);
     for (int n = 0; n < 2; ++n)
       for (int d = 0; d < 8; ++d) {  // q6k_values, dword d of each 32-byte vector of half n
@@ -151,11 +200,22 @@ CB_VNNI void build_panel_q6k(const Part& p, int64_t t0, int64_t rows, uint8_t* p
                             _mm512_and_si512(_mm512_srli_epi16(hb, 2), m30))};
         for (int k = 0; k < 4; ++k) _mm512_store_si512(pb + 64 * (32 * n + 8 * k + d), u[k]);
       }
-    for (int64_t i = 0; i < PANEL; ++i) {
-      const uint8_t* blk = row[i] ? row[i] + b * BB : zeros;
-      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-      put_lane<Q6_K>(pb, i, sc, sc, fp16(blk + 208), 0.f);
+    // The 16 rows' 16 int8 scales as dwords (lane = row), sign-extended to int32 (the
+    // sub-scales) and paired as int16 (the offset's correction).
+    __m512i v[4];
+    lanes16x16(blk, 192, v);
+    __m512i sc[16];
+    for (int s = 0; s < 16; ++s) {
+      sc[s] = _mm512_srai_epi32(_mm512_slli_epi32(v[s / 4], 24 - 8 * (s % 4)), 24);
+      _mm512_store_si512(pb + PANEL_SCALES + 64 * s, sc[s]);
     }
+    const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
+    for (int q = 0; q < 8; ++q)
+      _mm512_store_si512(pb + panel_corr<Q6_K>() + 64 * q,
+                         _mm512_or_si512(_mm512_and_si512(sc[2 * q], lo16), _mm512_slli_epi32(sc[2 * q + 1], 16)));
+    _mm512_store_ps(pb + panel_dd<Q6_K>(), halves16(blk, 208));
+    _mm512_store_ps(pb + panel_dd<Q6_K>() + 64, _mm512_setzero_ps());
+
   }
 }
 
