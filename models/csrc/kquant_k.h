@@ -163,7 +163,6 @@ constexpr int64_t L1_GROUP_BYTES = 12 << 10;
 // activation sums and meets dmin; the others' offset is folded into the integer sum.
 constexpr bool has_min(int64_t t) { return t == Q2_K || !scaled16(t); }
 
-
 // EXACT arithmetic (dot_k, the VNNI rows and panels), one block: PAIRS (weight row, activation
 // row) pairs' whole-block integers, I1 in ints[pair] and I2 in ints[I2_AT + pair] (8-lane vectors
 // whose lanes sum to the integer; I2_AT = 4 up to 4 pairs, else 8), meet each pair's d, dmin and

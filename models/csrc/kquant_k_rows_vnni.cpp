@@ -90,7 +90,7 @@ CB_VNNI void dot_k4_512(const uint8_t* const* w, const Acts& a, int64_t r0, int6
         dminn[n * R + r] = dmin;
       }
     }
-    exact_block<PAIRS, true>(ints, dn, dminn, dxs, exact4, exact8);
+    exact_block<PAIRS, has_min(T)>(ints, dn, dminn, dxs, exact4, exact8);
   }
   exact_result<PAIRS>(exact4, exact8, res);
 }

@@ -215,7 +215,6 @@ CB_VNNI void build_panel_q6k(const Part& p, int64_t t0, int64_t rows, uint8_t* p
                          _mm512_or_si512(_mm512_and_si512(sc[2 * q], lo16), _mm512_slli_epi32(sc[2 * q + 1], 16)));
     _mm512_store_ps(pb + panel_dd<Q6_K>(), halves16(blk, 208));
     _mm512_store_ps(pb + panel_dd<Q6_K>() + 64, _mm512_setzero_ps());
-
   }
 }
 
