@@ -1,20 +1,23 @@
-"""The K formats' int8-activation tiles (models/csrc/kquant_k.cpp): several weight rows per kernel
-call (2 or 4, by the number of activation rows), tiles of 16 weight rows for prefill met by micro-
-tiles of 2 weight rows x 4 activation rows, the thread's range split anywhere. Row counts here are
-odd so partial weight-row groups, partial micro-tiles on both axes (M = 5, 7, 9, 33, 130 leave 1,
-3, 1, 1, 2 activation rows) and parts whose boundary falls inside a group are all met; the oracle
-is gguf's dequantize times the int8-rounded activations, and a row's bits must not depend on M,
-its place in the batch or the thread count."""
+"""The K formats' int8-activation tiles (models/csrc/kquant_k*.cpp): decode's rows take several
+weight rows per kernel call (2 or 4, by the number of activation rows); more activation rows meet
+panels of 8 weight rows (16 on AVX512-VNNI) built once per call, 4 (8) activation rows a
+micro-kernel call; the thread's range is split anywhere. Row counts here are odd so partial
+weight-row groups, partial panels and micro-kernel calls on both axes (M = 5, 7, 9, 33, 130 leave
+1, 3, 1, 1, 2 activation rows) and parts whose boundary falls inside a group are all met; the
+oracle is gguf's dequantize times the int8-rounded activations, and a row's bits must not depend
+on M, its place in the batch or the thread count."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
-from test_kquant import linear, random_rows, round_activations
+from test_kquant import SCALES, linear, random_rows, round_activations
 
 from models import kernels
-from models.quant import QTensor, pack, pack_rows
+from models.quant import GGMLTensor, QTensor, pack, pack_rows
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"
@@ -91,9 +94,9 @@ def test_the_thread_count_does_not_change_a_bit(qtype):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
-def test_long_rows_take_smaller_tiles_and_the_same_bits(qtype):
-    """K = 8192 (32 blocks): prefill's tile of unpacked rows shrinks to 6 rows to stay in L2, so 13
-    rows make two tiles and a lone row."""
+def test_long_rows_give_the_reference_and_the_same_bits(qtype):
+    """K = 8192 (32 blocks): long panels (80-92 KB a panel of 8 rows on AVX2), 13 rows make a full
+    panel and a partial one."""
     k, n = 8192, 13
     w = random_rows(qtype, n, k, seed=int(qtype) + 11)
     packed = pack_rows(w, int8=True)
@@ -102,3 +105,23 @@ def test_long_rows_take_smaller_tiles_and_the_same_bits(qtype):
     torch.testing.assert_close(alone, reference(x, w), rtol=1e-5, atol=2e-3)
     for m in (5, 9):
         assert torch.equal(linear(x[:m], packed), alone[:m]), f"M = {m} changed a row"
+
+
+@pytest.mark.parametrize("qtype", K_TYPES)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_largest_codes_against_full_scale_activations_do_not_overflow(qtype, sign):
+    """Every byte of the blocks set (each value at its format's largest code, the largest
+    sub-scales and minimums) against activations that all round to +127 or -127: the int16 sums
+    the tiles keep before a sub-scale are then at their bound, and one group too many would wrap
+    them and miss the reference by thousands. Decode's rows and prefill's tiles alike."""
+    n, k = 19, 512
+    values, size = GGML_QUANT_SIZES[qtype]
+    raw = np.full((n, k // values, size), 0xFF, dtype=np.uint8)
+    for off in SCALES[qtype]:
+        raw[..., off : off + 2] = np.array([0.01], np.float16).view(np.uint8)
+    w = GGMLTensor([(int(qtype), torch.from_numpy(raw.reshape(n, -1)))], k)
+    packed = pack_rows(w, int8=True)
+    x = torch.full((9, k), 3.0 * sign)
+    want = reference(x, w)
+    for m in (1, 4, 5, 9):
+        torch.testing.assert_close(linear(x[:m], packed), want[:m], rtol=1e-5, atol=1e-3)

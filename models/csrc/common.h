@@ -118,6 +118,26 @@ inline int32_t load_i32(const void* p) {
   return v;
 }
 
+// 8 rows of 8 dwords -> vector d holding dword d of the 8 rows.
+inline void transpose8(__m256i r[8]) {
+  __m256i t[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  __m256i u[8];
+  for (int i = 0; i < 2; ++i) {  // u[4i + j], 128-bit half c: dword 4c + j of rows 4i .. 4i + 3
+    u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+    r[4 + j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+  }
+}
+
 // 16 rows of 16 dwords -> vector d holding dword d of the 16 rows.
 CB_VNNI inline void transpose16(__m512i r[16]) {
   __m512i t[16];

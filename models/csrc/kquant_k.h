@@ -1,6 +1,7 @@
-// The K formats' (Q2_K .. Q6_K) pieces shared by the AVX2 tiles (kquant_k.cpp) and the
-// AVX512-VNNI panels (kquant_k_vnni.cpp): a row's blocks unpacked (the AVX2 prefill tile, and the
-// panels of the formats they do not build from the file's bytes) and the activation sums per 32.
+// The K formats' (Q2_K .. Q6_K) pieces shared by decode's rows (kquant_k.cpp, kquant_k_rows_vnni.cpp)
+// and the panels for many activation rows (kquant_k_panels.cpp on AVX2, kquant_k_vnni.cpp on
+// AVX512-VNNI): a row's blocks unpacked (the panels of the formats they do not build from the
+// file's bytes), the activation sums per 32, decode's exact epilogue.
 #pragma once
 
 #include "kquant.h"
@@ -43,9 +44,8 @@ inline __m256i q6k_scale_ctrl(int k) {
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
-// Prefill meets each weight row many times, so a tile of rows is first unpacked into the exact
-// vectors the file-row kernel builds in registers (the same values, so the same integer lanes),
-// scales included, so that the micro-kernel's inner loop is loads, multiplies and adds only:
+// A block unpacked into the vectors the file-row kernel builds in registers, scales included
+// (the panels transpose these for the formats they do not build from the file's bytes):
 // 8 value vectors (32 values each, vector v meets sub-block v's scale), 8 scale vectors (that
 // scale in every 16-bit lane), then Q4_K / Q5_K: the mins as 16-bit lanes, d and dmin;
 // Q6_K / Q3_K: all 16 scales as 16-bit lanes (for the offset) and d; Q2_K: its 16 minimums as
@@ -224,6 +224,8 @@ using RowsFn = void (*)(const uint8_t*, int64_t, int64_t, const uint8_t*, const 
 
 // The tile for more than MR activation rows on AVX512-VNNI CPUs (kquant_k_vnni.cpp).
 TileFn panels_k_vnni(int64_t type);
+// ... and on the others (kquant_k_panels.cpp).
+TileFn panels_k_avx2(int64_t type);
 // Decode's rows for R = 1 .. MR activation rows in 512-bit vectors on AVX512-VNNI CPUs
 // (kquant_k_rows_vnni.cpp; dot_k's EXACT results), or nullptr for a format they do not cover.
 RowsFn rows_k_vnni(int64_t type, int64_t R);
