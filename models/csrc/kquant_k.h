@@ -143,6 +143,15 @@ inline void pair_sums_all(const Acts& a, int64_t M, int16_t* pairs) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs + 8 * rb), pair_sums(a.bs16 + rb * 16));
 }
 
+// The panels (kquant_k_panels.cpp, kquant_k_vnni.cpp): block b of a panel's N rows t0 .. t0 + rows,
+// blk[i], or `zeros` (a zero block) past them.
+template <int T, int N>
+inline void panel_blocks(const Part& p, int64_t t0, int64_t rows, int64_t b, const uint8_t* zeros,
+                         const uint8_t** blk) {
+  for (int64_t i = 0; i < N; ++i)
+    blk[i] = i < rows ? p.data + (t0 + i - p.n0) * p.row_bytes + b * block_bytes(T) : zeros;
+}
+
 // Prefetch the slice of the next rows' bytes that matches block b of this group (the group's rows
 // are contiguous, so `pf` + b * step covers the next group as this one is walked).
 // `to_l2`: into L2 only, for groups too large to sit in L1 beside the group being read (1B-sized

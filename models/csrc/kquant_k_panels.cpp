@@ -89,14 +89,6 @@ void build_panel(const Part& p, int64_t t0, int64_t rows, uint8_t* tmp, uint8_t*
   }
 }
 
-// Block b of the panel's rows t0 .. t0 + rows: blk[i], or `zeros` (a zero block) past them.
-template <int T>
-inline void panel_blocks(const Part& p, int64_t t0, int64_t rows, int64_t b, const uint8_t* zeros,
-                         const uint8_t** blk) {
-  for (int64_t i = 0; i < PANEL; ++i)
-    blk[i] = i < rows ? p.data + (t0 + i - p.n0) * p.row_bytes + b * block_bytes(T) : zeros;
-}
-
 // Bytes at .. at + 15 of 8 blocks as four vectors: dword d of every row, lane i row i's.
 inline void lanes8x4(const uint8_t* const* blk, int64_t at, __m256i v[4]) {
   __m256i z[4], t[4];
@@ -137,7 +129,7 @@ void build_panel_q4k(const Part& p, int64_t t0, int64_t rows, uint8_t* panel) {
   for (int64_t b = 0; b < p.nb; ++b) {
     uint8_t* pb = panel + b * PB;
     const uint8_t* blk[PANEL];
-    panel_blocks<Q4_K>(p, t0, rows, b, zeros, blk);
+    panel_blocks<Q4_K, PANEL>(p, t0, rows, b, zeros, blk);
     for (int j = 0; j < 4; ++j) {
       __m256i v[8];
       for (int i = 0; i < PANEL; ++i) v[i] = load256(blk[i] + 16 + 32 * j);
@@ -178,7 +170,7 @@ void build_panel_q6k(const Part& p, int64_t t0, int64_t rows, uint8_t* panel) {
   for (int64_t b = 0; b < p.nb; ++b) {
     uint8_t* pb = panel + b * PB;
     const uint8_t* blk[PANEL];
-    panel_blocks<Q6_K>(p, t0, rows, b, zeros, blk);
+    panel_blocks<Q6_K, PANEL>(p, t0, rows, b, zeros, blk);
     for (int n = 0; n < 2; ++n) {
       __m256i l0[8], l1[8], hb[8];
       for (int i = 0; i < PANEL; ++i) {

@@ -117,14 +117,6 @@ CB_VNNI void build_panel(const Part& p, int64_t t0, int64_t rows, uint8_t* tmp, 
   }
 }
 
-// Block b of the panel's rows t0 .. t0 + rows: blk[i], or `zeros` (a zero block) past them.
-template <int T>
-inline void panel_blocks(const Part& p, int64_t t0, int64_t rows, int64_t b, const uint8_t* zeros,
-                         const uint8_t** blk) {
-  for (int64_t i = 0; i < PANEL; ++i)
-    blk[i] = i < rows ? p.data + (t0 + i - p.n0) * p.row_bytes + b * block_bytes(T) : zeros;
-}
-
 // Q4_K's panel straight from the file's bytes (no unpack_k): its 128 bytes of nibbles transposed as
 // 32 dwords (byte 32 j + 4 q + t holds value 64 j + 4 q + t low, 64 j + 32 + 4 q + t high), split
 // into the two groups; the scales and mins from their 12 bytes. The same panel as build_panel's.
@@ -135,7 +127,7 @@ CB_VNNI void build_panel_q4k(const Part& p, int64_t t0, int64_t rows, uint8_t* p
   for (int64_t b = 0; b < p.nb; ++b) {
     uint8_t* pb = panel + b * PB;
     const uint8_t* blk[PANEL];
-    panel_blocks<Q4_K>(p, t0, rows, b, zeros, blk);
+    panel_blocks<Q4_K, PANEL>(p, t0, rows, b, zeros, blk);
     for (int h = 0; h < 2; ++h) {  // nibble bytes 64 h .. 64 h + 63: chunks j = 2 h, 2 h + 1
       __m512i v[16];
       for (int i = 0; i < PANEL; ++i) v[i] = _mm512_loadu_si512(blk[i] + 16 + 64 * h);
@@ -181,7 +173,7 @@ CB_VNNI void build_panel_q6k(const Part& p, int64_t t0, int64_t rows, uint8_t* p
   for (int64_t b = 0; b < p.nb; ++b) {
     uint8_t* pb = panel + b * PB;
     const uint8_t* blk[PANEL];
-    panel_blocks<Q6_K>(p, t0, rows, b, zeros, blk);
+    panel_blocks<Q6_K, PANEL>(p, t0, rows, b, zeros, blk);
     __m512i ql[32], qh[16];
     for (int h = 0; h < 2; ++h) {
       for (int i = 0; i < PANEL; ++i) ql[16 * h + i] = _mm512_loadu_si512(blk[i] + 64 * h);
