@@ -40,6 +40,9 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
   __m128 exact4 = _mm_setzero_ps();
   __m256 exact8 = _mm256_setzero_ps();
   const int64_t nbx = a.K / 256;
+  // Each pair's d, dmin and activation scale, set per block (the lanes past PAIRS stay zeros: zeroed
+  // once here, not per block).
+  alignas(32) float dn[8] = {}, dminn[8] = {}, dxs[8] = {};
   for (int64_t b = 0; b < nb; ++b) {
     prefetch_slice(pf, b, NR * BB, pf_l2);
     // The activation rows' share of the block, used by every weight row.
@@ -56,7 +59,6 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
         pairs[r] = pair_sums(s16);
       }
     }
-    alignas(32) float dn[8] = {}, dminn[8] = {};  // each pair's d and dmin
 #pragma GCC unroll 1
     for (int n = 0; n < NR; ++n) {
       const uint8_t* blk = w[n] + b * BB;
@@ -125,7 +127,6 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
         dminn[n * R + r] = dmin;
       }
     }
-    alignas(32) float dxs[8] = {};
     for (int n = 0; n < NR; ++n)
       for (int r = 0; r < R; ++r) dxs[n * R + r] = a.d256[(r0 + r) * nbx + b];
     exact_block<PAIRS, has_min(T)>(ints, dn, dminn, dxs, exact4, exact8);
