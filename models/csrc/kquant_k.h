@@ -172,7 +172,7 @@ constexpr int64_t L1_GROUP_BYTES = 12 << 10;
 // activation sums and meets dmin; the others' offset is folded into the integer sum.
 constexpr bool has_min(int64_t t) { return t == Q2_K || !scaled16(t); }
 
-// EXACT arithmetic (dot_k, the VNNI rows and panels), one block: PAIRS (weight row, activation
+// The exact arithmetic (dot_k, the VNNI rows, both kinds of panels), one block: PAIRS (weight row, activation
 // row) pairs' whole-block integers, I1 in ints[pair] and I2 in ints[I2_AT + pair] (8-lane vectors
 // whose lanes sum to the integer; I2_AT = 4 up to 4 pairs, else 8), meet each pair's d, dmin and
 // activation scale: c += I1 (d dx) - I2 (dmin dx), one fp32 lane per pair (exact4 up to 4 pairs).
@@ -236,7 +236,7 @@ TileFn panels_k_vnni(int64_t type);
 // ... and on the others (kquant_k_panels.cpp).
 TileFn panels_k_avx2(int64_t type);
 // Decode's rows for R = 1 .. MR activation rows in 512-bit vectors on AVX512-VNNI CPUs
-// (kquant_k_rows_vnni.cpp; dot_k's EXACT results), or nullptr for a format they do not cover.
+// (kquant_k_rows_vnni.cpp; dot_k's exact results), or nullptr for a format they do not cover.
 RowsFn rows_k_vnni(int64_t type, int64_t R);
 
 }  // namespace cbserve_kquant

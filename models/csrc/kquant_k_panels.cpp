@@ -11,7 +11,7 @@
 // vpmaddwd applies the sub-scale. That is about one multiply per 32 products where the file-row
 // kernel (kquant_k.cpp's dot_k) spends two, and no horizontal sums: a lane is an output.
 //
-// The arithmetic is dot_k's EXACT one: per block, I1 and I2 are whole integers (the same numbers
+// The arithmetic is dot_k's exact one: per block, I1 and I2 are whole integers (the same numbers
 // in any order), then c += I1 (d dx) - I2 (dmin dx) in fp32, one lane per output, so an activation
 // row's result is the same bits here and on the file-row path of decode.
 #include "kquant_k.h"

@@ -9,7 +9,7 @@
 // vector, shared by every weight row), and each vector of values is one vpmaddubsw and one
 // vpdpwssd (sub-scales as 16-bit lanes, the multiply-add of the pairs and the running sum in one).
 //
-// The arithmetic is dot_k's EXACT one: per block and (weight row, activation row) pair the integer
+// The arithmetic is dot_k's exact one: per block and (weight row, activation row) pair the integer
 // sums I1 and I2 are whole numbers (the same in any order), then exact_block's fp32 chain, so a
 // row's result is the same bits as on the 256-bit rows and the VNNI panels of prefill.
 #include "kquant_k.h"

@@ -11,7 +11,7 @@
 // sub-scale is applied once per sub-block with one vpmulld; the minimums' term is vpdpwssd against
 // the activation sums. No horizontal sums: a lane is an output.
 //
-// The arithmetic is dot_k's EXACT one (kquant_k.cpp): per block, I1 and I2 are whole integers (the
+// The arithmetic is dot_k's exact one (kquant_k.cpp): per block, I1 and I2 are whole integers (the
 // same numbers in any order), then c += I1 (d dx) - I2 (dmin dx) in fp32, one lane per output, so
 // an activation row's result is the same bits here and on the file-row path of decode.
 #include "kquant_k.h"
