@@ -209,6 +209,14 @@ void build_panel_q6k(const Part& p, int64_t t0, int64_t rows, uint8_t* panel) {
 // The panel against activation rows r0 .. r0 + R, adding into c[r * 8 + lane] (zeroed by the
 // caller). `corr`: per (activation row, block) the sums that meet the correction pairs: Q4_K /
 // Q5_K's sums per 32 (8 int16), the others' sums per 16.
+// vpmaddwd on two registers: given the choice GCC stores the int16 sums to the stack to hand
+// vpmaddwd a memory operand, and the reload waits on the store.
+inline __m256i madd_rr(__m256i a, __m256i b) {
+  __m256i out;
+  asm("vpmaddwd %2, %1, %0" : "=x"(out) : "x"(a), "x"(b));
+  return out;
+}
+
 template <int T, int R>
 void panel_dot(const uint8_t* panel, int64_t nb, const Acts& a, const int16_t* corr, int64_t r0, float* c) {
   constexpr int64_t PB = panel_block<T>();
@@ -237,7 +245,7 @@ void panel_dot(const uint8_t* panel, int64_t nb, const Acts& a, const int16_t* c
           }
         }
         const __m256i sc = _mm256_load_si256(reinterpret_cast<const __m256i*>(pb + PANEL_SCALES + 32 * s));
-        for (int r = 0; r < R; ++r) i1[r] = _mm256_add_epi32(i1[r], _mm256_madd_epi16(p16[r], sc));
+        for (int r = 0; r < R; ++r) i1[r] = _mm256_add_epi32(i1[r], madd_rr(p16[r], sc));
       }
     }
     __m256i i2[R];
