@@ -148,9 +148,8 @@ template <int T>
 void tile_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
   if (M <= MR) {
     static const RowsFn rows[MR + 1] = {nullptr, rows_k<T, 1>, rows_k<T, 2>, rows_k<T, 3>, rows_k<T, 4>};
-    static const RowsFn wide[MR + 1] = {
-        nullptr, cbserve::cpu_has_vnni() ? rows_k_vnni(T, 1) : nullptr, cbserve::cpu_has_vnni() ? rows_k_vnni(T, 2) : nullptr,
-        cbserve::cpu_has_vnni() ? rows_k_vnni(T, 3) : nullptr, cbserve::cpu_has_vnni() ? rows_k_vnni(T, 4) : nullptr};
+    static const RowsFn wide[MR + 1] = {nullptr, rows_k_vnni(T, 1), rows_k_vnni(T, 2), rows_k_vnni(T, 3),
+                                        rows_k_vnni(T, 4)};
     const uint8_t* end = p.data + p.rows * p.row_bytes;
     return (wide[M] ? wide[M] : rows[M])(p.data + (n0 - p.n0) * p.row_bytes, p.row_bytes, n1 - n0, end, a, p.nb, 0,
                                          y + n0, ldy);

@@ -236,7 +236,8 @@ TileFn panels_k_vnni(int64_t type);
 // ... and on the others (kquant_k_panels.cpp).
 TileFn panels_k_avx2(int64_t type);
 // Decode's rows for R = 1 .. MR activation rows in 512-bit vectors on AVX512-VNNI CPUs
-// (kquant_k_rows_vnni.cpp; dot_k's exact results), or nullptr for a format they do not cover.
+// (kquant_k_rows_vnni.cpp; dot_k's exact results), or nullptr for a format they do not cover or
+// on a CPU without VNNI.
 RowsFn rows_k_vnni(int64_t type, int64_t R);
 
 }  // namespace cbserve_kquant

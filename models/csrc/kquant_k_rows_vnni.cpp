@@ -106,7 +106,7 @@ void rows_k4_512(const uint8_t* first, int64_t stride, int64_t count, const uint
 
 RowsFn rows_k_vnni(int64_t type, int64_t R) {
   RowsFn f = nullptr;
-  if (R < 1 || R > MR) return f;
+  if (R < 1 || R > MR || !cbserve::cpu_has_vnni()) return f;
   cbserve::with_value<Q4_K, Q5_K>(type, [&](auto t) {
     constexpr int T = decltype(t)::value;
     static const RowsFn by_r[MR + 1] = {nullptr, rows_k4_512<T, 1>, rows_k4_512<T, 2>, rows_k4_512<T, 3>,
