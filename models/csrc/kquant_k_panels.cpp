@@ -208,7 +208,8 @@ void build_panel_q6k(const Part& p, int64_t t0, int64_t rows, uint8_t* panel) {
 
 // The panel against activation rows r0 .. r0 + R, adding into c[r * 8 + lane] (zeroed by the
 // caller). `corr`: per (activation row, block) the sums that meet the correction pairs: Q4_K /
-// Q5_K's sums per 32 (8 int16), the others' sums per 16.
+// Q5_K's sums per 32 (8 int16), the others' sums per 16. `pf`: bytes to prefetch, 8 blocks' worth
+// a block (prefetch_slice).
 // vpmaddwd on two registers: given the choice GCC stores the int16 sums to the stack to hand
 // vpmaddwd a memory operand, and the reload waits on the store.
 inline __m256i madd_rr(__m256i a, __m256i b) {
@@ -218,12 +219,14 @@ inline __m256i madd_rr(__m256i a, __m256i b) {
 }
 
 template <int T, int R>
-void panel_dot(const uint8_t* panel, int64_t nb, const Acts& a, const int16_t* corr, int64_t r0, float* c) {
+void panel_dot(const uint8_t* panel, int64_t nb, const Acts& a, const int16_t* corr, int64_t r0, float* c,
+               const uint8_t* pf = nullptr, bool pf_l2 = false) {
   constexpr int64_t PB = panel_block<T>();
   constexpr int NS = subs<T>(), GS = 64 / NS, CH = chunk<T>(), CW = scaled16(T) ? 16 : 8;
   const int64_t nbx = a.K / 256;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* pb = panel + b * PB;
+    prefetch_slice(pf, b, PANEL * block_bytes(T), pf_l2);
     const int8_t* x[R];
     for (int r = 0; r < R; ++r) x[r] = a.q256 + ((r0 + r) * nbx + b) * 256;
     __m256i i1[R];
@@ -290,6 +293,7 @@ void panels_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, f
     corr = pairs;
   }
   alignas(32) float c[RA * PANEL];
+  const bool pf_l2 = PANEL * p.row_bytes > L1_GROUP_BYTES;
   for (int64_t t0 = n0; t0 < n1; t0 += PANEL) {
     const int64_t rows = std::min<int64_t>(PANEL, n1 - t0);
     if constexpr (T == Q4_K)
@@ -301,7 +305,11 @@ void panels_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, f
     for (int64_t m0 = 0; m0 < M; m0 += RA) {
       const int64_t mr = std::min<int64_t>(RA, M - m0);
       for (float& v : c) v = 0.f;
-      cbserve::with_count<RA>(mr, [&](auto r) { panel_dot<T, decltype(r)::value>(panel, nb, a, corr, m0, c); });
+      // The first activation rows' pass fetches the next panel's rows (contiguous in the file), a
+      // slice a block, so its build does not wait on memory (docs/benchmarks.md).
+      const uint8_t* pf = m0 == 0 && t0 + PANEL < n1 ? p.data + (t0 + PANEL - p.n0) * p.row_bytes : nullptr;
+      cbserve::with_count<RA>(
+          mr, [&](auto r) { panel_dot<T, decltype(r)::value>(panel, nb, a, corr, m0, c, pf, pf_l2); });
       for (int64_t r = 0; r < mr; ++r)
         for (int64_t i = 0; i < rows; ++i) y[(m0 + r) * ldy + t0 + i] = c[PANEL * r + i];
     }
