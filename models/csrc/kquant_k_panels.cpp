@@ -206,10 +206,6 @@ void build_panel_q6k(const Part& p, int64_t t0, int64_t rows, uint8_t* panel) {
   }
 }
 
-// The panel against activation rows r0 .. r0 + R, adding into c[r * 8 + lane] (zeroed by the
-// caller). `corr`: per (activation row, block) the sums that meet the correction pairs: Q4_K /
-// Q5_K's sums per 32 (8 int16), the others' sums per 16. `pf`: bytes to prefetch, 8 blocks' worth
-// a block (prefetch_slice).
 // vpmaddwd on two registers: given the choice GCC stores the int16 sums to the stack to hand
 // vpmaddwd a memory operand, and the reload waits on the store.
 inline __m256i madd_rr(__m256i a, __m256i b) {
@@ -218,9 +214,13 @@ inline __m256i madd_rr(__m256i a, __m256i b) {
   return out;
 }
 
+// The panel against activation rows r0 .. r0 + R, adding into c[r * 8 + lane] (zeroed by the
+// caller). `corr`: per (activation row, block) the sums that meet the correction pairs: Q4_K /
+// Q5_K's sums per 32 (8 int16), the others' sums per 16. `pf` (or null): bytes to prefetch into
+// L1 (or L2 with `pf_l2`), 8 blocks' worth a block (prefetch_slice).
 template <int T, int R>
 void panel_dot(const uint8_t* panel, int64_t nb, const Acts& a, const int16_t* corr, int64_t r0, float* c,
-               const uint8_t* pf = nullptr, bool pf_l2 = false) {
+               const uint8_t* pf, bool pf_l2) {
   constexpr int64_t PB = panel_block<T>();
   constexpr int NS = subs<T>(), GS = 64 / NS, CH = chunk<T>(), CW = scaled16(T) ? 16 : 8;
   const int64_t nbx = a.K / 256;
