@@ -46,6 +46,58 @@ SpecKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# Keywords whose value is a subschema (or, for items in older drafts, a list of them), a list of
+# subschemas, or a map of names to subschemas.
+_SUBSCHEMA = (
+    "additionalProperties", "items", "additionalItems", "unevaluatedItems", "contains",
+    "propertyNames", "not", "if", "then", "else",
+)  # fmt: skip
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# An object schema with one of these says itself what other properties may hold (or takes part in
+# an intersection that does): it is left as it is.
+_OPEN_BY_OTHER_MEANS = (
+    "additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref",
+)  # fmt: skip
+
+
+def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
+    """A copy of `schema` in which every object schema that lists its properties and says nothing
+    of others allows no others (`"additionalProperties": false`), as llama.cpp's and vLLM's
+    (xgrammar's strict mode) grammars read such a schema. JSON Schema itself would allow any
+    other property, and a small model given that room writes made-up keys, repeats them, and runs
+    out of tokens before it closes the object. A schema that wants other properties says so
+    (`"additionalProperties": true` or a schema); members of an allOf are left open (closing one
+    would forbid the properties another lists)."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        elif key == "allOf" and isinstance(value, list):
+            out[key] = [closed_objects(sub, in_all_of=True) for sub in value]
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            out[key] = [closed_objects(sub) for sub in value]
+        elif key in _SUBSCHEMA:
+            out[key] = (
+                [closed_objects(sub) for sub in value]
+                if isinstance(value, list)
+                else closed_objects(value)
+            )
+        else:
+            out[key] = value
+    props = schema.get("properties")
+    if (
+        not in_all_of
+        and isinstance(props, dict)
+        and props
+        and not any(key in schema for key in _OPEN_BY_OTHER_MEANS)
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class StructuredSpec:
     """What a request's output must match. `value`: the schema (JSON text, in the client's key
@@ -65,7 +117,7 @@ class StructuredSpec:
                 raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}", param) from e
         if not isinstance(schema, dict | bool):
             raise InvalidRequestError("a JSON schema must be an object", param)
-        return cls("json_schema", json.dumps(schema), param)
+        return cls("json_schema", json.dumps(closed_objects(schema)), param)
 
 
 class TokenConstraint(Protocol):

@@ -31,6 +31,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from engine.structured import closed_objects
 from server.errors import APIError
 
 ToolFormat = Literal["hermes", "llama3", "mistral"]
@@ -197,7 +198,7 @@ def call_schema(plan: ToolPlan, name: str) -> dict[str, Any]:
     args_key = "parameters" if plan.format == "llama3" else "arguments"
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, args_key: params},
+        "properties": {"name": {"const": name}, args_key: closed_objects(params)},
         "required": ["name", args_key],
         "additionalProperties": False,
     }

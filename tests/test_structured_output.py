@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from engine import ContinuousBatchEngine, InvalidRequestError, Request, SamplingParams
-from engine.structured import GrammarCompiler, StructuredSpec, allowed_tokens
+from engine.structured import GrammarCompiler, StructuredSpec, allowed_tokens, closed_objects
 from tests.conftest import run_server
 from tests.engine_utils import mixed_specs, serve_individually
 
@@ -193,6 +193,52 @@ def test_compiled_grammars_are_cached_and_each_constraint_has_its_own_state(comp
     mask = torch.zeros(1, (260 + 31) // 32, dtype=torch.int32)
     b.fill_bitmask(mask, 0)
     assert allowed_tokens(mask, 260)[0].nonzero().flatten().tolist() == [ord("{")]
+
+
+def test_objects_that_list_their_properties_allow_no_others_unless_they_say_so():
+    nested = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "b": {"type": "array", "items": {"type": "object", "properties": {"y": {}}}},
+            "c": {"anyOf": [{"type": "null"}, {"properties": {"z": {}}}]},
+            "open": {"type": "object", "properties": {"w": {}}, "additionalProperties": True},
+            "any": {"type": "object"},
+            "both": {"allOf": [{"properties": {"p": {}}}, {"properties": {"q": {}}}]},
+        },
+        "$defs": {"d": {"properties": {"v": {}}}},
+    }
+    before = json.dumps(nested)
+    closed = closed_objects(nested)
+    assert json.dumps(nested) == before  # the client's schema is not touched
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False
+    assert props["a"]["additionalProperties"] is False
+    assert props["b"]["items"]["additionalProperties"] is False
+    assert props["c"]["anyOf"][1]["additionalProperties"] is False
+    assert closed["$defs"]["d"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True
+    assert "additionalProperties" not in props["any"]  # no properties listed: any object
+    assert all("additionalProperties" not in m for m in props["both"]["allOf"])
+    assert list(props) == ["a", "b", "c", "open", "any", "both"]  # generated in the client's order
+
+
+def test_a_compiled_schema_ends_the_object_after_its_properties(compiler):
+    """The grammar itself (llguidance on TinyGPT's byte vocabulary): after the one listed
+    property only "}" may follow; with additionalProperties true, "," may too."""
+
+    def allowed_after(schema: dict, text: str) -> set[str]:
+        c = compiler.constraint(StructuredSpec.json_schema(schema))
+        for ch in text:
+            assert c.accept(ord(ch)), text
+        mask = torch.zeros(1, (260 + 31) // 32, dtype=torch.int32)
+        c.fill_bitmask(mask, 0)
+        ids = allowed_tokens(mask, 260)[0].nonzero().flatten().tolist()
+        return {chr(i) for i in ids if i < 256}
+
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}}
+    assert allowed_after(schema, '{"a": true') == {"}"}
+    assert "," in allowed_after({**schema, "additionalProperties": True}, '{"a": true')
 
 
 def test_the_tokenizer_trie_is_built_in_the_background_and_a_first_request_waits(
