@@ -117,7 +117,11 @@ class StructuredSpec:
                 raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}", param) from e
         if not isinstance(schema, dict | bool):
             raise InvalidRequestError("a JSON schema must be an object", param)
-        return cls("json_schema", json.dumps(closed_objects(schema)), param)
+        try:
+            text = json.dumps(closed_objects(schema))
+        except RecursionError as e:  # far deeper than a grammar compiles (llguidance stops at 128)
+            raise InvalidRequestError("the JSON schema nests too deeply", param) from e
+        return cls("json_schema", text, param)
 
 
 class TokenConstraint(Protocol):

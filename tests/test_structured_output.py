@@ -223,6 +223,14 @@ def test_objects_that_list_their_properties_allow_no_others_unless_they_say_so()
     assert list(props) == ["a", "b", "c", "open", "any", "both"]  # generated in the client's order
 
 
+def test_a_schema_nested_past_the_stack_is_a_request_error_not_a_crash():
+    schema: dict = {"type": "string"}
+    for _ in range(5000):
+        schema = {"type": "object", "properties": {"a": schema}}
+    with pytest.raises(InvalidRequestError, match="nests too deeply"):
+        StructuredSpec.json_schema(schema, "guided_json")
+
+
 def test_a_compiled_schema_ends_the_object_after_its_properties(compiler):
     """The grammar itself (llguidance on TinyGPT's byte vocabulary): after the one listed
     property only "}" may follow; with additionalProperties true, "," may too."""
