@@ -13,6 +13,7 @@ import jsonschema
 import openai
 import pytest
 
+from server.tools import ToolPlan, call_schema
 from tests.conftest import LiveServer, run_server
 
 WEATHER = {
@@ -313,3 +314,14 @@ def test_a_tool_result_turn_is_accepted_after_its_call(server):
     }
     r = _post(server, body)
     assert r.status_code == 200, r.text
+
+
+def test_a_call_s_arguments_take_only_the_properties_its_schema_lists():
+    """Parameters without additionalProperties are closed in the call grammar (as llama.cpp and
+    vLLM close them): a small model cannot pad a call with made-up arguments."""
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    plan = ToolPlan((tool,), "named", "f", False, "hermes", True, None)
+    args = call_schema(plan, "f")["properties"]["arguments"]
+    assert args["additionalProperties"] is False and "additionalProperties" not in params
+    assert args["properties"] == params["properties"] and args["required"] == ["city"]
