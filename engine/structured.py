@@ -46,13 +46,12 @@ SpecKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-# Keywords whose value is a subschema (or, for items in older drafts, a list of them), a list of
-# subschemas, or a map of names to subschemas.
+# Keywords whose value is a subschema or a list of them (items is either, by draft), or a map of
+# names to subschemas.
 _SUBSCHEMA = (
     "additionalProperties", "items", "additionalItems", "unevaluatedItems", "contains",
-    "propertyNames", "not", "if", "then", "else",
+    "propertyNames", "not", "if", "then", "else", "anyOf", "oneOf", "allOf", "prefixItems",
 )  # fmt: skip
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 # An object schema with one of these says itself what other properties may hold (or takes part in
 # an intersection that does): it is left as it is.
@@ -75,16 +74,10 @@ def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
     for key, value in schema.items():
         if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
             out[key] = {name: closed_objects(sub) for name, sub in value.items()}
-        elif key == "allOf" and isinstance(value, list):
-            out[key] = [closed_objects(sub, in_all_of=True) for sub in value]
-        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
-            out[key] = [closed_objects(sub) for sub in value]
+        elif key in _SUBSCHEMA and isinstance(value, list):
+            out[key] = [closed_objects(sub, in_all_of=key == "allOf") for sub in value]
         elif key in _SUBSCHEMA:
-            out[key] = (
-                [closed_objects(sub) for sub in value]
-                if isinstance(value, list)
-                else closed_objects(value)
-            )
+            out[key] = closed_objects(value)  # a non-schema value comes back as it is
         else:
             out[key] = value
     props = schema.get("properties")
