@@ -330,7 +330,7 @@ def _hf_name(gguf_name: str, path: Path, arch: str = "llama") -> str:
     raise ModelLoadError(f"{path.name}: tensor {gguf_name!r} has no place in a {arch} decoder")
 
 
-_PROJECTION_RE = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.weight")
+_PROJECTION_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.weight")
 _FUSED = {
     "q_proj": ("q_proj", "k_proj", "v_proj"),
     "k_proj": ("q_proj", "k_proj", "v_proj"),
@@ -338,11 +338,6 @@ _FUSED = {
     "gate_proj": ("gate_proj", "up_proj"),
     "up_proj": ("gate_proj", "up_proj"),
 }
-
-
-def _projection_name(layer: str, proj: str) -> str:
-    block = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-    return f"model.layers.{layer}.{block}.{proj}.weight"
 
 
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -432,10 +427,10 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
             m = _PROJECTION_RE.fullmatch(name)
             if m is None:
                 continue
-            layer, proj = m.group(1), m.group(2)
+            layer, block, proj = m.groups()
             members = _FUSED.get(proj, (proj,))
-            if proj == members[0]:
-                groups.append([_projection_name(layer, p) for p in members])
+            if proj == members[0]:  # (a fused group's parts are in one block)
+                groups.append([f"model.layers.{layer}.{block}.{p}.weight" for p in members])
         for group in groups:
             if all(has_blocks(n) for n in group):
                 out.update(group)

@@ -27,7 +27,7 @@ import torch
 from gguf import GGUFReader
 from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES, GGMLQuantizationType
 
-from models import AttentionMetadata, PrefillChunk, kernels, load_model
+from models import AttentionMetadata, PrefillChunk, gguf_loader, kernels, load_model
 from models.fetch import model_path
 from models.hf_tokenizer import load_gguf_tokenizer
 from tests.test_models_arch import engine_logits
@@ -90,11 +90,14 @@ def test_a_tiny_llama_synthetic_file_loads_and_generates_varied_text(tmp_path, s
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_each_architecture_multiplies_its_file_blocks_in_place(tmp_path, smol_tokenizer, arch):
+def test_each_architecture_multiplies_its_file_blocks_in_place(
+    tmp_path, smol_tokenizer, arch, monkeypatch
+):
     """With the kernels, every projection, the embedding and the head of a K-quant file of each
     architecture (Phi-3's fused qkv / gate_up, Qwen2's biases, Gemma's tied head and scaled
-    embedding) run on the file's own blocks, no float copy, and give the logits of the float
-    model dequantized from the same blocks (gguf's dequantize, pure torch)."""
+    embedding) run on the file's own blocks, no float copy (loading dequantizes none of them
+    either), and give the logits of the float model dequantized from the same blocks (gguf's
+    dequantize, pure torch)."""
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason() or "no kernels")
     layers = 6 if arch == "gemma3" else 2  # Gemma: five windowed layers and a global one
@@ -102,7 +105,19 @@ def test_each_architecture_multiplies_its_file_blocks_in_place(tmp_path, smol_to
         tmp_path / f"{arch}.gguf", PRESET[arch], "Q4_K_M", seed=4, tokenizer=smol_tokenizer,
         **dict(TINY, num_hidden_layers=layers, sliding_window=8),
     )  # fmt: skip
-    packed = load_model(str(path), activations="float32", kv_cache_dtype="float32")
+    dequantized: list[tuple[str, int]] = []
+    real_dequantize = gguf_loader._dequantize
+
+    def recording(t, dtype):
+        dequantized.append((t.name, len(t.shape)))
+        return real_dequantize(t, dtype)
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_loader, "_dequantize", recording)
+        packed = load_model(str(path), activations="float32", kv_cache_dtype="float32")
+    # only norms and biases (a Phi-3 file's fused ffn_up was dequantized whole and dropped:
+    # 0.8 s a layer at 3.8B)
+    assert dequantized and all(dims == 1 for _, dims in dequantized), dequantized
     formats = packed.model.weight_formats()
     assert formats and all(name.startswith("q") for name in formats), formats
     assert type(packed.model.embed_tokens).__name__ == "RowsEmbedding"
