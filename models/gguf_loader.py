@@ -31,11 +31,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from models.base import LoadedModel, ModelLoadError
 from models.config import ModelConfig
+from models.gguf_reader import GGUFHeaderReader
 from models.hf_loader import check_weight_names
 from models.hf_tokenizer import HFTokenizer, end_ids, end_token_ids, load_gguf_tokenizer
 from models.quant import GGML_BLOCKS, GGMLTensor, KernelOptions, gguf_rows
@@ -108,78 +109,9 @@ GGUF_ARCHITECTURES = {
 }
 
 
-class _Reader(GGUFReader):
-    """GGUFReader over a plain ndarray view of its memory map.
-
-    GGUFReader slices its `np.memmap` once per metadata string (98k of them for a 49k-token
-    vocabulary), and every memmap slice runs Python-level `__array_finalize__`: 2 s for SmolLM2's
-    header. The same bytes viewed as a plain ndarray (still memory-mapped, not copied) parse in
-    0.7 s. The reader assigns `self.data` once in `__init__`; this property converts it there.
-    """
-
-    def __init__(self, path: Path, skip_tokenizer_arrays: bool = False) -> None:
-        self.skip_tokenizer_arrays = skip_tokenizer_arrays
-        super().__init__(path)
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._array
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._array = value.view(np.ndarray) if isinstance(value, np.memmap) else value
-
-    def _build_fields(self, offs: int, count: int) -> int:
-        """GGUFReader's, except that with `skip_tokenizer_arrays` the tokenizer's arrays are only
-        counted (`array_lengths`), not parsed.
-
-        GGUFReader makes an ndarray per array item: for Gemma's 262,144 tokens, scores and types
-        that is ~1M objects, 330 MB of RSS held as long as the reader, and ~10 s. The loader's
-        tokenizer reads those arrays itself (models.spm_tokenizer, or transformers), so it skips
-        them here; every other field is parsed as GGUFReader does.
-        """
-        self.array_lengths: dict[str, int] = {}
-        if not self.skip_tokenizer_arrays or self.byte_order == "S":  # (S: byte-swapped file)
-            return super()._build_fields(offs, count)
-        for _ in range(count):
-            start = offs
-            key_len, key = self._get_str(offs)
-            offs += int(key_len.nbytes + key.nbytes)
-            kind = self._get(offs, np.uint32)
-            offs += int(kind.nbytes)
-            name = str(bytes(key), encoding="utf-8")
-            if kind[0] == GGUFValueType.ARRAY and name.startswith("tokenizer.ggml."):
-                item, n = int(self._get(offs, np.uint32)[0]), int(self._get(offs + 4, np.uint64)[0])
-                offs = _skip_array(self.data, offs + 12, item, n)
-                self.array_lengths[name] = n
-                continue
-            size, parts, idxs, types = self._get_field_parts(offs, kind[0])
-            self._push_field(
-                ReaderField(
-                    start, name, [key_len, key, kind, *parts], [i + 3 for i in idxs], types
-                ),
-                skip_sum=True,
-            )
-            offs += size
-        return offs
-
-
-def _skip_array(data: np.ndarray, offs: int, item: int, n: int) -> int:
-    """The offset just past a GGUF array of `n` items of type `item` starting at `offs`."""
-    if item == GGUFValueType.STRING:
-        buf = memoryview(data)
-        for _ in range(n):
-            offs += 8 + struct.unpack_from("<Q", buf, offs)[0]
-        return offs
-    size = GGUFReader.gguf_scalar_to_np.get(GGUFValueType(item))
-    if size is None:  # arrays of arrays: no tokenizer key has them
-        raise ValueError(f"unsupported GGUF array item type {item}")
-    return offs + n * np.dtype(size).itemsize
-
-
 def _open(path: Path) -> GGUFReader:
     try:
-        return _Reader(path, skip_tokenizer_arrays=True)
+        return GGUFHeaderReader(path, skip_tokenizer_arrays=True)
     except (ValueError, OSError, KeyError, IndexError) as e:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
 

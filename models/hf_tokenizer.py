@@ -148,7 +148,7 @@ def _gguf_cache_dir(path: Path) -> Path:
 def load_gguf_tokenizer(path: Path) -> Any:
     """The transformers tokenizer stored in a GGUF file's metadata.
 
-    Converting it takes ~4 s (transformers parses the whole GGUF header and builds the BPE); the
+    Converting it takes 3-4 s (transformers parses the whole GGUF header and builds the BPE); the
     result is saved once in the model cache and later loads read it back in ~0.2 s. If the cache
     is not writable the conversion is simply redone each time.
     """
@@ -160,8 +160,11 @@ def load_gguf_tokenizer(path: Path) -> Any:
             return auto.from_pretrained(str(cache), local_files_only=True)
         except Exception:  # a damaged cache entry: convert again below and replace it
             shutil.rmtree(cache, ignore_errors=True)
+    from models.gguf_reader import transformers_reads_fast
+
     try:
-        tok = auto.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        with transformers_reads_fast():
+            tok = auto.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as e:
         raise ModelLoadError(f"cannot read the tokenizer stored in {path}: {e}") from e
     try:

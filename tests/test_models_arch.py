@@ -374,13 +374,13 @@ def test_gemma3_gguf_as_transformers_reads_it(checkpoint, tmp_path, monkeypatch)
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from tests.test_models_real import faster_gguf_parsing
+    from models.gguf_reader import transformers_reads_fast
 
     name, _, ref = checkpoint
     if name != "gemma3":
         pytest.skip("Gemma 3 only")
     path = write_gguf_from_hf(tmp_path / "g.gguf", "gemma3", ref)
-    with faster_gguf_parsing():
+    with transformers_reads_fast():
         cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         with torch.device("meta"):
             shell = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -428,10 +428,10 @@ def gemma3_270m():
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from tests.test_models_real import faster_gguf_parsing
+    from models.gguf_reader import transformers_reads_fast
 
     path = _gemma3_270m_path()
-    with faster_gguf_parsing():
+    with transformers_reads_fast():
         cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         with torch.device("meta"):  # skip random init; every weight is assigned below
             ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -13,13 +13,11 @@ reach ~40) and their argmax agrees everywhere.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers: nothing here touches a hub
 
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +30,7 @@ from gguf.quants import quantize
 
 from engine import ContinuousBatchEngine, Request, SamplingParams
 from models import AttentionMetadata, LoadedModel, ModelLoadError, PrefillChunk, load_model
+from models.gguf_reader import transformers_reads_fast
 
 ATOL = 1e-3
 MIXED_TEXT = (
@@ -69,31 +68,12 @@ def assert_logits_match(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-@contextmanager
-def faster_gguf_parsing():
-    """Speed up transformers' GGUF reading without changing what it computes.
-
-    transformers parses a GGUF header with gguf.GGUFReader (1.5 s for SmolLM2's 49k tokens; our
-    subclass parses the same bytes as a plain array instead of a memmap, 3x faster), and while
-    mapping names it rebuilds gguf's tensor-name table once per submodule (400 times, 6 s): a
-    cache returns the same table. Names, dequantization and the Q/K un-permute stay theirs.
-    """
-    import gguf
-
-    from models.gguf_loader import _Reader
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf, "GGUFReader", _Reader)
-        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
-        yield
-
-
 def hf_from_gguf(path: Path):
     """transformers' own reading of a GGUF file: its config, dequantization and Q/K un-permute."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    with faster_gguf_parsing():
+    with transformers_reads_fast():
         cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         with torch.device("meta"):  # skip random init; every weight is assigned below
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -246,7 +226,7 @@ def test_smollm2_tokenizer_encodes_like_transformers(smol):
     from transformers import AutoTokenizer
 
     path = Path(smol.config.extra["source"])
-    with faster_gguf_parsing():  # converted afresh from the GGUF, not read from our cache
+    with transformers_reads_fast():  # converted afresh from the GGUF, not read from our cache
         ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tok = smol.tokenizer
     assert tok.encode(MIXED_TEXT) == ref.encode(MIXED_TEXT, add_special_tokens=False)

@@ -22,6 +22,7 @@ from gguf import GGUFWriter
 
 from models import IncrementalDetokenizer
 from models.gguf_loader import _Meta, _open, load_gguf_file_tokenizer
+from models.gguf_reader import GGUFHeaderReader, transformers_reads_fast
 from models.spm_tokenizer import (
     SPMTokenizer,
     load_spm_tokenizer,
@@ -178,6 +179,27 @@ def test_the_loaders_reader_counts_the_tokenizer_arrays_and_parses_the_rest(synt
         assert field.contents() == full.fields[key].contents(), key
     assert _Meta(fast, path).array_len("tokenizer.ggml.tokens") == ours.vocab_size
     assert fast.data_offset == full.data_offset
+
+
+def test_transformers_reading_with_the_fast_reader_converts_the_same_tokenizer(synthetic):
+    """The tokenizer conversion's faster header parse (`transformers_reads_fast`) reads every field
+    as gguf's own reader does and gives transformers' tokenizer, token for token; gguf is
+    itself again afterwards."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    path, _, hf = synthetic
+    fast, full = GGUFHeaderReader(path), gguf.GGUFReader(str(path))
+    assert list(fast.fields) == list(full.fields)
+    for key, field in fast.fields.items():
+        assert field.contents() == full.fields[key].contents(), key
+    with transformers_reads_fast():
+        assert gguf.GGUFReader is GGUFHeaderReader
+        converted = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert gguf.GGUFReader is not GGUFHeaderReader
+    assert converted.get_vocab() == hf.get_vocab()
+    for text in TEXTS:
+        assert converted.encode(text) == hf.encode(text), text
 
 
 def test_a_files_chat_template_gets_transformers_globals():
