@@ -112,8 +112,10 @@ GGUF_ARCHITECTURES = {
 def _open(path: Path) -> GGUFReader:
     try:
         return GGUFHeaderReader(path, skip_tokenizer_arrays=True)
-    except (ValueError, OSError, KeyError, IndexError) as e:
-        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
+    except (ValueError, OSError, KeyError, IndexError, struct.error) as e:
+        # past the magic, a parse runs out of bytes where a download or a copy was cut short
+        hint = "" if "magic" in str(e) else " (it ends early or is damaged: copy it again?)"
+        raise ModelLoadError(f"{path} is not a readable GGUF file{hint}: {e}") from e
 
 
 class _Meta:

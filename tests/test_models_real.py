@@ -572,6 +572,17 @@ def test_file_that_is_not_gguf_is_refused(model_dir):
         load_model(str(path))
 
 
+def test_a_gguf_file_cut_short_is_refused_as_such(model_dir):
+    """A download or copy cut short, in the tokenizer's arrays or in the tensors' data, is a
+    ModelLoadError saying so, not a traceback from the parser."""
+    whole = write_gguf(model_dir / "whole.gguf", [Q.Q8_0]).read_bytes()
+    for n in (2000, len(whole) - 100):  # in the token list; in the last tensor
+        path = model_dir / f"cut-{n}.gguf"
+        path.write_bytes(whole[:n])
+        with pytest.raises(ModelLoadError, match="not a readable GGUF file .it ends early"):
+            load_model(str(path))
+
+
 # -- fetching -------------------------------------------------------------------------------------
 
 
