@@ -93,6 +93,7 @@ class BatchEngine(EngineBase):
             policy=make_policy(config.scheduling),
         )
         self.runner = ModelRunner(self.model, num_blocks, config.block_size)
+        self.runner.warm_up()
         self.step_budget = None
         if config.target_step_ms is not None and not static:
             self.step_budget = StepBudget(config.target_step_ms / 1000, config.token_budget)

@@ -97,6 +97,17 @@ def test_abort_unknown_request_returns_false(model):
     assert ContinuousBatchEngine(model).abort("no-such-request") is False
 
 
+@pytest.mark.parametrize("engine_cls", ENGINES, ids=lambda c: c.name)
+def test_a_new_engine_has_warmed_the_model_up_in_the_reserved_block_only(model, engine_cls):
+    """The warm-up forward (a chunk and a decode row, before any request) writes K/V into block
+    0, which wasted rows write and no request reads, and nowhere else; every block stays free."""
+    engine = engine_cls(model, block_size=16)
+    kv = engine.runner.kv  # (layers, 2, blocks, block_size, kv_heads, head_dim)
+    assert kv[:, :, 0, :9].abs().amax(dim=(0, 1, 3, 4)).gt(0).all()  # chunk 0..7, decode row 8
+    assert not kv[:, :, 1:].any()
+    assert _all_blocks_free(engine)
+
+
 def test_finished_requests_return_every_block(model):
     engine = ContinuousBatchEngine(model)
     serve(engine, mixed_specs(12, seed=9))
