@@ -24,7 +24,7 @@ from models.quant import KernelOptions
 from models.tinygpt import build_tinygpt
 
 SUPPORTED = (
-    '"tinygpt", "smollm2-135m-instruct", "gemma-3-270m", a path to a .gguf file, or a Hugging '
+    '"tinygpt", "smollm2-135m-instruct", "gemma-3-270m", a path to a GGUF file, or a Hugging '
     "Face model directory (config.json + *.safetensors), of Llama 2/3, Mistral, Qwen2/2.5, Qwen3, "
     "Phi-3, Gemma 3 or SmolLM"
 )
@@ -155,6 +155,16 @@ def _return_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def _starts_as_gguf(path: Path) -> bool:
+    """A GGUF file named otherwise (Ollama keeps its models as blobs/sha256-<digest>, and
+    llama.cpp loads those as they are): known by GGUF's magic."""
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def _load(name_or_path: str, kernels: KernelOptions | None) -> LoadedModel:
     """The model as its checkpoint holds it; a GGUF file's loader also packs its own blocks
     for the kernels when `kernels` is given."""
@@ -172,7 +182,7 @@ def _load(name_or_path: str, kernels: KernelOptions | None) -> LoadedModel:
         path = model_path(fetchable.name, fetch=True)
         return load_gguf(path, name=fetchable.name, kernels=kernels)
     path = Path(key).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file() and (path.suffix == ".gguf" or _starts_as_gguf(path)):
         return load_gguf(path, name=path.stem, kernels=kernels)
     if path.is_dir() and (path / "config.json").is_file():
         return load_hf_directory(path)

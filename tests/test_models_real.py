@@ -572,6 +572,19 @@ def test_file_that_is_not_gguf_is_refused(model_dir):
         load_model(str(path))
 
 
+def test_a_gguf_file_is_known_by_its_contents_whatever_its_name(model_dir):
+    """Ollama keeps its models as blobs named by digest, no suffix; they load as GGUF files (as
+    llama.cpp loads them). A file of other bytes under such a name is still refused."""
+    blob = model_dir / "sha256-6a0746a1ec1a"
+    write_gguf(model_dir / "m.gguf", [Q.Q8_0]).rename(blob)
+    lm = load_model(str(blob))
+    assert lm.name == blob.name and lm.config.num_layers == 2
+    other = model_dir / "sha256-0000"
+    other.write_bytes(b"GGML" + bytes(100))
+    with pytest.raises(ModelLoadError, match="cannot load .*expected"):
+        load_model(str(other))
+
+
 def test_a_gguf_file_cut_short_is_refused_as_such(model_dir):
     """A download or copy cut short, in the tokenizer's arrays or in the tensors' data, is a
     ModelLoadError saying so, not a traceback from the parser."""
