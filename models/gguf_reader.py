@@ -1,7 +1,7 @@
 """Reading a GGUF file's header fast: `GGUFHeaderReader`, gguf's GGUFReader without its
-per-string memmap cost (and, for the loader, without parsing the tokenizer's arrays), and
+per-string memmap cost (and, for the loader, without parsing the tokenizer's arrays),
 `transformers_reads_fast()`, which has transformers' GGUF reading (the tokenizer conversion, test
-oracles) parse with it.
+oracles) parse with it, and `is_gguf_file` (a file known by its magic, whatever its name).
 """
 
 from __future__ import annotations
@@ -14,6 +14,18 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, ReaderField
+
+GGUF_MAGIC = b"GGUF"  # a GGUF file's first four bytes
+
+
+def is_gguf_file(path: Path) -> bool:
+    """Whether `path` is a file that starts as GGUF does: a GGUF named otherwise (Ollama keeps
+    its models as blobs/sha256-<digest>, and llama.cpp loads those as they are)."""
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
 
 
 class GGUFHeaderReader(GGUFReader):

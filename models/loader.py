@@ -18,6 +18,7 @@ import torch
 
 from models.base import LoadedModel, ModelLoadError
 from models.gguf_loader import load_gguf
+from models.gguf_reader import is_gguf_file
 from models.hf_loader import load_hf_directory
 from models.llama import Linear
 from models.quant import KernelOptions
@@ -155,16 +156,6 @@ def _return_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _starts_as_gguf(path: Path) -> bool:
-    """A GGUF file named otherwise (Ollama keeps its models as blobs/sha256-<digest>, and
-    llama.cpp loads those as they are): known by GGUF's magic."""
-    try:
-        with path.open("rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
-
-
 def _load(name_or_path: str, kernels: KernelOptions | None) -> LoadedModel:
     """The model as its checkpoint holds it; a GGUF file's loader also packs its own blocks
     for the kernels when `kernels` is given."""
@@ -182,7 +173,7 @@ def _load(name_or_path: str, kernels: KernelOptions | None) -> LoadedModel:
         path = model_path(fetchable.name, fetch=True)
         return load_gguf(path, name=fetchable.name, kernels=kernels)
     path = Path(key).expanduser()
-    if path.is_file() and (path.suffix == ".gguf" or _starts_as_gguf(path)):
+    if path.is_file() and (path.suffix == ".gguf" or is_gguf_file(path)):
         return load_gguf(path, name=path.stem, kernels=kernels)
     if path.is_dir() and (path / "config.json").is_file():
         return load_hf_directory(path)

@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from models.gguf_reader import GGUF_MAGIC
 from models.tokenizer import render_chat_template
 
 # GGUF metadata value types (llama.cpp's gguf.h), with struct formats for the fixed-size ones.
@@ -59,7 +60,7 @@ def read_gguf_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
     pass over the header: no per-item objects beyond the token strings themselves.
     """
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        if mm[:4] != b"GGUF":
+        if mm[:4] != GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file")
         version, _n_tensors, n_kv = struct.unpack_from("<IQQ", mm, 4)
         if version < 2:
