@@ -69,6 +69,17 @@ class ModelConfig:
     # llama.cpp's per-frequency RoPE divisors (GGUF tensor rope_freqs, how Llama 3.x GGUFs carry
     # their rope scaling): inv_freq[i] /= rope_freq_factors[i]. None = no scaling by factors.
     rope_freq_factors: tuple[float, ...] | None = None
+    # LongRoPE (Phi-3.5, Phi-3 128k, Phi-4-mini): `rope_freq_factors` holds its short factors,
+    # these the long ones, used instead when the model serves contexts longer than
+    # `rope_original_context` (its max_position_embeddings above it; llama.cpp's rule, by
+    # context size: a sequence's keys never mix the two); `rope_attention_factor` multiplies
+    # cos and sin either way (the rotated values of q and k).
+    rope_long_factors: tuple[float, ...] | None = None
+    rope_original_context: int | None = None
+    rope_attention_factor: float = 1.0
+    # Values of each q/k head RoPE rotates, the first ones (a partial rotary embedding, e.g.
+    # Phi-4-mini's 96 of 128); None: all head_dim.
+    rotary_dim: int | None = None
     # q/k rows in GGML's order (a llama-architecture GGUF's, taken as the file holds them): RoPE
     # rotates adjacent pairs (2i, 2i + 1) instead of Hugging Face's halves (i, i + head_dim/2).
     rope_interleaved: bool = False
@@ -103,8 +114,25 @@ class ModelConfig:
             raise ValueError(
                 f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers"
             )
+        rot = self.rope_dims
+        if rot % 2 or not 0 < rot <= self.head_dim:
+            raise ValueError(f"rotary_dim {rot} must be even and within head_dim {self.head_dim}")
+        if self.rope_long_factors is not None and self.rope_original_context is None:
+            raise ValueError("LongRoPE's long factors need rope_original_context")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_tanh)")
+
+    @property
+    def rope_dims(self) -> int:
+        """Values of each q/k head that RoPE rotates."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def rope_long(self) -> bool:
+        """LongRoPE's long factors apply (see `rope_long_factors`)."""
+        return self.rope_long_factors is not None and self.max_position_embeddings > (
+            self.rope_original_context or 0
+        )
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding window (0: it attends to the whole context)."""

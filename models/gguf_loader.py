@@ -183,10 +183,6 @@ def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
     a = f"{arch}."
     if (meta.get(a + "expert_count") or 0) > 0:
         raise ModelLoadError(f"{path.name}: mixture-of-experts GGUF models are not supported")
-    if any(n.startswith(("rope_factors_long", "rope_factors_short")) for n in tensors):
-        raise ModelLoadError(
-            f"{path.name}: long-context RoPE factors (Phi-3 'longrope') are not supported"
-        )
     hidden = int(meta.require(a + "embedding_length"))
     n_heads = int(meta.require(a + "attention.head_count"))
     n_kv = int(meta.get(a + "attention.head_count_kv", n_heads))
@@ -194,10 +190,13 @@ def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
     head_dim = int(meta.get(a + "attention.key_length", hidden // n_heads))
     if int(meta.get(a + "attention.value_length", head_dim)) != head_dim:
         raise ModelLoadError(f"{path.name}: different key and value head sizes are not supported")
-    rot = meta.get(a + "rope.dimension_count")
-    if rot is not None and int(rot) != head_dim:
+    rot = int(meta.get(a + "rope.dimension_count") or head_dim)
+    if rot != head_dim and (arch == "llama" or rot > head_dim or rot % 2):
+        # (llama's converter permutes whole heads for GGML's pairs, which a part of a head
+        # does not rotate as Hugging Face's halves do: no such checkpoint is known)
         raise ModelLoadError(
             f"{path.name}: partial rotary embeddings ({rot} of {head_dim} dims) are not supported"
+            + (" for the llama architecture" if arch == "llama" else "")
         )
     scaling = meta.get(a + "rope.scaling.type")
     factor = float(meta.get(a + "rope.scaling.factor", 1.0))
@@ -206,11 +205,14 @@ def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
         if not (arch == "gemma3" and scaling == "linear"):
             raise ModelLoadError(f"{path.name}: RoPE scaling {scaling!r} is not supported")
         linear_factor = factor
-    freq_factors = None
-    if "rope_freqs.weight" in tensors:
-        # Llama 3.x carries its rope scaling as per-frequency divisors (llama.cpp's freq_factors).
-        t = tensors["rope_freqs.weight"]
-        freq_factors = tuple(float(x) for x in dequantize(t.data, t.tensor_type).reshape(-1))
+    # Llama 3.x carries its rope scaling as per-frequency divisors (llama.cpp's freq_factors),
+    # LongRoPE (Phi-3.5, Phi-4-mini) two sets of them, for short and long contexts.
+    freq_factors = _factors(tensors, "rope_freqs.weight")
+    long_factors = _factors(tensors, "rope_factors_long.weight")
+    if long_factors is not None:
+        freq_factors = _factors(tensors, "rope_factors_short.weight")
+        if freq_factors is None:
+            raise ModelLoadError(f"{path.name}: rope_factors_long without rope_factors_short")
     embd = tensors.get("token_embd.weight")
     if embd is None:
         raise ModelLoadError(f"{path.name}: no token_embd.weight tensor")
@@ -243,6 +245,16 @@ def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
         max_position_embeddings=int(meta.require(a + "context_length")),
         rope_theta=float(meta.get(a + "rope.freq_base", 10000.0)),
         rope_freq_factors=freq_factors,
+        rope_long_factors=long_factors,
+        # (llama.cpp's default for a file without the key: the training context)
+        rope_original_context=int(
+            meta.get(a + "rope.scaling.original_context_length")
+            or meta.require(a + "context_length")
+        )
+        if long_factors is not None
+        else None,
+        rope_attention_factor=float(meta.get(a + "rope.scaling.attn_factor") or 1.0),
+        rotary_dim=rot if rot != head_dim else None,
         rope_linear_factor=linear_factor,
         rms_norm_eps=float(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in tensors,
@@ -250,6 +262,21 @@ def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
         dtype=torch.float32,
         **extra,
     )
+
+
+_ROPE_FACTOR_TENSORS = (
+    "rope_freqs.weight",
+    "rope_factors_long.weight",
+    "rope_factors_short.weight",
+)
+
+
+def _factors(tensors: dict[str, Any], name: str) -> tuple[float, ...] | None:
+    """A RoPE frequency-factor tensor's values, None if the file has none."""
+    t = tensors.get(name)
+    if t is None:
+        return None
+    return tuple(float(x) for x in dequantize(t.data, t.tensor_type).reshape(-1))
 
 
 def _hf_name(gguf_name: str, path: Path, arch: str = "llama") -> str:
@@ -324,8 +351,8 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         self._norm_shift = -1.0 if arch == "gemma3" else 0.0
         self._tensors: dict[str, Any] = {}
         for t in reader.tensors:
-            if t.name == "rope_freqs.weight":
-                continue  # already in config.rope_freq_factors
+            if t.name in _ROPE_FACTOR_TENSORS:
+                continue  # already in the config (rope_freq_factors, rope_long_factors)
             if t.tensor_type not in SUPPORTED_TYPES:
                 raise ModelLoadError(
                     f"{path.name}: tensor {t.name} has type {t.tensor_type.name}, which is not "

@@ -16,6 +16,7 @@ safetensors.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
@@ -58,40 +59,61 @@ def _read_json(path: Path) -> dict:
 
 
 def _rope(
-    cfg: dict, where: str, params: dict | None = None, default_theta: float = 10000.0
-) -> tuple[float, RopeScaling | None, float]:
-    """(theta, llama3 scaling, linear factor) of the config's RoPE, or of `params` (one layer
-    type's entry of a per-layer-type `rope_parameters`)."""
+    cfg: dict,
+    where: str,
+    head_dim: int,
+    params: dict | None = None,
+    default_theta: float = 10000.0,
+) -> dict[str, Any]:
+    """The `ModelConfig` RoPE fields of the config, or of `params` (one layer type's entry of a
+    per-layer-type `rope_parameters`): base, Llama 3 / linear / LongRoPE scaling, rotated dims."""
     # transformers 5 writes rope_parameters {rope_theta, rope_type, ...}; 4.x rope_theta + rope_scaling.
     if params is None:
         params = cfg.get("rope_parameters") or {}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
-    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise ModelLoadError(f"{where}: partial rotary embeddings are not supported")
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    rot = int(head_dim * partial)  # as transformers rounds it
+    fields: dict[str, Any] = dict(rope_theta=theta, rotary_dim=rot if rot != head_dim else None)
     scaling = cfg.get("rope_scaling") or params
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
-        return theta, None, 1.0
+        return fields
     if kind == "linear" and cfg.get("model_type") == "gemma3_text":
-        return theta, None, float(scaling["factor"])
-    if kind == "llama3":
-        try:
-            return (
-                theta,
-                RopeScaling(
-                    factor=float(scaling["factor"]),
-                    low_freq_factor=float(scaling["low_freq_factor"]),
-                    high_freq_factor=float(scaling["high_freq_factor"]),
-                    original_max_position_embeddings=int(
-                        scaling["original_max_position_embeddings"]
-                    ),
-                ),
-                1.0,
+        return {**fields, "rope_linear_factor": float(scaling["factor"])}
+    try:
+        if kind == "llama3":
+            scaling = RopeScaling(
+                factor=float(scaling["factor"]),
+                low_freq_factor=float(scaling["low_freq_factor"]),
+                high_freq_factor=float(scaling["high_freq_factor"]),
+                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
             )
-        except KeyError as e:
-            raise ModelLoadError(f"{where}: llama3 rope scaling lacks {e}") from e
+            return {**fields, "rope_scaling": scaling}
+        if kind in ("longrope", "su"):  # ("su": its name in Phi-3's first configs)
+            return {**fields, **_longrope(cfg, scaling)}
+    except KeyError as e:
+        raise ModelLoadError(f"{where}: {kind} rope scaling lacks {e}") from e
     raise ModelLoadError(
-        f"{where}: RoPE scaling {kind!r} is not supported (only 'llama3', and 'linear' for Gemma 3)"
+        f"{where}: RoPE scaling {kind!r} is not supported (only 'llama3', 'longrope', and "
+        "'linear' for Gemma 3)"
+    )
+
+
+def _longrope(cfg: dict, scaling: dict) -> dict[str, Any]:
+    """LongRoPE's fields (Phi-3.5, Phi-3 128k, Phi-4-mini), as transformers computes them: the
+    attention factor from max / original context unless the config gives it."""
+    original = int(
+        scaling.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+    )
+    factor = float(scaling.get("factor") or int(cfg["max_position_embeddings"]) / original)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return dict(
+        rope_freq_factors=tuple(float(x) for x in scaling["short_factor"]),
+        rope_long_factors=tuple(float(x) for x in scaling["long_factor"]),
+        rope_original_context=original,
+        rope_attention_factor=float(attention),
     )
 
 
@@ -117,18 +139,17 @@ def _gemma3_fields(cfg: dict, where: str, n_layers: int, head_dim: int) -> dict:
         ]
     params = cfg.get("rope_parameters") or {}
     if "full_attention" in params:  # transformers 5: RoPE per layer type
-        theta, scaling, factor = _rope(cfg, where, params["full_attention"], 1_000_000.0)
-        local_theta, _, local_factor = _rope(cfg, where, params["sliding_attention"])
-        if local_factor != 1.0:
+        rope = _rope(cfg, where, head_dim, params["full_attention"], 1_000_000.0)
+        local = _rope(cfg, where, head_dim, params["sliding_attention"])
+        if set(local) != {"rope_theta", "rotary_dim"}:
             raise ModelLoadError(f"{where}: RoPE scaling of sliding layers is not supported")
+        local_theta = local["rope_theta"]
     else:
-        theta, scaling, factor = _rope(cfg, where, None, 1_000_000.0)
+        rope = _rope(cfg, where, head_dim, None, 1_000_000.0)
         local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
     return dict(
         layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        rope_linear_factor=factor,
+        **rope,
         rope_local_theta=local_theta,
         qk_norm=True,
         attention_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
@@ -188,11 +209,8 @@ def config_from_hf(cfg: dict, name: str, where: str) -> ModelConfig:
         if gemma:
             extra = _gemma3_fields(cfg, where, n_layers, head_dim)
         else:
-            theta, scaling, factor = _rope(cfg, where)
             extra = dict(
-                rope_theta=theta,
-                rope_scaling=scaling,
-                rope_linear_factor=factor,
+                **_rope(cfg, where, head_dim),
                 qk_norm=model_type == "qwen3",
                 layer_windows=_windows(cfg, model_type, n_layers),
             )

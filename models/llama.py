@@ -41,7 +41,7 @@ from models.quant import (
 
 def _inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     """RoPE frequencies; `local`: of sliding-window layers (Gemma 3: their own base, unscaled)."""
-    hd = config.head_dim
+    hd = config.rope_dims
     theta = config.rope_local_theta if local else config.rope_theta
     inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
     if local:
@@ -61,12 +61,11 @@ def _inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         scaled = torch.where(mid, (1 - smooth) * inv / rs.factor + smooth * inv, scaled)
         inv = scaled
-    if config.rope_freq_factors is not None:
-        if len(config.rope_freq_factors) != hd // 2:
-            raise ValueError(
-                f"rope_freq_factors has {len(config.rope_freq_factors)} entries, not {hd // 2}"
-            )
-        inv = inv / torch.tensor(config.rope_freq_factors, dtype=torch.float64)
+    factors = config.rope_long_factors if config.rope_long else config.rope_freq_factors
+    if factors is not None:
+        if len(factors) != hd // 2:
+            raise ValueError(f"RoPE frequency factors: {len(factors)} entries, not {hd // 2}")
+        inv = inv / torch.tensor(factors, dtype=torch.float64)
     return inv
 
 
@@ -100,21 +99,30 @@ class Rotary(nn.Module):
         super().__init__()
         self.dtype = config.dtype
         self.register_buffer("inv_freq", _inv_freq(config, local), persistent=False)  # float64
+        # LongRoPE's attention factor multiplies cos and sin: the rotated values of q and k, not
+        # the ones a partial rotary embedding passes through (so not the softmax scale).
+        self.mscale = 1.0 if local else config.rope_attention_factor
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, R/2) float64 cos and sin, R the rotated values of a head."""
+        freqs = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
+        if self.mscale == 1.0:
+            return freqs.cos(), freqs.sin()
+        return freqs.cos() * self.mscale, freqs.sin() * self.mscale
 
     def halves(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Only the (T, hd/2) float32 cos and sin the fused attention kernel takes (what
+        """Only the (T, R/2) float32 cos and sin the fused attention kernel takes (what
         `forward(..., halves=True)` adds), for the planned layer loop, which needs no others."""
-        freqs = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # (T, hd/2)
-        return freqs.cos().to(self.dtype).float(), freqs.sin().to(self.dtype).float()
+        cos_h, sin_h = self._cos_sin(positions)
+        return cos_h.to(self.dtype).float(), sin_h.to(self.dtype).float()
 
     def forward(self, positions: torch.Tensor, halves: bool = False) -> RopeTables:
-        """cos and signed sin for these positions, (T, 1, hd) each: computed once per step and
-        shared by every layer; with `halves`, also the plain (T, hd/2) tables the fused
+        """cos and signed sin for these positions, (T, 1, R) each: computed once per step and
+        shared by every layer; with `halves`, also the plain (T, R/2) tables the fused
         attention kernel takes."""
-        freqs = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # (T, hd/2)
-        cos_h, sin_h = freqs.cos(), freqs.sin()
+        cos_h, sin_h = self._cos_sin(positions)
         # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: fold the sign in here.
-        cos = torch.cat([cos_h, cos_h], dim=-1).to(self.dtype).unsqueeze(1)  # (T, 1, hd)
+        cos = torch.cat([cos_h, cos_h], dim=-1).to(self.dtype).unsqueeze(1)  # (T, 1, R)
         signed = torch.cat([-sin_h, sin_h], dim=-1).to(self.dtype).unsqueeze(1)
         if not halves:
             return RopeTables(cos, signed)
@@ -127,9 +135,9 @@ class Rotary(nn.Module):
 
 
 class RopeTables(NamedTuple):
-    cos: torch.Tensor  # (T, 1, hd)
-    sin: torch.Tensor  # (T, 1, hd), sign of rotate_half folded in
-    cos_half: torch.Tensor | None = None  # (T, hd/2) float32, for the fused kernel
+    cos: torch.Tensor  # (T, 1, R): R the rotated values of a head (`ModelConfig.rope_dims`)
+    sin: torch.Tensor  # (T, 1, R), sign of rotate_half folded in
+    cos_half: torch.Tensor | None = None  # (T, R/2) float32, for the fused kernel
     sin_half: torch.Tensor | None = None
 
 
@@ -137,7 +145,12 @@ def apply_rotary(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
 ) -> torch.Tensor:
     """x: (T, heads, hd) with cos/sin from `Rotary.forward`. `interleaved`: x's head values in
-    GGML's order, pair i being (2i, 2i + 1) rather than (i, i + hd/2)."""
+    GGML's order, pair i being (2i, 2i + 1) rather than (i, i + hd/2). Tables narrower than hd
+    (a partial rotary embedding) rotate the first values only; the rest pass through."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        rotated = apply_rotary(x[..., :rot], cos, sin, interleaved)
+        return torch.cat([rotated, x[..., rot:]], dim=-1)
     if interleaved:
         half = x.shape[-1] // 2
         c, s = cos[..., :half], sin[..., half:]  # (T, 1, hd/2): the tables' halves

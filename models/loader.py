@@ -20,7 +20,7 @@ from models.base import LoadedModel, ModelLoadError
 from models.gguf_loader import load_gguf
 from models.gguf_reader import is_gguf_file
 from models.hf_loader import load_hf_directory
-from models.llama import Linear
+from models.llama import Linear, Rotary
 from models.quant import KernelOptions
 from models.tinygpt import build_tinygpt
 
@@ -42,6 +42,7 @@ def load_model(
     kv_cache_dtype: str = "auto",
     use_kernels: bool = True,
     activations: str = "auto",
+    max_model_len: int | None = None,
 ) -> LoadedModel:
     """Load a model, ready to serve.
 
@@ -64,6 +65,10 @@ def load_model(
     for float weights; "float16" and "int8" (per 32 values
     an int8 and a float32 scale: 0.56 of float16's bytes at head_dim 64, so long-context decode
     reads about half as much) need the kernels.
+
+    `max_model_len`: the context the model will serve (None: its own). A LongRoPE model (Phi-3.5,
+    Phi-4-mini) serving no more than its original context takes the short factors and is
+    limited to that context, as llama.cpp chooses by its context size; else the long ones.
 
     `dtype="bfloat16"` is the pure-torch bfloat16-matmul mode: projection weights and the head in
     bfloat16 (the residual stream, norms, attention, KV cache and logits stay float32). It pays
@@ -104,6 +109,9 @@ def load_model(
         model.enable_kernels(quantization, activations=activations)
     if wants_bf16:
         lm = _to_bfloat16(lm, dtype)  # type: ignore[arg-type]
+    original = lm.config.rope_original_context
+    if lm.config.rope_long and max_model_len is not None and max_model_len <= (original or 0):
+        lm = _short_rope(lm)
     layouts = model.packed_kinds() if use_kernels else set()
     quantized = bool(layouts - {F32})
     if kv_cache_dtype == "auto":
@@ -146,6 +154,15 @@ def _to_bfloat16(lm: LoadedModel, dtype: torch.dtype) -> LoadedModel:
     head.weight = torch.nn.Parameter(head.weight.detach().to(dtype), requires_grad=False)
     config = dataclasses.replace(lm.config, matmul_dtype=dtype)
     model.config = config
+    return LoadedModel(lm.name, lm.model, lm.tokenizer, config)
+
+
+def _short_rope(lm: LoadedModel) -> LoadedModel:
+    """The LongRoPE model with its short factors, its context its original one."""
+    config = dataclasses.replace(lm.config, max_position_embeddings=lm.config.rope_original_context)
+    model: Any = lm.model  # the Llama family's: its RoPE tables come from `rotary`
+    model.config = config
+    model.rotary = Rotary(config)
     return LoadedModel(lm.name, lm.model, lm.tokenizer, config)
 
 

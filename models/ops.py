@@ -198,8 +198,10 @@ def attention(
     """RoPE, the K/V write and paged attention of one step's flat batch, in one op.
 
     qkv (T, (H + 2 KVH) * D) float32, contiguous: q and k heads are roped IN PLACE by cos/sin
-    (T, D/2), pair i being (i, i + D/2) (Hugging Face's rotate_half) or, `interleaved`,
-    (2i, 2i + 1) (GGML's order, a llama-architecture GGUF's q/k rows as stored); this step's k and v are written into k_cache / v_cache (IN
+    (T, R/2), pair i being (i, i + R/2) (Hugging Face's rotate_half) or, `interleaved`,
+    (2i, 2i + 1) (GGML's order, a llama-architecture GGUF's q/k rows as stored), where R is
+    the rotated values of a head: D, or fewer for a partial rotary embedding (the rest pass
+    through); this step's k and v are written into k_cache / v_cache (IN
     PLACE) at `slots` (T,); then the first `num_decode` tokens attend as decode rows over
     `decode_tables` (B, max_blocks) up to `decode_lens` (B,) keys, and each prefill chunk
     (`chunk_meta` rows [token_start, num_tokens, context_len], `chunk_tables` (C, max_blocks))

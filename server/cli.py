@@ -130,7 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--block-size", type=int, default=None, help="tokens per KV block (engine default 16)"
     )
-    m.add_argument("--max-model-len", type=int, default=None, help="cap the context length")
+    m.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="cap the context length (a LongRoPE model within its original context takes its "
+        "short factors)",
+    )
     m.add_argument(
         "--prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -364,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
             activations=args.activation_dtype,
+            max_model_len=args.max_model_len,
         )
     except ModelLoadError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -360,6 +360,49 @@ def test_interleaved_rope_on_ggml_ordered_heads_is_the_halves_rope(pool_dtype):
     torch.testing.assert_close(pairs, _ggml_order(halves), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "pairs"])
+def test_partial_rotary_rotates_the_first_values_of_each_head_only(interleaved):
+    """A partial rotary embedding (Phi-4-mini: 96 of 128): tables for R < D values rotate the
+    first R of each q/k head, pairs (i, i + R/2) or, interleaved, (2i, 2i + 1), and pass the
+    rest through; in the op (its attention and the keys it writes) and in the torch path."""
+    torch.manual_seed(4)
+    h, kvh, d, r, t, bs = 4, 2, 64, 48, 7, 16
+    qkv = torch.randn(t, (h + 2 * kvh) * d)
+    cos, sin = _rope_tables(torch.arange(t), r)  # (T, R/2)
+    qk = qkv[:, : (h + kvh) * d].view(t, h + kvh, d)
+    head, rest = qk[..., :r], qk[..., r:]
+    if interleaved:
+        a, b, c, s = head[..., 0::2], head[..., 1::2], cos[:, None], sin[:, None]
+        head = torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
+    else:
+        head = _rotate(head, cos, sin)
+    roped = torch.cat([head, rest], dim=-1)
+    q, k = roped.split([h, kvh], dim=1)
+    v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(bs, bs + t),
+        num_decode_tokens=0,
+        decode_block_tables=None,
+        decode_context_lens=None,
+        prefills=[PrefillChunk(0, t, t, torch.tensor([1]))],
+    )
+    pool = [torch.zeros(3, bs, kvh, d) for _ in range(2)]
+    got = ops.attention(
+        qkv.clone(), cos, sin, *pool, meta.slot_mapping, 0, torch.empty(0, 1, dtype=torch.int64),
+        torch.empty(0, dtype=torch.int64), meta.chunk_meta(), meta.chunk_tables(), h, kvh, d,
+        d**-0.5, interleaved=interleaved,
+    )  # fmt: skip
+    ref_pool = tuple(torch.zeros(3, bs, kvh, d) for _ in range(2))
+    want = paged_attention(q, k, v, ref_pool, meta, d**-0.5).reshape(t, h * d)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[0][1, :t], k, rtol=1e-6, atol=1e-6)
+    full_cos = torch.cat([cos, cos], -1)[:, None]
+    full_sin = torch.cat([-sin, sin], -1)[:, None]
+    torch.testing.assert_close(
+        apply_rotary(qk, full_cos, full_sin, interleaved), roped, rtol=1e-6, atol=1e-6
+    )
+
+
 # (query heads, kv heads, head_dim): every group size 1..8 and the new families' head sizes --
 # Phi-3's 96, Qwen3's and Llama 3 8B's 128, Gemma 3's 256 (270M: 4 query heads on 1 kv head).
 SHAPES = [

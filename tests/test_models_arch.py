@@ -10,6 +10,7 @@ Tolerance as tests/test_models_real.py: 1e-3 absolute on fp32 logits, argmax equ
 
 from __future__ import annotations
 
+import math
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers: nothing here touches a hub
@@ -22,7 +23,7 @@ import torch
 from gguf import GGUFWriter
 
 from engine import ContinuousBatchEngine, Request, SamplingParams
-from models import AttentionMetadata, ModelLoadError, PrefillChunk, kernels, load_model, ops
+from models import AttentionMetadata, PrefillChunk, kernels, load_model, ops
 from tests.test_models_real import (
     ATOL,
     assert_logits_match,
@@ -88,6 +89,42 @@ def phi3_config():
     )
 
 
+# LongRoPE with an original context of 16 tokens: a sequence longer than that runs transformers
+# on the long factors, one within it on the short ones. Unlike factors, so each is checked.
+ORIGINAL = 16
+
+
+def _longrope(n: int) -> dict:
+    return {
+        "rope_type": "longrope",
+        "rope_theta": 10_000.0,
+        "short_factor": [1.0 + 0.25 * i for i in range(n)],
+        "long_factor": [1.0 + 3.0 * i for i in range(n)],
+        "original_max_position_embeddings": ORIGINAL,
+    }
+
+
+# (Phi3Config's own field, which it copies over the rope parameters' one)
+_ORIGINAL = {"original_max_position_embeddings": ORIGINAL}
+
+
+def phi3_longrope_config():
+    """Phi-3.5-mini's (and Phi-3's 128k) form: LongRoPE over the whole head."""
+    from transformers import Phi3Config
+
+    return Phi3Config(**_base(pad_token_id=0, rope_parameters=_longrope(8), **_ORIGINAL))
+
+
+def phi4_mini_config():
+    """Phi-4-mini's form: LongRoPE over the first 3/4 of each head, tied embeddings."""
+    from transformers import Phi3Config
+
+    rope = {**_longrope(6), "partial_rotary_factor": 0.75}
+    return Phi3Config(
+        **_base(pad_token_id=0, rope_parameters=rope, tie_word_embeddings=True, **_ORIGINAL)
+    )
+
+
 def llama3_config():
     from transformers import LlamaConfig
 
@@ -108,7 +145,10 @@ CONFIGS = {
     "qwen2": qwen2_config,
     "phi3": phi3_config,
     "llama3": llama3_config,
+    "phi3_longrope": phi3_longrope_config,
+    "phi4_mini": phi4_mini_config,
 }
+LONGROPE = ("phi3_longrope", "phi4_mini")
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -147,7 +187,9 @@ def engine_logits(lm, prompt: list[int], n: int) -> tuple[list[int], list[torch.
     return out, rows
 
 
-def check_against(lm, ref, seed: int) -> None:
+def check_against(lm, ref, seed: int, short_lm=None) -> None:
+    """Full forward and engine against transformers; `short_lm`: the model loaded for contexts
+    within LongRoPE's original one, for the sequences within it (transformers' short factors)."""
     ids = random_ids(40, VOCAB, seed=seed)  # 40 > WINDOW
     assert_logits_match(our_logits(lm, ids), hf_logits(ref, ids))
     # the engine: the same tokens as transformers' greedy continuation, and its logits at each
@@ -159,7 +201,7 @@ def check_against(lm, ref, seed: int) -> None:
     assert (torch.stack(rows) - expected).abs().max().item() <= ATOL
     # a prompt shorter than the window whose decode grows past it (K/V written while the
     # window masks nothing are read once it does)
-    got, rows = engine_logits(lm, ids[:5], 8)
+    got, rows = engine_logits(short_lm or lm, ids[:5], 8)
     expected = hf_logits(ref, ids[:5] + got)[4:-1]
     assert torch.equal(torch.stack(rows).argmax(-1), expected.argmax(-1))
     assert (torch.stack(rows) - expected).abs().max().item() <= ATOL
@@ -172,7 +214,16 @@ def test_hf_directory_matches_transformers(checkpoint, use_kernels):
         pytest.skip(kernels.unavailable_reason() or "no kernels")
     lm = load_model(str(path), use_kernels=use_kernels)
     assert getattr(lm.model, "kernels", False) == use_kernels
-    check_against(lm, ref, seed=len(name))
+    check_against(lm, ref, seed=len(name), short_lm=_short(name, path, use_kernels))
+
+
+def _short(name: str, path: Path, use_kernels: bool):
+    """A LongRoPE checkpoint loaded to serve its original context (short factors), else None."""
+    if name not in LONGROPE:
+        return None
+    lm = load_model(str(path), use_kernels=use_kernels, max_model_len=ORIGINAL)
+    assert not lm.config.rope_long and lm.config.max_position_embeddings == ORIGINAL
+    return lm
 
 
 def _layers_op_by_op(model, x, positions, pools, meta) -> torch.Tensor:
@@ -257,7 +308,14 @@ def test_gemma3_config_reads_windows_scales_and_rope_bases(checkpoint):
 
 # -- GGUF files, written as llama.cpp's converter writes them ------------------------------------
 
-_GGUF_ARCH = {"gemma3": "gemma3", "qwen3": "qwen3", "qwen2": "qwen2", "phi3": "phi3"}
+_GGUF_ARCH = {
+    "gemma3": "gemma3",
+    "qwen3": "qwen3",
+    "qwen2": "qwen2",
+    "phi3": "phi3",
+    "phi3_longrope": "phi3",
+    "phi4_mini": "phi3",
+}
 _GGUF_NAMES = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -324,6 +382,16 @@ def write_gguf_from_hf(path: Path, arch: str, ref) -> Path:
         w.add_rope_freq_base(rope["rope_theta"])
     if arch == "phi3" and cfg.sliding_window:
         w.add_sliding_window(cfg.sliding_window)
+    if arch == "phi3":  # as llama.cpp's Phi-3 converter: rotated dims, LongRoPE's factors
+        w.add_rope_dimension_count(int(hd * rope.get("partial_rotary_factor", 1.0)))
+    if rope.get("rope_type") == "longrope":
+        original = rope["original_max_position_embeddings"]
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        for kind in ("long", "short"):
+            values = np.array(rope[f"{kind}_factor"], dtype=np.float32)
+            w.add_tensor(f"rope_factors_{kind}.weight", values)
     for name, t in ref.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -357,6 +425,7 @@ def test_gguf_file_matches_transformers(checkpoint, use_kernels, tmp_path, monke
     monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))
     path = write_gguf_from_hf(tmp_path / f"{name}.gguf", _GGUF_ARCH[name], ref)
     lm = load_model(str(path), use_kernels=use_kernels)
+    short = _short(name, path, use_kernels)
     if name == "gemma3":
         # A GGUF carries no query_pre_attn_scalar: llama.cpp (and so the loader) scale by
         # head_dim ** -0.5, so the reference runs with that scale here.
@@ -364,7 +433,7 @@ def test_gguf_file_matches_transformers(checkpoint, use_kernels, tmp_path, monke
         monkeypatch.setattr(attns[0], "scaling", attns[0].scaling)  # restored after the test
         for a in attns:
             monkeypatch.setattr(a, "scaling", a.head_dim**-0.5)
-    check_against(lm, ref, seed=len(name) + 1)
+    check_against(lm, ref, seed=len(name) + 1, short_lm=short)
 
 
 def test_gemma3_gguf_as_transformers_reads_it(checkpoint, tmp_path, monkeypatch):
@@ -393,19 +462,21 @@ def test_gemma3_gguf_as_transformers_reads_it(checkpoint, tmp_path, monkeypatch)
             assert torch.allclose(value, expected[key], atol=1e-6), key
 
 
-def test_phi3_longrope_is_refused(tmp_path):
-    from transformers import Phi3Config
-
-    scaling = {
-        "rope_type": "longrope",
-        "short_factor": [1.0] * 8,
-        "long_factor": [2.0] * 8,
-        "original_max_position_embeddings": 64,
-    }
-    cfg = Phi3Config(**_base(rope_parameters=scaling))
-    cfg.save_pretrained(tmp_path)
-    with pytest.raises(ModelLoadError, match="longrope"):
-        load_model(str(tmp_path))
+def test_longrope_factors_depend_on_the_context_served(checkpoint, tmp_path):
+    """Loaded for its full context a LongRoPE model runs the long factors on every sequence (as
+    llama.cpp with a context beyond the original), so on a short one it is not transformers'
+    (short factors): the two sets differ enough for the tests above to tell them apart."""
+    name, path, ref = checkpoint
+    if name not in LONGROPE:
+        pytest.skip("LongRoPE only")
+    lm = load_model(str(path), use_kernels=False)
+    assert lm.config.rope_long and lm.config.rope_attention_factor > 1
+    ids = random_ids(12, VOCAB, seed=5)
+    assert (our_logits(lm, ids) - hf_logits(ref, ids)).abs().max().item() > 20 * ATOL
+    short = _short(name, path, False)
+    assert_logits_match(our_logits(short, ids), hf_logits(ref, ids))
+    # a context above the original keeps the long factors
+    assert load_model(str(path), use_kernels=False, max_model_len=ORIGINAL + 1).config.rope_long
 
 
 # -- the real Gemma 3 270M file ------------------------------------------------------------------

@@ -113,6 +113,28 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             sliding_window=2047,
         ),
     ),
+    # LongRoPE (128k context): the factors are made to fit the rotated dims (`_longrope_factors`)
+    "phi-3.5-mini": (
+        "phi3",
+        dict(
+            hidden_size=3072, num_hidden_layers=32, num_attention_heads=32,
+            num_key_value_heads=32, intermediate_size=8192, vocab_size=32064,
+            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            max_position_embeddings=131072, original_max_position_embeddings=4096,
+            sliding_window=262144, rope_scaling=dict(rope_type="longrope"),
+        ),
+    ),
+    "phi-4-mini": (
+        "phi3",
+        dict(
+            hidden_size=3072, num_hidden_layers=32, num_attention_heads=24,
+            num_key_value_heads=8, intermediate_size=8192, vocab_size=200064,
+            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+            max_position_embeddings=131072, original_max_position_embeddings=4096,
+            sliding_window=262144,
+            rope_scaling=dict(rope_type="longrope", partial_rotary_factor=0.75),
+        ),
+    ),
     "gemma-3-1b": (
         "gemma3",
         dict(
@@ -238,7 +260,28 @@ def make_config(preset: str, **overrides: Any) -> tuple[str, dict[str, Any]]:
     arch, config = PRESETS[preset]
     config = dict(config)
     config.update({k: v for k, v in overrides.items() if v is not None})
+    rope = _rope(config)
+    if rope.get("rope_type") == "longrope" and "long_factor" not in rope:
+        config["rope_scaling"] = {**config["rope_scaling"], **_longrope_factors(config)}
     return arch, config
+
+
+def _longrope_factors(config: Mapping[str, Any]) -> dict[str, list[float]]:
+    """LongRoPE factors for the rotated dims of `config`'s heads, shaped like Phi-3.5's (the
+    published ones are not shipped here): short ones rising from 1 to 2.5, long ones from
+    1.08 to about 50, both toward the low frequencies."""
+    n = _rotary_dims(config) // 2
+    ramp = [i / max(n - 1, 1) for i in range(n)]
+    return {
+        "short_factor": [round(1 + 1.5 * r**3, 4) for r in ramp],
+        "long_factor": [round(1.08 * 47**r, 4) for r in ramp],
+    }
+
+
+def _rotary_dims(config: Mapping[str, Any]) -> int:
+    """Rotated dims of a head, as llama.cpp's Phi-3 converter computes them."""
+    partial = float(_rope(config).get("partial_rotary_factor", 1.0))
+    return int(partial * int(config["hidden_size"])) // int(config["num_attention_heads"])
 
 
 def _head_dim(config: Mapping[str, Any]) -> int:
@@ -376,13 +419,15 @@ def _metadata(arch: str, config: Mapping[str, Any], vocab: int) -> list[tuple[st
         orig = int(
             config.get("original_max_position_embeddings", config["max_position_embeddings"])
         )
-        rot = float(_rope(config).get("partial_rotary_factor", 1.0))
-        rope_dims = int(rot * int(config["hidden_size"])) // int(config["num_attention_heads"])
         keys += [
             ("rope.scaling.original_context_length", orig),
-            ("rope.dimension_count", rope_dims),
+            ("rope.dimension_count", _rotary_dims(config)),
             ("attention.sliding_window", int(config.get("sliding_window") or 0)),
         ]
+        scale = int(config["max_position_embeddings"]) / orig
+        if _rope(config).get("rope_type") == "longrope":
+            factor = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
+            keys.append(("rope.scaling.attn_factor", factor))
     if arch == "gemma3":
         keys += [
             ("attention.sliding_window", int(config["sliding_window"])),
@@ -454,6 +499,11 @@ def _gguf_tensors(
         out[gguf_name] = (tuple(int(s) for s in shape), values)
     if arch == "llama" and (freqs := _rope_freqs(config)) is not None:
         out["rope_freqs.weight"] = (freqs.shape, lambda: freqs)
+    rope = _rope(config)
+    if arch == "phi3" and rope.get("rope_type") == "longrope":
+        for kind in ("long", "short"):
+            factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
+            out[f"rope_factors_{kind}.weight"] = (factors.shape, lambda f=factors: f)
     return out
 
 

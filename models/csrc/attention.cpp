@@ -139,10 +139,12 @@ inline void rope_pairs(float* x, const float* c, const float* s, int64_t half) {
   }
 }
 
+// `half` pairs a head are rotated: D / 2, or fewer for a partial rotary embedding (Phi-4-mini's
+// first 96 of 128 values), whose remaining values pass through unrotated.
 template <typename C>
-void rope_and_write(float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, const float* cos,
+void rope_and_write(float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t half, const float* cos,
                     const float* sin, bool interleaved, const int64_t* slots, C* kcache, C* vcache) {
-  const int64_t half = D / 2, width = (H + 2 * KVH) * D;
+  const int64_t width = (H + 2 * KVH) * D;
   at::parallel_for(0, T, std::max<int64_t>(1, (1 << 15) / width), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       float* row = qkv + t * width;
@@ -285,7 +287,7 @@ void rope_write_attend(float* qkv, float* out, const at::Tensor& cos, const at::
               "the KV pool's rows do not fit head_dim ", D);
   C* kc = kcache.data_ptr<C>();
   C* vc = vcache.data_ptr<C>();
-  rope_and_write<C>(qkv, T, H, KVH, D, cos.data_ptr<float>(), sin.data_ptr<float>(), interleaved,
+  rope_and_write<C>(qkv, T, H, KVH, D, cos.size(1), cos.data_ptr<float>(), sin.data_ptr<float>(), interleaved,
                     slots.data_ptr<int64_t>(), kc, vc);
   attend<C>(qkv, out, kc, vc, kcache.size(1), num_decode, dec_tables, dec_lens, chunk_meta, chunk_tables, H, KVH, D,
             scale, window);
@@ -336,6 +338,8 @@ void check_pool_indices(const at::Tensor& slots, int64_t T, int64_t num_decode, 
 // chunk_meta: (C, 3) int64 rows [token_start, num_tokens, context_len]; chunk_tables (C, maxb).
 // window > 0: a query at position p attends to keys at positions (p - window, p] only.
 // interleaved: RoPE rotates adjacent pairs (GGML's order, `rope_pairs`), else the halves.
+// cos/sin: (T, R/2) for the first R <= D values of each q/k head (R < D: a partial rotary
+// embedding; the pairs are then (i, i + R/2), or (2i, 2i + 1) interleaved).
 // The pools: (num_blocks, block_size, KVH, row width) of float32, float16 or int8 (`row_width`).
 at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos_, const at::Tensor& sin_,
                      const at::Tensor& kcache, const at::Tensor& vcache, const at::Tensor& slots_,
@@ -355,9 +359,9 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos_, const at::Te
               "the KV pools must be 4-D, of one dtype");
   at::Tensor cos = cos_.contiguous(), sin = sin_.contiguous(), slots = slots_.contiguous();
   const int64_t T = qkv.size(0);
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(0) >= T && cos.size(1) == D / 2 &&
-                  sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat,
-              "cos and sin must be (T, D/2) float32");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(0) >= T && cos.size(1) >= 1 &&
+                  2 * cos.size(1) <= D && sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat,
+              "cos and sin must be (T, R/2) float32, R <= D the rotated values of a head");
   check_pool_indices(slots, T, num_decode, dec_tables, dec_lens, chunk_meta, chunk_tables, kcache.size(0),
                      kcache.size(1));
   const float scale = static_cast<float>(scale_);

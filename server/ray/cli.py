@@ -126,6 +126,7 @@ def deploy_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         activations=args.activation_dtype,
+        max_model_len=args.max_model_len,
     )
     config = engine_config(args)  # ValueError likewise
     # The model's sampling defaults, as `python -m server` applies them (ModelLoadError likewise):

@@ -68,6 +68,7 @@ class EngineReplica:
             quantization=spec.quantization,
             kv_cache_dtype=spec.kv_cache_dtype,
             activations=spec.activation_dtype,
+            max_model_len=spec.config.max_model_len,
         )
         self.engine = in_passing_thread(self._build_engine, lm, make_engine)
         self.driver = AsyncEngineDriver(
