@@ -337,11 +337,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def llama_server_greedy(model, ids: list[int], n: int) -> list[int]:
+def llama_server_greedy(model, ids: list[int], n: int, ctx: int = 512) -> list[int]:
     tool = llama_cpp_tool("llama-server")
     port = _free_port()
     cmd = [str(tool), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
-           "-np", "1", "-c", "512", "--no-warmup"]  # fmt: skip
+           "-np", "1", "-c", str(ctx), "--no-warmup"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 60
@@ -378,6 +378,42 @@ def test_each_architecture_loads_and_generates_in_llama_cpp(tmp_path, smol_token
     tokens = llama_server_greedy(path, [1, 400, 17, 99, 250], 12)
     assert len(tokens) == 12 and all(0 <= t < 512 for t in tokens)
     assert len(set(tokens)) >= 3, tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["phi-3.5-mini", "phi-4-mini"])
+def test_longrope_files_generate_as_llama_cpp_at_short_and_long_contexts(
+    tmp_path, smol_tokenizer, preset
+):
+    """LongRoPE (and Phi-4-mini's partial rotary) against llama.cpp: served within the original
+    context (4096; llama-server -c 4096) both take the short factors, beyond it (-c 8192) the
+    long ones; greedy 16 tokens equal on each prompt, and the two contexts' tokens differ."""
+    from tests.test_models_real import engine_greedy
+
+    llama_cpp_tool("llama-server")
+    shape = dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=2,
+                 num_key_value_heads=1, intermediate_size=512)  # fmt: skip
+    # (a small vocabulary: a random model's top logits stand further apart than over 49k)
+    arch, config = synth_model.make_config(preset, vocab_size=512, **shape)
+    lazy = random_state_dict(arch, config, seed=3)
+    state = {name: lazy[name] for name in lazy}
+    # SmolLM2's 17 special tokens score 0: llama-server bans the ones it takes for ends of
+    # generation (its FIM tokens among them) under ignore_eos, and random logits are ~ +-1.
+    head = "lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"
+    state[head] = state[head].copy()
+    state[head][:17] = 0
+    path = write_gguf(tmp_path / f"{preset}.gguf", arch, config, state, smol_tokenizer, "F32")
+    rng = np.random.default_rng(7)
+    prompts = [[int(i) for i in rng.integers(17, 512, n)] for n in (12, 30)]
+    runs = {}
+    for ctx in (4096, 8192):
+        lm = load_model(str(path), max_model_len=ctx)
+        assert lm.config.rope_long == (ctx > 4096)
+        ours = engine_greedy(lm, prompts, 16)
+        theirs = [llama_server_greedy(path, p, 16, ctx=ctx) for p in prompts]
+        assert ours == theirs, ctx
+        runs[ctx] = ours
+    assert all(a != b for a, b in zip(runs[4096], runs[8192], strict=True))
 
 
 @pytest.mark.slow
