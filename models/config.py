@@ -93,6 +93,8 @@ class ModelConfig:
     # (p - layer_windows[i], p]; 0 = the whole context. None: every layer sees the whole context.
     layer_windows: tuple[int, ...] | None = None
     rope_local_theta: float | None = None  # Gemma 3: the RoPE base of windowed layers
+    # SmolLM3: True for the layers whose q and k are not rotated at all (NoPE, every fourth)
+    nope_layers: tuple[bool, ...] | None = None
     # HF "linear" RoPE scaling (positions / factor); Gemma 3 applies it to its global layers only
     rope_linear_factor: float = 1.0
     embedding_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
@@ -114,6 +116,13 @@ class ModelConfig:
             raise ValueError(
                 f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers"
             )
+        if self.nope_layers is not None:
+            if len(self.nope_layers) != self.num_layers:
+                raise ValueError(
+                    f"nope_layers has {len(self.nope_layers)} entries for {self.num_layers} layers"
+                )
+            if self.rope_local_theta is not None:
+                raise ValueError("NoPE layers and a local RoPE base are not supported together")
         rot = self.rope_dims
         if rot % 2 or not 0 < rot <= self.head_dim:
             raise ValueError(f"rotary_dim {rot} must be even and within head_dim {self.head_dim}")

@@ -2,8 +2,8 @@
 
 Owns: reading each architecture's GGUF metadata (`{arch}.*` keys) into a `ModelConfig`,
 dequantizing tensors to the compute dtype with `gguf.quants.dequantize` (numpy), undoing llama.cpp's
-Q/K row permutation (only the "llama" architecture has it: its converter interleaves the rotary
-halves; NEOX-style families such as Qwen2/3, Phi-3 and Gemma 3 are written as Hugging Face holds
+Q/K row permutation (only the "llama" and "smollm3" architectures have it: their converter
+interleaves the rotary halves; NEOX-style families such as Qwen2/3, Phi-3 and Gemma 3 are written as Hugging Face holds
 them), and mapping each architecture's GGUF tensor names to Hugging Face names (and values: Gemma's
 norms are stored as w + 1) for the model's `load_hf_weights`. With the kernels, tensors in a format they multiply in place
 are never dequantized: `GGUFWeights.blocks` hands the model the file's rows (`models.quant`), and
@@ -11,11 +11,12 @@ the float "weight" it sees is a zero-memory stand-in. The tokenizer and chat tem
 the same file: Gemma's SentencePiece vocabularies through `models.spm_tokenizer` (no derived
 merges table), every other one through transformers' conversion (`models.hf_tokenizer`).
 
-Architectures: llama (Llama 1-3, Mistral, SmolLM convert to it), qwen2, qwen3, phi3, gemma3. What
-is refused, by name: others, mixture-of-experts, RoPE scaling other than llama.cpp's frequency
-factors (and linear scaling of Gemma 3's global layers), Phi-3's long-context factors, partial
-rotary dimensions, tensor types outside `SUPPORTED_TYPES`, and tensors the decoder has no place
-for.
+Architectures: llama (Llama 1-3, Mistral, SmolLM2 convert to it), qwen2, qwen3, phi3 (Phi-3, 3.5,
+4-mini: LongRoPE's factors and partial rotary dimensions), smollm3 (NoPE every fourth layer, as
+llama.cpp fixes it), gemma3. What is refused, by name: others, mixture-of-experts, RoPE scaling
+other than llama.cpp's frequency factors (and linear scaling of Gemma 3's global layers), partial
+rotary dimensions of the permuted architectures, tensor types outside `SUPPORTED_TYPES`, and
+tensors the decoder has no place for.
 """
 
 from __future__ import annotations
@@ -105,8 +106,13 @@ GGUF_ARCHITECTURES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
+    "smollm3": "smollm3",
     "gemma3": "gemma3_text",
 }
+# Architectures whose converter permutes q/k rows for GGML's RoPE pairs (`_unpermute`).
+_PERMUTED = ("llama", "smollm3")
+# llama.cpp's SmolLM3: every fourth layer has no RoPE (a constant there, not a file key).
+_SMOLLM3_NOPE_EVERY = 4
 
 
 def _open(path: Path) -> GGUFReader:
@@ -191,12 +197,12 @@ def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
     if int(meta.get(a + "attention.value_length", head_dim)) != head_dim:
         raise ModelLoadError(f"{path.name}: different key and value head sizes are not supported")
     rot = int(meta.get(a + "rope.dimension_count") or head_dim)
-    if rot != head_dim and (arch == "llama" or rot > head_dim or rot % 2):
+    if rot != head_dim and (arch in _PERMUTED or rot > head_dim or rot % 2):
         # (llama's converter permutes whole heads for GGML's pairs, which a part of a head
         # does not rotate as Hugging Face's halves do: no such checkpoint is known)
         raise ModelLoadError(
             f"{path.name}: partial rotary embeddings ({rot} of {head_dim} dims) are not supported"
-            + (" for the llama architecture" if arch == "llama" else "")
+            + (f" for the {arch} architecture" if arch in _PERMUTED else "")
         )
     scaling = meta.get(a + "rope.scaling.type")
     factor = float(meta.get(a + "rope.scaling.factor", 1.0))
@@ -233,6 +239,10 @@ def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
         window = int(meta.get(a + "attention.sliding_window", 0) or 0)
         if arch == "phi3" and window:
             extra["layer_windows"] = (window,) * n_layers  # as transformers' Phi-3
+        if arch == "smollm3":
+            extra["nope_layers"] = tuple(
+                (i + 1) % _SMOLLM3_NOPE_EVERY == 0 for i in range(n_layers)
+            )
     return ModelConfig(
         name=name,
         vocab_size=vocab,
@@ -342,9 +352,8 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         in_place: bool = False,
     ) -> None:
         self.dtype = dtype
-        # Only llama.cpp's "llama" converter permutes q/k rows.
         heads = (
-            {"q_proj": config.num_heads, "k_proj": config.num_kv_heads} if arch == "llama" else {}
+            {"q_proj": config.num_heads, "k_proj": config.num_kv_heads} if arch in _PERMUTED else {}
         )
         # Gemma's converter stores norm weights as w + 1; Hugging Face's (and the model's
         # loader's) convention is w.

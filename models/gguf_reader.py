@@ -97,16 +97,38 @@ def _skip_array(data: np.ndarray, offs: int, item: int, n: int) -> int:
     return offs + n * np.dtype(size).itemsize
 
 
+def _with_architecture(field: ReaderField, name: str) -> ReaderField:
+    """`general.architecture`'s field saying `name` instead."""
+    value = np.frombuffer(name.encode(), dtype=np.uint8)
+    length = np.array([len(value)], dtype=np.uint64)
+    parts = [*field.parts[:3], length, value]
+    return ReaderField(field.offset, field.name, parts, [4], field.types)
+
+
 @contextlib.contextmanager
-def transformers_reads_fast() -> Iterator[None]:
+def transformers_reads_fast(architecture_aliases: dict[str, str] | None = None) -> Iterator[None]:
     """While inside, transformers' GGUF reading (it imports `gguf.GGUFReader` when it reads a
     file) parses the header with `GGUFHeaderReader` (all fields, the same values: 2.3x faster
     converting a 152k-token vocabulary), and gguf's tensor-name table, which transformers
-    rebuilds for every submodule when it maps tensor names, is built once."""
+    rebuilds for every submodule when it maps tensor names, is built once.
+
+    `architecture_aliases`: a file of an architecture transformers does not read is shown to it
+    as the one named here (its other `{arch}.*` keys then unseen), for what does not depend on
+    the architecture: the tokenizer."""
     import gguf
 
+    aliases = architecture_aliases or {}
+
+    class Reader(GGUFHeaderReader):
+        def __init__(self, path: Path, skip_tokenizer_arrays: bool = False) -> None:
+            super().__init__(path, skip_tokenizer_arrays)
+            field = self.fields.get("general.architecture")
+            if field is not None and field.contents() in aliases:
+                alias = aliases[field.contents()]
+                self.fields["general.architecture"] = _with_architecture(field, alias)
+
     saved = gguf.GGUFReader, gguf.get_tensor_name_map
-    gguf.GGUFReader = GGUFHeaderReader
+    gguf.GGUFReader = Reader if aliases else GGUFHeaderReader
     gguf.get_tensor_name_map = functools.cache(saved[1])
     try:
         yield

@@ -166,9 +166,19 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int, ...] | Non
     if model_type == "phi3":  # transformers' Phi-3 windows every layer
         return (window,) * n_layers
     types = cfg.get("layer_types")
-    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and types:
+    if model_type in ("qwen2", "qwen3", "smollm3") and cfg.get("use_sliding_window") and types:
         return tuple(window if t == "sliding_attention" else 0 for t in types)
     return None
+
+
+def _nope_layers(cfg: dict, n_layers: int) -> tuple[bool, ...]:
+    """SmolLM3's layers without RoPE: its `no_rope_layers` flags (1: the layer rotates), else
+    one every `no_rope_layer_interval` layers (4), as transformers fills them in."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        every = int(cfg.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % every != 0) for i in range(n_layers)]
+    return tuple(not f for f in flags)
 
 
 def text_config(cfg: dict) -> dict:
@@ -214,6 +224,8 @@ def config_from_hf(cfg: dict, name: str, where: str) -> ModelConfig:
                 qk_norm=model_type == "qwen3",
                 layer_windows=_windows(cfg, model_type, n_layers),
             )
+            if model_type == "smollm3":
+                extra["nope_layers"] = _nope_layers(cfg, n_layers)
             # Mistral's sliding window equals full attention for contexts no longer than the
             # window, so cap the context there instead of computing something else beyond it.
             window = cfg.get("sliding_window")

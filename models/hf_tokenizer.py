@@ -145,6 +145,11 @@ def _gguf_cache_dir(path: Path) -> Path:
     return model_dir() / "tokenizers" / f"{path.stem}-{digest}"
 
 
+# GGUF architectures transformers does not read, whose tokenizer it converts as another's:
+# SmolLM3's is Llama 3's byte-level BPE (its split rule comes from tokenizer.ggml.pre either way).
+GGUF_TOKENIZER_ALIASES = {"smollm3": "llama"}
+
+
 def load_gguf_tokenizer(path: Path) -> Any:
     """The transformers tokenizer stored in a GGUF file's metadata.
 
@@ -163,7 +168,7 @@ def load_gguf_tokenizer(path: Path) -> Any:
     from models.gguf_reader import transformers_reads_fast
 
     try:
-        with transformers_reads_fast():
+        with transformers_reads_fast(GGUF_TOKENIZER_ALIASES):
             tok = auto.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as e:
         raise ModelLoadError(f"cannot read the tokenizer stored in {path}: {e}") from e

@@ -40,8 +40,12 @@ from models.quant import (
 
 
 def _inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
-    """RoPE frequencies; `local`: of sliding-window layers (Gemma 3: their own base, unscaled)."""
+    """RoPE frequencies; `local`: of the layers flagged so (`Attention.local_rope`): Gemma 3's
+    sliding-window ones (their own base, unscaled), SmolLM3's NoPE ones (all zero: cos 1, sin 0,
+    q and k as they are)."""
     hd = config.rope_dims
+    if local and config.nope_layers is not None:
+        return torch.zeros(hd // 2, dtype=torch.float64)
     theta = config.rope_local_theta if local else config.rope_theta
     inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
     if local:
@@ -270,8 +274,11 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = config.attention_scale or self.hd**-0.5
         self.window = config.window(layer)
-        # Windowed layers rotate with the local RoPE tables where the family has them.
-        self.local_rope = self.window > 0 and config.rope_local_theta is not None
+        # Windowed layers rotate with the local RoPE tables where the family has them; NoPE
+        # layers take the local tables too, which rotate nothing.
+        self.local_rope = (self.window > 0 and config.rope_local_theta is not None) or bool(
+            config.nope_layers and config.nope_layers[layer]
+        )
         self.rope_interleaved = config.rope_interleaved
         self.q_norm = self.k_norm = None
         if config.qk_norm:

@@ -3,7 +3,8 @@
 Names are Hugging Face `model_type`s (config.json); the GGUF loader maps llama.cpp's
 `general.architecture` onto them. Mistral, Qwen2/2.5, Qwen3 and Phi-3 are configurations of the
 Llama decoder (Qwen2's q/k/v biases, Qwen3's QK-norm and Phi-3's fused projections are
-`ModelConfig` options and tensor names); Gemma 3 has its own layer. A new family is one module
+`ModelConfig` options and tensor names), and so is SmolLM3 (its NoPE layers); Gemma 3 has its
+own layer. A new family is one module
 with a class that implements `models.base.CausalLM`, plus one line here.
 """
 
@@ -19,6 +20,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "phi3": LlamaForCausalLM,
+    "smollm3": LlamaForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
 }
 
@@ -30,6 +32,6 @@ def model_class(architecture: str, where: str) -> type[CausalLM]:
         raise ModelLoadError(
             f"{where}: model_type {architecture!r} is not supported; supported: "
             f"{', '.join(ARCHITECTURES)}, gemma3 (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, "
-            "Gemma 3, SmolLM)"
+            "Gemma 3, SmolLM2/3)"
         )
     return cls

@@ -1,4 +1,4 @@
-"""Gemma 3, Qwen3, Qwen2, Phi-3 and Llama 3 against transformers' own classes, on tiny random
+"""Gemma 3, Qwen3, Qwen2, Phi-3 (3.5, 4-mini), SmolLM3 and Llama 3 against transformers' own classes, on tiny random
 configs (nothing downloaded): a random model of each is saved as a Hugging Face directory, and,
 written by the llama.cpp converter's rules, as a GGUF file; both load here and must give
 transformers' logits over a prompt, through a full forward and through the engine (chunked
@@ -125,6 +125,13 @@ def phi4_mini_config():
     )
 
 
+def smollm3_config():
+    """SmolLM3: NoPE every fourth layer (the fourth of four here)."""
+    from transformers import SmolLM3Config
+
+    return SmolLM3Config(**_base(num_hidden_layers=4, pad_token_id=0))
+
+
 def llama3_config():
     from transformers import LlamaConfig
 
@@ -147,6 +154,7 @@ CONFIGS = {
     "llama3": llama3_config,
     "phi3_longrope": phi3_longrope_config,
     "phi4_mini": phi4_mini_config,
+    "smollm3": smollm3_config,
 }
 LONGROPE = ("phi3_longrope", "phi4_mini")
 
@@ -419,7 +427,8 @@ def write_gguf_from_hf(path: Path, arch: str, ref) -> Path:
 def test_gguf_file_matches_transformers(checkpoint, use_kernels, tmp_path, monkeypatch):
     name, _, ref = checkpoint
     if name not in _GGUF_ARCH:
-        pytest.skip("Llama 3 GGUFs carry rope_freqs (tests/test_models_real.py)")
+        # (their q/k rows permuted: tests/test_models_real.py, tests/test_synth_model.py)
+        pytest.skip("Llama 3 and SmolLM3 GGUFs: written by tools.synth_model's tests")
     if use_kernels and not kernels.available():
         pytest.skip(kernels.unavailable_reason() or "no kernels")
     monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))

@@ -40,7 +40,7 @@ TINY = dict(
     intermediate_size=512, head_dim=64, vocab_size=512, max_position_embeddings=1024,
 )  # fmt: skip
 PRESET = {"llama": "smollm2-360m", "qwen2": "qwen2.5-0.5b", "qwen3": "qwen3-0.6b",
-          "phi3": "phi-3-mini", "gemma3": "gemma-3-270m"}  # fmt: skip
+          "phi3": "phi-3-mini", "smollm3": "smollm3-3b", "gemma3": "gemma-3-270m"}  # fmt: skip
 
 
 def our_logits(lm, ids: list[int]) -> torch.Tensor:
@@ -100,7 +100,8 @@ def test_each_architecture_multiplies_its_file_blocks_in_place(
     dequantize, pure torch)."""
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason() or "no kernels")
-    layers = 6 if arch == "gemma3" else 2  # Gemma: five windowed layers and a global one
+    # Gemma: five windowed layers and a global one; SmolLM3: a fourth layer, without RoPE
+    layers = {"gemma3": 6, "smollm3": 4}.get(arch, 2)
     path = synth_model.write_synthetic(
         tmp_path / f"{arch}.gguf", PRESET[arch], "Q4_K_M", seed=4, tokenizer=smol_tokenizer,
         **dict(TINY, num_hidden_layers=layers, sliding_window=8),
@@ -187,6 +188,25 @@ def test_transformers_tiny_llama_written_to_gguf_gives_its_logits(
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
+def test_transformers_tiny_smollm3_written_to_gguf_gives_its_logits(tmp_path, smol_tokenizer):
+    """SmolLM3 as llama.cpp's converter writes it (q/k permuted, no NoPE key: llama.cpp fixes
+    every fourth layer) gives transformers' logits, with the kernels and without."""
+    model = _hf_model("smollm3")
+    assert model.config.no_rope_layers == [1, 1, 1, 0]
+    path = write_gguf(
+        tmp_path / "s3.gguf", "smollm3", model.config.to_dict(), model.state_dict(), smol_tokenizer
+    )
+    ids = [int(i) for i in np.random.default_rng(6).integers(0, 300, 40)]
+    with torch.inference_mode():
+        ref = model(torch.tensor([ids])).logits[0].float()
+    for use_kernels in (False, True) if kernels.available() else (False,):
+        lm = load_model(str(path), use_kernels=use_kernels, kv_cache_dtype="float32")
+        assert lm.config.nope_layers == (False, False, False, True)
+        ours = our_logits(lm, ids)
+        assert (ours - ref).abs().max().item() < 1e-3
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
 def _hf_model(arch: str):
     """transformers' own tiny random model of an architecture."""
     import transformers as tf
@@ -198,12 +218,14 @@ def _hf_model(arch: str):
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"head_dim": 32}),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, {"pad_token_id": 0}),
+        "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM,
+                    {"num_hidden_layers": 4, "pad_token_id": 0}),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
                    {"head_dim": 32, "sliding_window": 16, "query_pre_attn_scalar": 32}),
     }  # fmt: skip
     config_cls, model_cls, extra = classes[arch]
     torch.manual_seed(1)
-    return model_cls(config_cls(**common, **extra)).eval()
+    return model_cls(config_cls(**{**common, **extra})).eval()
 
 
 @pytest.mark.parametrize("arch", ARCHES)
@@ -220,7 +242,7 @@ def test_each_architecture_has_the_tensors_keys_and_layouts_of_llama_cpp(
     declared = {
         TENSOR_NAMES[t].format(bid=i) + suffix
         for t in MODEL_TENSORS[getattr(MODEL_ARCH, arch.upper())]
-        for i in range(2)
+        for i in range(model.config.num_hidden_layers)
         for suffix in (".weight", ".bias")
     }
     assert set(tensors) <= declared, set(tensors) - declared
@@ -234,7 +256,7 @@ def test_each_architecture_has_the_tensors_keys_and_layouts_of_llama_cpp(
 
     hf = {k: v.astype(np.float32) for k, v in sd.items()}
     b0 = "model.layers.0."
-    if arch == "llama":
+    if arch in synth_model.PERMUTED:
         # Q rows in llama.cpp's RoPE order: per head, the two halves interleaved.
         q = hf[b0 + "self_attn.q_proj.weight"].reshape(4, 2, 8, 64)
         assert np.array_equal(tensors["blk.0.attn_q.weight"], q.swapaxes(1, 2).reshape(64, 64))
@@ -381,17 +403,16 @@ def test_each_architecture_loads_and_generates_in_llama_cpp(tmp_path, smol_token
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["phi-3.5-mini", "phi-4-mini"])
-def test_longrope_files_generate_as_llama_cpp_at_short_and_long_contexts(
-    tmp_path, smol_tokenizer, preset
-):
-    """LongRoPE (and Phi-4-mini's partial rotary) against llama.cpp: served within the original
-    context (4096; llama-server -c 4096) both take the short factors, beyond it (-c 8192) the
-    long ones; greedy 16 tokens equal on each prompt, and the two contexts' tokens differ."""
+@pytest.mark.parametrize("preset", ["phi-3.5-mini", "phi-4-mini", "smollm3-3b"])
+def test_synthetic_files_generate_as_llama_cpp(tmp_path, smol_tokenizer, preset):
+    """Greedy 16 tokens equal to llama-server's on each prompt. LongRoPE (and Phi-4-mini's
+    partial rotary): served within the original context (4096; llama-server -c 4096) both take
+    the short factors, beyond it (-c 8192) the long ones, and the two contexts' tokens differ.
+    SmolLM3: its fourth layer without RoPE."""
     from tests.test_models_real import engine_greedy
 
     llama_cpp_tool("llama-server")
-    shape = dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=2,
+    shape = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=2,
                  num_key_value_heads=1, intermediate_size=512)  # fmt: skip
     # (a small vocabulary: a random model's top logits stand further apart than over 49k)
     arch, config = synth_model.make_config(preset, vocab_size=512, **shape)
@@ -405,15 +426,19 @@ def test_longrope_files_generate_as_llama_cpp_at_short_and_long_contexts(
     path = write_gguf(tmp_path / f"{preset}.gguf", arch, config, state, smol_tokenizer, "F32")
     rng = np.random.default_rng(7)
     prompts = [[int(i) for i in rng.integers(17, 512, n)] for n in (12, 30)]
+    longrope = preset.startswith("phi")
     runs = {}
-    for ctx in (4096, 8192):
+    for ctx in (4096, 8192) if longrope else (1024,):
         lm = load_model(str(path), max_model_len=ctx)
         assert lm.config.rope_long == (ctx > 4096)
         ours = engine_greedy(lm, prompts, 16)
         theirs = [llama_server_greedy(path, p, 16, ctx=ctx) for p in prompts]
         assert ours == theirs, ctx
         runs[ctx] = ours
-    assert all(a != b for a, b in zip(runs[4096], runs[8192], strict=True))
+    if longrope:
+        assert all(a != b for a, b in zip(runs[4096], runs[8192], strict=True))
+    else:
+        assert lm.config.nope_layers == (False, False, False, True)
 
 
 @pytest.mark.slow

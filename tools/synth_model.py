@@ -9,7 +9,7 @@ Owns: the shape presets (`PRESETS`, Hugging Face config fields), the random weig
 (`random_state_dict`: normal with std 0.02 as transformers initialises them, norms near 1), and
 `write_gguf(path, arch, config, state_dict, ...)`, which writes a Hugging Face-named state dict
 and config as llama.cpp's converter (convert_hf_to_gguf.py) would: its metadata keys, tensor names
-(gguf's own name map) and layouts (llama: Q/K rows permuted for llama.cpp's RoPE; qwen2 / qwen3 /
+(gguf's own name map) and layouts (llama, smollm3: Q/K rows permuted for llama.cpp's RoPE; qwen2 / qwen3 /
 phi3 / gemma3 unpermuted; phi3's fused attn_qkv and ffn_up = gate+up as the checkpoint holds them;
 gemma3 norms stored as weight + 1), then quantized with `models.gguf_quantize` as
 `llama-quantize` mixes formats (2-D weights pass through float16 first, as from an F16 file, so
@@ -17,7 +17,7 @@ gemma3 norms stored as weight + 1), then quantized with `models.gguf_quantize` a
 own tiny random models with it.
 
 The tokenizer is real, copied from a GGUF the project fetches: Gemma 3 270M's (262,144 tokens)
-for gemma3, SmolLM2's (GPT-2 style BPE, 49,152 tokens) for llama, qwen2, qwen3 and phi3, whose own
+for gemma3, SmolLM2's (GPT-2 style BPE, 49,152 tokens) for llama, qwen2, qwen3, phi3 and smollm3, whose own
 tokenizers no package ships. The vocabulary is the tokenizer's by default, so a Qwen- or
 Phi-shaped file has SmolLM2's 49,152 tokens and head rows, not 151,936 or 32,064; `--vocab N`
 sets it (`--vocab 128256` for Llama 3.2's head size): a smaller vocabulary keeps the first N
@@ -44,12 +44,15 @@ from models.fetch import model_path
 from models.gguf_quantize import FTYPES, mix_types, quantize
 
 Q = GGMLQuantizationType
-ARCHES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+ARCHES = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma3")
+# Architectures whose converter permutes q/k rows for llama.cpp's RoPE pairs.
+PERMUTED = ("llama", "smollm3")
 _GGUF_ARCH = {
     "llama": MODEL_ARCH.LLAMA,
     "qwen2": MODEL_ARCH.QWEN2,
     "qwen3": MODEL_ARCH.QWEN3,
     "phi3": MODEL_ARCH.PHI3,
+    "smollm3": MODEL_ARCH.SMOLLM3,
     "gemma3": MODEL_ARCH.GEMMA3,
 }
 # Which fetchable model's GGUF lends its tokenizer, per architecture.
@@ -58,6 +61,7 @@ TOKENIZER_FROM = {
     "qwen2": "smollm2-135m-instruct",
     "qwen3": "smollm2-135m-instruct",
     "phi3": "smollm2-135m-instruct",
+    "smollm3": "smollm2-135m-instruct",
     "gemma3": "gemma-3-270m",
 }
 
@@ -133,6 +137,16 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             max_position_embeddings=131072, original_max_position_embeddings=4096,
             sliding_window=262144,
             rope_scaling=dict(rope_type="longrope", partial_rotary_factor=0.75),
+        ),
+    ),
+    # its NoPE layers (every fourth) are the architecture's, as llama.cpp fixes them
+    "smollm3-3b": (
+        "smollm3",
+        dict(
+            hidden_size=2048, num_hidden_layers=36, num_attention_heads=16,
+            num_key_value_heads=4, intermediate_size=11008, vocab_size=128256,
+            rope_theta=5000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            max_position_embeddings=65536,
         ),
     ),
     "gemma-3-1b": (
@@ -413,7 +427,7 @@ def _metadata(arch: str, config: Mapping[str, Any], vocab: int) -> list[tuple[st
     ]
     if config.get("head_dim") is not None:
         keys += [("attention.key_length", hd), ("attention.value_length", hd)]
-    if arch == "llama":
+    if arch in PERMUTED:
         keys += [("vocab_size", vocab), ("rope.dimension_count", hd)]
     if arch == "phi3":
         orig = int(
@@ -488,16 +502,16 @@ def _gguf_tensors(
             x = (x.detach().float().numpy() if hasattr(x, "detach") else np.asarray(x)).astype(
                 np.float32
             )
-            if arch == "llama" and hf_name.endswith("q_proj.weight"):
+            if arch in PERMUTED and hf_name.endswith("q_proj.weight"):
                 x = _permute(x, n_head)
-            elif arch == "llama" and hf_name.endswith("k_proj.weight"):
+            elif arch in PERMUTED and hf_name.endswith("k_proj.weight"):
                 x = _permute(x, n_kv)
             if arch == "gemma3" and hf_name.endswith("norm.weight"):
                 x = x + np.float32(1)  # Gemma3RMSNorm multiplies by (1 + weight)
             return np.ascontiguousarray(x)
 
         out[gguf_name] = (tuple(int(s) for s in shape), values)
-    if arch == "llama" and (freqs := _rope_freqs(config)) is not None:
+    if arch in PERMUTED and (freqs := _rope_freqs(config)) is not None:
         out["rope_freqs.weight"] = (freqs.shape, lambda: freqs)
     rope = _rope(config)
     if arch == "phi3" and rope.get("rope_type") == "longrope":
