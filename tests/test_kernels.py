@@ -557,12 +557,15 @@ def test_slots_and_blocks_outside_the_pool_are_refused_not_written():
 @pytest.mark.parametrize("pool_dtype", [torch.float16, torch.int8])
 @pytest.mark.parametrize("D", [32, 64, 256])
 @pytest.mark.parametrize("window", [0, 5])
+# query heads per kv head 3, 1, 2, 4, 5 and 8: each size of the tiles a long chunk goes in
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4), (4, 2), (8, 2), (10, 2), (8, 1)])
 def test_a_tokens_attention_is_the_same_in_a_prefill_chunk_and_as_a_decode_row(
-    D, pool_dtype, window
+    D, pool_dtype, window, heads
 ):  # noqa: N803
     """One kernel computes both: a prompt prefilled as one chunk, as chunks of 3, and token by
     token as decode rows gives bit-identical attention outputs (so chunking, preemption and
     recompute never change a token), with a sliding window too."""
+    H, KVH = heads  # noqa: N806
     torch.manual_seed(8)
     n, table = 37, torch.tensor([5, 2, 9, 17, 3, 30, 22, 11, 26, 38])  # 10 blocks of 4
     qkv = torch.randn(n, (H + 2 * KVH) * D)

@@ -182,6 +182,118 @@ void rope_and_write(float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, in
   });
 }
 
+// One key's scores for a prefill tile's R tokens x G heads (prefill_tile): decode_group's
+// arithmetic per (token, head); tokens below rlo (which do not see the key) skipped when Masked.
+template <typename C, int G, int R, int NA, bool Masked>
+inline void tile_scores(const float* q, int64_t q_stride, const C* kr, int64_t D, float scale, int rlo, float* s,
+                        int64_t n, float (&mx)[R][G]) {
+  __m256 a[R][G][NA];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < NA; ++c) a[r][g][c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8 * NA) {
+    for (int c = 0; c < NA; ++c) {
+      if (i + 8 * c < D) {
+        const __m256 k = row8(kr, i + 8 * c, D);
+        for (int r = 0; r < R; ++r)
+          if (!Masked || r >= rlo)
+            for (int g = 0; g < G; ++g)
+              a[r][g][c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * q_stride + g * D + i + 8 * c), k, a[r][g][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (Masked && r < rlo) continue;
+    for (int g = 0; g < G; ++g) {
+      for (int c = 1; c < NA; ++c) a[r][g][0] = _mm256_add_ps(a[r][g][0], a[r][g][c]);
+      const float v = hsum(a[r][g][0]) * scale;
+      s[(r * G + g) * n] = v;
+      mx[r][g] = std::max(mx[r][g], v);
+    }
+  }
+}
+
+// R consecutive tokens of one prefill chunk, each over every key from the first (token r sees
+// L0 + r keys), with one kv head's G query heads: decode_group's arithmetic for every (token,
+// head), step for step in the same order, so each result is bit-identical to the token's own
+// decode_group; but each K and V row is loaded and widened once for the R tokens instead of
+// once each (the widening of int8 rows was ~45% of a long prompt's attention). q, out: token r's
+// heads at + r * q_stride / out_stride. s: R * G * (L0 + R - 1) floats of scratch.
+template <typename C, int G, int R>
+void prefill_tile(const float* q, int64_t q_stride, const C* kc, const C* vc, const int64_t* table, int64_t L0,
+                  int64_t bs, int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float* out,
+                  int64_t out_stride, float* s) {
+  constexpr int NA = G <= 2 ? 2 : 1;  // as decode_group
+  const int64_t n = L0 + R - 1, nb = (n + bs - 1) / bs;
+  float mx[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) mx[r][g] = -INFINITY;
+  for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
+    const C* kb = kc + table[bi] * blk_stride;
+    for (int64_t t = 0, e = std::min(bs, n - bi * bs); t < e; ++t, ++j) {
+      const C* kr = kb + t * tok_stride;
+      // tokens r >= rlo see key j: all of them before L0 (the bulk, no tests in its loop)
+      const int rlo = j < L0 ? 0 : static_cast<int>(j - L0 + 1);
+      if (rlo == 0)
+        tile_scores<C, G, R, NA, false>(q, q_stride, kr, D, scale, 0, s + j, n, mx);
+      else
+        tile_scores<C, G, R, NA, true>(q, q_stride, kr, D, scale, rlo, s + j, n, mx);
+    }
+  }
+  float inv[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) inv[r][g] = softmax_exp(s + (r * G + g) * n, L0 + r, mx[r][g]);
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < G * D; i += 8) _mm256_storeu_ps(out + r * out_stride + i, _mm256_setzero_ps());
+  // values: one 8-value slice of every (token, head) a pass over a block's rows (R * G
+  // accumulators in registers); each output value still sums its keys in order
+  for (int64_t bi = 0; bi < nb; ++bi) {
+    const C* vb = vc + table[bi] * blk_stride;
+    const int64_t e = std::min(bs, n - bi * bs);
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+      __m256 acc[R][G];
+      for (int r = 0; r < R; ++r)
+        for (int g = 0; g < G; ++g) acc[r][g] = _mm256_loadu_ps(out + r * out_stride + g * D + d0);
+      for (int64_t t = 0; t < e; ++t) {
+        const int64_t j = bi * bs + t;
+        const int rlo = j < L0 ? 0 : static_cast<int>(j - L0 + 1);
+        const __m256 x = row8(vb + t * tok_stride, d0, D);
+        for (int r = 0; r < R; ++r)
+          if (r >= rlo)
+            for (int g = 0; g < G; ++g)
+              acc[r][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + (r * G + g) * n + j), x, acc[r][g]);
+      }
+      for (int r = 0; r < R; ++r)
+        for (int g = 0; g < G; ++g) _mm256_storeu_ps(out + r * out_stride + g * D + d0, acc[r][g]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) {
+      float* o = out + r * out_stride + g * D;
+      const __m256 vinv = _mm256_set1_ps(inv[r][g]);
+      for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), vinv));
+    }
+}
+
+// Tokens a prefill tile takes for a group of G query heads a kv head: as many as keep the
+// score accumulators (R x G x NA) within 12 of the 16 vector registers; 1: no tiles.
+constexpr int tile_tokens(int64_t G) { return G == 1 ? 6 : G == 2 ? 3 : G == 3 ? 4 : G == 4 ? 3 : G <= 6 ? 2 : 1; }
+
+// Calls f(std::integral_constant<int, G>, std::integral_constant<int, R>) for a group size G
+// that has tiles (tile_tokens(G) > 1); false if it has none.
+template <typename F>
+bool with_tile(int64_t G, F&& f) {
+  switch (G) {
+    case 1: f(std::integral_constant<int, 1>{}, std::integral_constant<int, tile_tokens(1)>{}); return true;
+    case 2: f(std::integral_constant<int, 2>{}, std::integral_constant<int, tile_tokens(2)>{}); return true;
+    case 3: f(std::integral_constant<int, 3>{}, std::integral_constant<int, tile_tokens(3)>{}); return true;
+    case 4: f(std::integral_constant<int, 4>{}, std::integral_constant<int, tile_tokens(4)>{}); return true;
+    case 5: f(std::integral_constant<int, 5>{}, std::integral_constant<int, tile_tokens(5)>{}); return true;
+    case 6: f(std::integral_constant<int, 6>{}, std::integral_constant<int, tile_tokens(6)>{}); return true;
+    default: return false;
+  }
+}
+
 // Decode rows of an int8 pool go whole (every kv head in one pass, decode_row_int8_64) from this
 // many on, when each thread has rows enough; fewer go as (row, kv head) items, spread finer.
 // Float16 rows (128 bytes: whole cache lines, no line shared by two kv heads) gain nothing from
@@ -250,28 +362,44 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
         return;
       }
     }
-    std::vector<int64_t> row, len, chunk;
+    // Tokens whose keys all start at the first and whose decode_heads is decode_group (not the
+    // AVX-512 head_dim-64 kernel) go R at a time (prefill_tile, the same results); the rest,
+    // and a chunk's last tokens short of a tile, one at a time. Items: (first row, count).
+    const int R = (D == 64 && cpu_has_avx512()) || (window > 0 && max_len > window) ? 1 : tile_tokens(G);
+    std::vector<int64_t> row, len, chunk, count;
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t start = mp[c * 3], n = mp[c * 3 + 1], L = mp[c * 3 + 2];
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = 0; t < n;) {
+        const int64_t k = n - t >= R ? R : 1;
         row.push_back(start + t);
         len.push_back(L - n + t + 1);
         chunk.push_back(c);
+        count.push_back(k);
+        t += k;
       }
     }
     const int64_t NT = static_cast<int64_t>(row.size());
-    const int64_t task_grain = std::max<int64_t>(1, (1 << 17) / (max_len * D * G));
+    const int64_t task_grain = std::max<int64_t>(1, (1 << 17) / (max_len * D * G * R));
     at::parallel_for(0, NT * KVH, task_grain, [&](int64_t i0, int64_t i1) {
       std::vector<float> s;
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t k = i / KVH, kvh = i % KVH;
         const int64_t x = (k % 2 == 0) ? k / 2 : NT - 1 - k / 2;  // zigzag
         const int64_t r = row[x], L = len[x];
-        s.resize(G * L + 16);
+        s.resize(G * (L + R) * R + 16);
         const float* q = qp + r * width + kvh * G * D;
         float* o = op + r * H * D + kvh * G * D;
-        decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, ctp + chunk[x] * cmaxb, L, window, bs,
-                        tok_stride, blk_stride, D, scale, o, s.data(), false);
+        const int64_t* table = ctp + chunk[x] * cmaxb;
+        if (count[x] > 1) {
+          with_tile(G, [&](auto g, auto rr) {
+            prefill_tile<C, decltype(g)::value, decltype(rr)::value>(q, width, kbase + kvh * W, vbase + kvh * W, table,
+                                                                     L, bs, tok_stride, blk_stride, D, scale, o,
+                                                                     H * D, s.data());
+          });
+          continue;
+        }
+        decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, table, L, window, bs, tok_stride, blk_stride, D,
+                        scale, o, s.data(), false);
       }
     });
   }
