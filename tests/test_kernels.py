@@ -306,6 +306,17 @@ def _ggml_order(x: torch.Tensor) -> torch.Tensor:
     return x.unflatten(-1, (2, d // 2)).transpose(-1, -2).flatten(-2)
 
 
+def _one_chunk(t: int, bs: int) -> AttentionMetadata:
+    """A prefill chunk of t tokens with no past, in pool block 1 (block size bs)."""
+    return AttentionMetadata(
+        slot_mapping=torch.arange(bs, bs + t),
+        num_decode_tokens=0,
+        decode_block_tables=None,
+        decode_context_lens=None,
+        prefills=[PrefillChunk(0, t, t, torch.tensor([1]))],
+    )
+
+
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.int8])
 def test_interleaved_rope_on_ggml_ordered_heads_is_the_halves_rope(pool_dtype):
     """A llama-architecture GGUF's q/k rows taken in the file's order: the op rotating adjacent
@@ -318,13 +329,7 @@ def test_interleaved_rope_on_ggml_ordered_heads_is_the_halves_rope(pool_dtype):
     cos, sin = _rope_tables(torch.arange(t), d)
     qk = qkv[:, : (h + kvh) * d].view(t, h + kvh, d)
     filed = torch.cat([_ggml_order(qk).flatten(1), qkv[:, (h + kvh) * d :]], dim=1)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(bs, bs + t),
-        num_decode_tokens=0,
-        decode_block_tables=None,
-        decode_context_lens=None,
-        prefills=[PrefillChunk(0, t, t, torch.tensor([1]))],
-    )
+    meta = _one_chunk(t, bs)
     width = d + d // 8 if pool_dtype == torch.int8 else d
     outs, pools = [], []
     for x, interleaved in ((qkv, False), (filed, True)):
@@ -379,13 +384,7 @@ def test_partial_rotary_rotates_the_first_values_of_each_head_only(interleaved):
     roped = torch.cat([head, rest], dim=-1)
     q, k = roped.split([h, kvh], dim=1)
     v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(bs, bs + t),
-        num_decode_tokens=0,
-        decode_block_tables=None,
-        decode_context_lens=None,
-        prefills=[PrefillChunk(0, t, t, torch.tensor([1]))],
-    )
+    meta = _one_chunk(t, bs)
     pool = [torch.zeros(3, bs, kvh, d) for _ in range(2)]
     got = ops.attention(
         qkv.clone(), cos, sin, *pool, meta.slot_mapping, 0, torch.empty(0, 1, dtype=torch.int64),

@@ -65,6 +65,13 @@ TOKENIZER_FROM = {
     "gemma3": "gemma-3-270m",
 }
 
+_PHI3_MINI = dict(
+    hidden_size=3072, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+    intermediate_size=8192, vocab_size=32064, rope_theta=10000.0, rms_norm_eps=1e-5,
+    tie_word_embeddings=False, max_position_embeddings=4096,
+    original_max_position_embeddings=4096, sliding_window=2047,
+)  # fmt: skip
+
 # Hugging Face config fields of the published checkpoints' text models.
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm2-360m": (
@@ -107,25 +114,13 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             max_position_embeddings=40960,
         ),
     ),
-    "phi-3-mini": (
-        "phi3",
-        dict(
-            hidden_size=3072, num_hidden_layers=32, num_attention_heads=32,
-            num_key_value_heads=32, intermediate_size=8192, vocab_size=32064,
-            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-            max_position_embeddings=4096, original_max_position_embeddings=4096,
-            sliding_window=2047,
-        ),
-    ),
+    "phi-3-mini": ("phi3", _PHI3_MINI),
     # LongRoPE (128k context): the factors are made to fit the rotated dims (`_longrope_factors`)
     "phi-3.5-mini": (
         "phi3",
         dict(
-            hidden_size=3072, num_hidden_layers=32, num_attention_heads=32,
-            num_key_value_heads=32, intermediate_size=8192, vocab_size=32064,
-            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-            max_position_embeddings=131072, original_max_position_embeddings=4096,
-            sliding_window=262144, rope_scaling=dict(rope_type="longrope"),
+            _PHI3_MINI, max_position_embeddings=131072, sliding_window=262144,
+            rope_scaling=dict(rope_type="longrope"),
         ),
     ),
     "phi-4-mini": (
