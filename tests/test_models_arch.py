@@ -23,7 +23,7 @@ import torch
 from gguf import GGUFWriter
 
 from engine import ContinuousBatchEngine, Request, SamplingParams
-from models import AttentionMetadata, PrefillChunk, kernels, load_model, ops
+from models import AttentionMetadata, ModelLoadError, PrefillChunk, kernels, load_model, ops
 from tests.test_models_real import (
     ATOL,
     assert_logits_match,
@@ -486,6 +486,33 @@ def test_longrope_factors_depend_on_the_context_served(checkpoint, tmp_path):
     assert_logits_match(our_logits(short, ids), hf_logits(ref, ids))
     # a context above the original keeps the long factors
     assert load_model(str(path), use_kernels=False, max_model_len=ORIGINAL + 1).config.rope_long
+
+
+def test_phi_config_json_as_published_reads_longrope_and_partial_rotary():
+    """The published config.json spelling (transformers 4.x: `rope_scaling` with `type`,
+    `original_max_position_embeddings` and `partial_rotary_factor` at the top level), as
+    Phi-3.5-mini-instruct's and Phi-4-mini-instruct's files have it."""
+    from models.hf_loader import config_from_hf
+
+    base = dict(model_type="phi3", hidden_size=3072, num_attention_heads=24,
+                num_key_value_heads=8, num_hidden_layers=32, intermediate_size=8192,
+                vocab_size=200064, max_position_embeddings=131072,
+                original_max_position_embeddings=4096, rope_theta=10000.0,
+                sliding_window=262144, tie_word_embeddings=True)  # fmt: skip
+    short, long = [1.0 + i / 100 for i in range(48)], [1.0 + i for i in range(48)]
+    cfg = config_from_hf(
+        {**base, "partial_rotary_factor": 0.75,
+         "rope_scaling": {"long_factor": long, "short_factor": short, "type": "longrope"}},
+        "phi4", "config.json",
+    )  # fmt: skip
+    assert (cfg.head_dim, cfg.rotary_dim, cfg.rope_dims) == (128, 96, 96)
+    assert cfg.rope_freq_factors == tuple(short) and cfg.rope_long_factors == tuple(long)
+    assert cfg.rope_original_context == 4096 and cfg.rope_long
+    assert cfg.rope_attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    with pytest.raises(ModelLoadError, match="rope scaling lacks"):
+        config_from_hf(
+            {**base, "rope_scaling": {"type": "longrope", "long_factor": long}}, "x", "x"
+        )
 
 
 # -- the real Gemma 3 270M file ------------------------------------------------------------------
