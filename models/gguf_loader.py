@@ -110,7 +110,7 @@ GGUF_ARCHITECTURES = {
     "gemma3": "gemma3_text",
 }
 # Architectures whose converter permutes q/k rows for GGML's RoPE pairs (`_unpermute`).
-_PERMUTED = ("llama", "smollm3")
+PERMUTED_ARCHITECTURES = ("llama", "smollm3")
 # llama.cpp's SmolLM3: every fourth layer has no RoPE (a constant there, not a file key).
 _SMOLLM3_NOPE_EVERY = 4
 
@@ -197,12 +197,12 @@ def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
     if int(meta.get(a + "attention.value_length", head_dim)) != head_dim:
         raise ModelLoadError(f"{path.name}: different key and value head sizes are not supported")
     rot = int(meta.get(a + "rope.dimension_count") or head_dim)
-    if rot != head_dim and (arch in _PERMUTED or rot > head_dim or rot % 2):
+    if rot != head_dim and (arch in PERMUTED_ARCHITECTURES or rot > head_dim or rot % 2):
         # (llama's converter permutes whole heads for GGML's pairs, which a part of a head
         # does not rotate as Hugging Face's halves do: no such checkpoint is known)
         raise ModelLoadError(
             f"{path.name}: partial rotary embeddings ({rot} of {head_dim} dims) are not supported"
-            + (f" for the {arch} architecture" if arch in _PERMUTED else "")
+            + (f" for the {arch} architecture" if arch in PERMUTED_ARCHITECTURES else "")
         )
     scaling = meta.get(a + "rope.scaling.type")
     factor = float(meta.get(a + "rope.scaling.factor", 1.0))
@@ -353,7 +353,9 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
     ) -> None:
         self.dtype = dtype
         heads = (
-            {"q_proj": config.num_heads, "k_proj": config.num_kv_heads} if arch in _PERMUTED else {}
+            {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+            if arch in PERMUTED_ARCHITECTURES
+            else {}
         )
         # Gemma's converter stores norm weights as w + 1; Hugging Face's (and the model's
         # loader's) convention is w.

@@ -41,12 +41,14 @@ from gguf.constants import GGML_QUANT_SIZES, MODEL_ARCH, GGMLQuantizationType
 from gguf.tensor_mapping import get_tensor_name_map
 
 from models.fetch import model_path
+from models.gguf_loader import PERMUTED_ARCHITECTURES
 from models.gguf_quantize import FTYPES, mix_types, quantize
 
 Q = GGMLQuantizationType
 ARCHES = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma3")
-# Architectures whose converter permutes q/k rows for llama.cpp's RoPE pairs.
-PERMUTED = ("llama", "smollm3")
+# Architectures whose converter permutes q/k rows for llama.cpp's RoPE pairs (as the loader
+# knows them).
+PERMUTED = PERMUTED_ARCHITECTURES
 _GGUF_ARCH = {
     "llama": MODEL_ARCH.LLAMA,
     "qwen2": MODEL_ARCH.QWEN2,
