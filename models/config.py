@@ -99,6 +99,14 @@ class ModelConfig:
     rope_linear_factor: float = 1.0
     embedding_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # Mixture of experts (Qwen3-MoE): every layer's MLP is `num_experts` gated MLPs of
+    # `moe_intermediate_size`, of which a router picks `num_experts_per_tok` per token (softmax
+    # over all experts, then the top k; `norm_topk_prob`: their weights rescaled to sum to 1).
+    # 0 experts: the dense MLP of `intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -128,6 +136,13 @@ class ModelConfig:
             raise ValueError(f"rotary_dim {rot} must be even and within head_dim {self.head_dim}")
         if self.rope_long_factors is not None and self.rope_original_context is None:
             raise ValueError("LongRoPE's long factors need rope_original_context")
+        if self.num_experts and not (
+            0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
+        ):
+            raise ValueError(
+                f"{self.num_experts} experts, {self.num_experts_per_tok} a token, "
+                f"expert size {self.moe_intermediate_size}: not a mixture of experts"
+            )
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_tanh)")
 

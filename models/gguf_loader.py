@@ -13,7 +13,8 @@ merges table), every other one through transformers' conversion (`models.hf_toke
 
 Architectures: llama (Llama 1-3, Mistral, SmolLM2 convert to it), qwen2, qwen3, phi3 (Phi-3, 3.5,
 4-mini: LongRoPE's factors and partial rotary dimensions), smollm3 (NoPE every fourth layer, as
-llama.cpp fixes it), gemma3. What is refused, by name: others, mixture-of-experts, RoPE scaling
+llama.cpp fixes it), gemma3, qwen3moe (its stacked expert tensors read as one matrix an expert,
+views of the file). What is refused, by name: others, other mixtures of experts, RoPE scaling
 other than llama.cpp's frequency factors (and linear scaling of Gemma 3's global layers), partial
 rotary dimensions of the permuted architectures, tensor types outside `SUPPORTED_TYPES`, and
 tensors the decoder has no place for.
@@ -87,6 +88,11 @@ _BLOCK_NAMES = {
 # Per architecture, the block tensors whose names differ from the Llama ones above.
 _ARCH_BLOCK_NAMES = {
     "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    "qwen3moe": {
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "ffn_gate_inp": "mlp.gate",  # the router
+    },
     # fused projections: [q; k; v] rows, and ffn_up holding [gate; up]
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "gemma3": {
@@ -98,6 +104,9 @@ _ARCH_BLOCK_NAMES = {
     },
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# A mixture of experts' stacked projections, (experts, rows, in) each: one Hugging Face tensor
+# per expert (`_ExpertSlice`).
+_EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 
 # llama.cpp's `general.architecture` -> the `models.registry` name. llama.cpp converts Llama 1-3,
 # Mistral and SmolLM to "llama".
@@ -108,6 +117,7 @@ GGUF_ARCHITECTURES = {
     "phi3": "phi3",
     "smollm3": "smollm3",
     "gemma3": "gemma3_text",
+    "qwen3moe": "qwen3_moe",
 }
 # Architectures whose converter permutes q/k rows for GGML's RoPE pairs (`_unpermute`).
 PERMUTED_ARCHITECTURES = ("llama", "smollm3")
@@ -177,6 +187,26 @@ def _gemma3_fields(meta: _Meta, hidden: int, n_heads: int, head_dim: int, n_laye
     )
 
 
+def _moe_fields(meta: _Meta) -> dict:
+    """Qwen3-MoE's experts, as llama.cpp reads them: the router's top-k weights always
+    renormalized (its qwen3moe graph fixes that), no expert weight scale."""
+    a = "qwen3moe."
+    scale = float(meta.get(a + "expert_weights_scale") or 0.0)
+    if scale not in (0.0, 1.0):
+        raise ModelLoadError(f"{meta.path.name}: expert weight scale {scale} is not supported")
+    used = int(meta.require(a + "expert_used_count"))
+    size = meta.get(a + "expert_feed_forward_length")
+    if size is None:  # (llama.cpp's fallback for files without it)
+        size = int(meta.require(a + "feed_forward_length")) // used
+    return dict(
+        qk_norm=True,
+        num_experts=int(meta.require(a + "expert_count")),
+        num_experts_per_tok=used,
+        moe_intermediate_size=int(size),
+        norm_topk_prob=True,
+    )
+
+
 def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
     path = meta.path
     arch = meta.require("general.architecture")
@@ -187,8 +217,11 @@ def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
             "SmolLM and other checkpoints llama.cpp converts to it)"
         )
     a = f"{arch}."
-    if (meta.get(a + "expert_count") or 0) > 0:
-        raise ModelLoadError(f"{path.name}: mixture-of-experts GGUF models are not supported")
+    moe = arch == "qwen3moe"
+    if not moe and (meta.get(a + "expert_count") or 0) > 0:
+        raise ModelLoadError(
+            f"{path.name}: mixture-of-experts {arch} models are not supported (qwen3moe is)"
+        )
     hidden = int(meta.require(a + "embedding_length"))
     n_heads = int(meta.require(a + "attention.head_count"))
     n_kv = int(meta.get(a + "attention.head_count_kv", n_heads))
@@ -234,6 +267,8 @@ def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
     qkv_bias = any(n.endswith((".attn_q.bias", ".attn_qkv.bias")) for n in tensors)
     if arch == "gemma3":
         extra = _gemma3_fields(meta, hidden, n_heads, head_dim, n_layers)
+    elif moe:
+        extra = _moe_fields(meta)
     else:
         extra = {"qk_norm": arch == "qwen3"}
         window = int(meta.get(a + "attention.sliding_window", 0) or 0)
@@ -251,7 +286,11 @@ def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
         num_heads=n_heads,
         num_kv_heads=n_kv,
         head_dim=head_dim,
-        intermediate_size=int(meta.require(a + "feed_forward_length")),
+        intermediate_size=int(
+            meta.get(a + "feed_forward_length", 0)
+            if moe
+            else meta.require(a + "feed_forward_length")
+        ),
         max_position_embeddings=int(meta.require(a + "context_length")),
         rope_theta=float(meta.get(a + "rope.freq_base", 10000.0)),
         rope_freq_factors=freq_factors,
@@ -301,7 +340,9 @@ def _hf_name(gguf_name: str, path: Path, arch: str = "llama") -> str:
     raise ModelLoadError(f"{path.name}: tensor {gguf_name!r} has no place in a {arch} decoder")
 
 
-_PROJECTION_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.weight")
+_PROJECTION_RE = re.compile(
+    r"model\.layers\.(\d+)\.(self_attn|mlp|mlp\.experts\.\d+)\.(\w+_proj)\.weight"
+)
 _FUSED = {
     "q_proj": ("q_proj", "k_proj", "v_proj"),
     "k_proj": ("q_proj", "k_proj", "v_proj"),
@@ -328,6 +369,32 @@ def _dequantize(t: Any, dtype: torch.dtype) -> torch.Tensor:
     if not arr.flags.writeable:  # F32 tensors come back as views of the read-only file map
         arr = arr.copy()
     return torch.from_numpy(arr).to(dtype)
+
+
+class _ExpertSlice:
+    """One expert's (rows, in) matrix of a stacked (experts, rows, in) GGUF tensor, with the
+    reader tensor's attributes this module reads (`tensor_type`, `shape` innermost first, `data`
+    a view of the file's bytes)."""
+
+    def __init__(self, t: Any, expert: int) -> None:
+        self.name = f"{t.name}[{expert}]"
+        self.tensor_type = t.tensor_type
+        self.shape = t.shape[:2]
+        self.data = t.data[expert]
+
+
+def _expert_slices(t: Any, path: Path, arch: str) -> dict[str, _ExpertSlice]:
+    """A stacked expert tensor under its experts' Hugging Face names."""
+    m = _EXPERTS_RE.fullmatch(t.name)
+    if m is None or arch not in _ARCH_BLOCK_NAMES or "ffn_gate_inp" not in _ARCH_BLOCK_NAMES[arch]:
+        raise ModelLoadError(f"{path.name}: tensor {t.name!r} has no place in a {arch} decoder")
+    layer, proj = m.groups()
+    if len(t.shape) != 3 or t.data.shape[0] != int(t.shape[2]):
+        raise ModelLoadError(f"{path.name}: {t.name} is not (experts, rows, in)")
+    return {
+        f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight": _ExpertSlice(t, e)
+        for e in range(int(t.shape[2]))
+    }
 
 
 class GGUFWeights(Mapping[str, torch.Tensor]):
@@ -369,7 +436,10 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
                     f"{path.name}: tensor {t.name} has type {t.tensor_type.name}, which is not "
                     f"supported (supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
                 )
-            self._tensors[_hf_name(t.name, path, arch)] = t
+            if "_exps." in t.name:
+                self._tensors.update(_expert_slices(t, path, arch))
+            else:
+                self._tensors[_hf_name(t.name, path, arch)] = t
         self._unread = self._in_place_names() if in_place else frozenset()
         # When the kernels take every q/k projection's blocks, they take them in the file's
         # order, as views of its pages (reordered, they would be anonymous copies: about a tenth

@@ -1,6 +1,6 @@
 """Loading Hugging Face model directories into their `models.registry` class.
 
-Owns: turning a `config.json` (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, SmolLM, Gemma 3 text
+Owns: turning a `config.json` (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, Phi-3, SmolLM, Gemma 3 text
 and the text half of a multimodal Gemma 3; both the transformers 4 `rope_theta`/`rope_scaling`
 and the transformers 5 `rope_parameters` spellings) into a `ModelConfig`, reading
 `*.safetensors` weights (sharded or not), the EOS ids from config.json, generation_config.json and
@@ -166,7 +166,11 @@ def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int, ...] | Non
     if model_type == "phi3":  # transformers' Phi-3 windows every layer
         return (window,) * n_layers
     types = cfg.get("layer_types")
-    if model_type in ("qwen2", "qwen3", "smollm3") and cfg.get("use_sliding_window") and types:
+    if (
+        model_type in ("qwen2", "qwen3", "qwen3_moe", "smollm3")
+        and cfg.get("use_sliding_window")
+        and types
+    ):
         return tuple(window if t == "sliding_attention" else 0 for t in types)
     return None
 
@@ -179,6 +183,22 @@ def _nope_layers(cfg: dict, n_layers: int) -> tuple[bool, ...]:
         every = int(cfg.get("no_rope_layer_interval") or 4)
         flags = [int((i + 1) % every != 0) for i in range(n_layers)]
     return tuple(not f for f in flags)
+
+
+def _moe_fields(cfg: dict, where: str, n_layers: int) -> dict:
+    """Qwen3-MoE's experts; refused unless every layer's MLP is sparse (as in every published
+    Qwen3-MoE: decoder_sparse_step 1, no mlp_only_layers)."""
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    if step != 1 or dense & set(range(n_layers)):
+        raise ModelLoadError(f"{where}: dense MLP layers among the sparse ones are not supported")
+    return dict(
+        # (transformers 5 writes num_local_experts; the published configs num_experts)
+        num_experts=int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]),
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+    )
 
 
 def text_config(cfg: dict) -> dict:
@@ -221,11 +241,13 @@ def config_from_hf(cfg: dict, name: str, where: str) -> ModelConfig:
         else:
             extra = dict(
                 **_rope(cfg, where, head_dim),
-                qk_norm=model_type == "qwen3",
+                qk_norm=model_type in ("qwen3", "qwen3_moe"),
                 layer_windows=_windows(cfg, model_type, n_layers),
             )
             if model_type == "smollm3":
                 extra["nope_layers"] = _nope_layers(cfg, n_layers)
+            if model_type == "qwen3_moe":
+                extra.update(_moe_fields(cfg, where, n_layers))
             # Mistral's sliding window equals full attention for contexts no longer than the
             # window, so cap the context there instead of computing something else beyond it.
             window = cfg.get("sliding_window")

@@ -542,7 +542,7 @@ class LlamaForCausalLM(nn.Module):
 
         for i, layer in enumerate(self.layers):
             src = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             attn.qkv_proj = packed(
                 attn.qkv_proj,
                 [
@@ -551,15 +551,7 @@ class LlamaForCausalLM(nn.Module):
                 ],
             )
             attn.o_proj = packed(attn.o_proj, [[f"{src}self_attn.o_proj.weight"]])
-            mlp.gate_up_proj = packed(
-                mlp.gate_up_proj,
-                [
-                    [f"{src}mlp.gate_up_proj.weight"],
-                    [f"{src}mlp.{n}_proj.weight" for n in ("gate", "up")],
-                ],
-                gate_up=True,
-            )
-            mlp.down_proj = packed(mlp.down_proj, [[f"{src}mlp.down_proj.weight"]])
+            self.pack_mlp(i, packed)
         tied = self.config.tie_word_embeddings
         # The table's (or the head's) blocks, packed like any projection: a tied head over a
         # GGUF table with int8 activations on AVX2 multiplies the lookup's own rows, where they
@@ -590,6 +582,8 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            if not isinstance(mlp, MLP):  # (a sparse MLP runs layer by layer)
+                return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(isinstance(m, PackedLinear) for m in linears):
                 return None
@@ -630,6 +624,21 @@ class LlamaForCausalLM(nn.Module):
                 out[k] = out.get(k, 0) + mod.weight.numel() * mod.weight.element_size()
         return out
 
+    # -- the MLP's tensors: a family with another MLP (`models.moe`) overrides these three ------
+
+    @classmethod
+    def mlp_weight_names(cls, config: ModelConfig, prefix: str) -> set[str]:
+        """Layer `prefix`'s ("model.layers.N.") MLP tensor names a checkpoint may hold."""
+        return gated_mlp_names(f"{prefix}mlp.")
+
+    def load_mlp(self, layer: int, put: Callable, take: Callable, fused: Callable) -> None:
+        """Load layer `layer`'s MLP with `load_hf_weights`' helpers."""
+        load_gated_mlp(f"model.layers.{layer}.mlp.", f"layers.{layer}.mlp.", put, take, fused)
+
+    def pack_mlp(self, layer: int, packed: Callable) -> None:
+        """Pack layer `layer`'s MLP with `enable_kernels`' `packed`."""
+        pack_gated_mlp(self.layers[layer].mlp, f"model.layers.{layer}.mlp.", packed)
+
     # -- loading -------------------------------------------------------------------------------
 
     @classmethod
@@ -647,7 +656,7 @@ class LlamaForCausalLM(nn.Module):
                 names.update(f"{p}self_attn.{proj}_proj.bias" for proj in ("q", "k", "v", "qkv"))
             if config.qk_norm:
                 names.update(f"{p}self_attn.{n}_norm.weight" for n in "qk")
-            names.update(f"{p}mlp.{proj}_proj.weight" for proj in ("gate", "up", "down", "gate_up"))
+            names.update(cls.mlp_weight_names(config, p))
             names.update(f"{p}{norm}.weight" for norm in cls.layer_class.NORMS)
         return names
 
@@ -709,9 +718,7 @@ class LlamaForCausalLM(nn.Module):
                 put(f"{dst}self_attn.q_norm.weight", norm(f"{attn}q_norm.weight"))
                 put(f"{dst}self_attn.k_norm.weight", norm(f"{attn}k_norm.weight"))
             put(f"{dst}self_attn.o_proj.weight", take(f"{attn}o_proj.weight"))
-            gate_up = [f"{src}mlp.{n}_proj.weight" for n in ("gate", "up")]
-            put(f"{dst}mlp.gate_up_proj.weight", fused(f"{src}mlp.gate_up_proj.weight", gate_up))
-            put(f"{dst}mlp.down_proj.weight", take(f"{src}mlp.down_proj.weight"))
+            self.load_mlp(i, put, take, fused)
             for n in self.layer_class.NORMS:
                 put(f"{dst}{n}.weight", norm(f"{src}{n}.weight"))
         missing = set(params) - loaded
@@ -719,3 +726,29 @@ class LlamaForCausalLM(nn.Module):
             missing.discard("lm_head.weight")
         if missing:
             raise ValueError(f"checkpoint left parameters unset: {sorted(missing)[:5]}")
+
+
+# -- a gated MLP's tensors, under Hugging Face's names below `prefix` ("model.layers.N.mlp.", or an
+# expert's "model.layers.N.mlp.experts.E.") --------------------------------------------------
+
+
+def gated_mlp_names(prefix: str) -> set[str]:
+    """gate/up apart (Llama, Qwen) or fused (Phi-3's gate_up_proj), and down."""
+    return {f"{prefix}{proj}_proj.weight" for proj in ("gate", "up", "down", "gate_up")}
+
+
+def load_gated_mlp(src: str, dst: str, put: Callable, take: Callable, fused: Callable) -> None:
+    """Checkpoint tensors below `src` into the `MLP` parameters below `dst`."""
+    gate_up = [f"{src}{n}_proj.weight" for n in ("gate", "up")]
+    put(f"{dst}gate_up_proj.weight", fused(f"{src}gate_up_proj.weight", gate_up))
+    put(f"{dst}down_proj.weight", take(f"{src}down_proj.weight"))
+
+
+def pack_gated_mlp(mlp: MLP, src: str, packed: Callable) -> None:
+    """`mlp`'s projections packed from the checkpoint tensors below `src`."""
+    mlp.gate_up_proj = packed(
+        mlp.gate_up_proj,
+        [[f"{src}gate_up_proj.weight"], [f"{src}{n}_proj.weight" for n in ("gate", "up")]],
+        gate_up=True,
+    )
+    mlp.down_proj = packed(mlp.down_proj, [[f"{src}down_proj.weight"]])

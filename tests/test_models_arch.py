@@ -1,4 +1,4 @@
-"""Gemma 3, Qwen3, Qwen2, Phi-3 (3.5, 4-mini), SmolLM3 and Llama 3 against transformers' own classes, on tiny random
+"""Gemma 3, Qwen3, Qwen3-MoE, Qwen2, Phi-3 (3.5, 4-mini), SmolLM3 and Llama 3 against transformers' own classes, on tiny random
 configs (nothing downloaded): a random model of each is saved as a Hugging Face directory, and,
 written by the llama.cpp converter's rules, as a GGUF file; both load here and must give
 transformers' logits over a prompt, through a full forward and through the engine (chunked
@@ -146,6 +146,19 @@ def llama3_config():
     return LlamaConfig(**_base(rope_parameters=scaling))
 
 
+def qwen3moe_config():
+    """Qwen3-MoE: 8 experts, 2 a token, every layer sparse; the dense size unused."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        **_base(head_dim=32, tie_word_embeddings=False),
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    )
+
+
 CONFIGS = {
     "gemma3": gemma3_config,
     "qwen3": qwen3_config,
@@ -155,6 +168,7 @@ CONFIGS = {
     "phi3_longrope": phi3_longrope_config,
     "phi4_mini": phi4_mini_config,
     "smollm3": smollm3_config,
+    "qwen3moe": qwen3moe_config,
 }
 LONGROPE = ("phi3_longrope", "phi4_mini")
 
@@ -276,6 +290,9 @@ def test_the_layer_stack_in_one_op_is_the_single_ops_bit_for_bit(checkpoint):
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason() or "no kernels")
     model = load_model(str(path)).model
+    if model.config.num_experts:
+        assert model._plan is None
+        pytest.skip("a sparse MLP runs layer by layer")
     assert model._plan is not None
     c, t = model.config, 20
     ids = torch.tensor(random_ids(t + 1, VOCAB, seed=3))
@@ -323,6 +340,7 @@ _GGUF_ARCH = {
     "phi3": "phi3",
     "phi3_longrope": "phi3",
     "phi4_mini": "phi3",
+    "qwen3moe": "qwen3moe",
 }
 _GGUF_NAMES = {
     "self_attn.q_proj": "attn_q",
@@ -336,6 +354,7 @@ _GGUF_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.gate_up_proj": "ffn_up",  # Phi-3: [gate; up] in one tensor
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # a mixture of experts' router
     "input_layernorm": "attn_norm",
 }
 
@@ -379,6 +398,10 @@ def write_gguf_from_hf(path: Path, arch: str, ref) -> Path:
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if arch == "qwen3moe":
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_key_length(hd)
     w.add_value_length(hd)
     rope = cfg.rope_parameters
@@ -406,6 +429,15 @@ def write_gguf_from_hf(path: Path, arch: str, ref) -> Path:
         arr = t.float().numpy()
         if arch == "gemma3" and name.endswith("norm.weight"):
             arr = arr + 1  # llama.cpp's Gemma converter stores 1 + w
+        if name.endswith("mlp.experts.gate_up_proj"):  # (experts, 2 ff, in): [gate; up]
+            gate, up = np.split(arr, 2, axis=1)
+            prefix = f"blk.{name.split('.')[2]}."
+            w.add_tensor(prefix + "ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            w.add_tensor(prefix + "ffn_up_exps.weight", np.ascontiguousarray(up))
+            continue
+        if name.endswith("mlp.experts.down_proj"):  # (experts, out, in), as the converter stacks them
+            w.add_tensor(f"blk.{name.split('.')[2]}.ffn_down_exps.weight", arr)
+            continue
         if name == "model.embed_tokens.weight":
             gguf = "token_embd.weight"
         elif name == "model.norm.weight":
@@ -635,3 +667,22 @@ def test_a_gemma_vocabulary_without_a_template_chats_in_gemma_turns():
     )
     # other vocabularies without a template still have none
     assert HFTokenizer(byte_level_tokenizer()).chat_template is None
+
+
+def test_moe_rows_do_not_depend_on_the_batch(checkpoint):
+    """A token's sparse-MLP output is the same bits alone as in any batch: its experts' rows,
+    weighted and summed in expert order, whoever else the step's experts serve."""
+    name, path, _ = checkpoint
+    if name != "qwen3moe":
+        pytest.skip("mixture of experts only")
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason() or "no kernels")
+    mlp = load_model(str(path)).model.layers[1].mlp
+    x = torch.randn(13, mlp.gate.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        experts, _ = mlp.route(x)
+        assert len(set(experts.flatten().tolist())) > mlp.top_k  # rows share and differ
+        batch = mlp(x)
+        for i in range(len(x)):
+            assert torch.equal(mlp(x[i : i + 1]), batch[i : i + 1])
+        assert torch.equal(mlp(x[3:9]), batch[3:9])

@@ -1,0 +1,110 @@
+"""Mixture-of-experts decoders: Qwen3-MoE (Qwen3-30B-A3B, Qwen3-Coder-30B-A3B, Qwen3-235B-A22B).
+
+Owns: the sparse MLP (`SparseMoeBlock`: a router scoring every expert, the top k per token, each
+expert a gated MLP of `moe_intermediate_size`), its decoder class and what differs in its tensor
+names and packing. Attention, norms, RoPE and the engine are the Llama decoder's (`models.llama`).
+
+Tokens are grouped by expert: each expert that has tokens in the step multiplies just their rows
+(the kernels' packed projections, each expert's blocks where they lie in the file), so a step
+reads the weights of the experts its tokens chose, not all of them. A token's output is its
+experts' outputs, weighted, summed in expert order whatever else is in the batch, and the router
+runs as float32 panels (batch-invariant, where a float GEMM's blocking may change with the
+batch's size): a row's result does not depend on the batch it is in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from models.config import ModelConfig
+from models.llama import (
+    MLP,
+    DecoderLayer,
+    Linear,
+    LlamaForCausalLM,
+    PackedLinear,
+    gated_mlp_names,
+    load_gated_mlp,
+    pack_gated_mlp,
+)
+from models.quant import F32, pack, quantize
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of a mixture-of-experts layer (Hugging Face's names: `gate` the router,
+    `experts.{e}` the gated MLPs)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = Linear(config.hidden_size, self.num_experts, bias=False)
+        expert = replace(config, intermediate_size=config.moe_intermediate_size)
+        self.experts = nn.ModuleList(MLP(expert) for _ in range(self.num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, k) expert ids and their weights: softmax over every expert's score, the k best."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x (T, d) -> the experts' weighted sum (T, d), plus `residual` when given."""
+        experts, weights = self.route(x)
+        flat = experts.reshape(-1)
+        # (token, slot) pairs grouped by expert: stable, so an expert's tokens keep their order
+        order = torch.argsort(flat, stable=True)
+        tokens = order // self.top_k
+        pair_weights = weights.reshape(-1, 1)[order]
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = tokens[start : start + n]
+            h = self.experts[e](x.index_select(0, rows))
+            out.index_add_(0, rows, h * pair_weights[start : start + n])
+            start += n
+        return out if residual is None else residual + out
+
+
+class MoeDecoderLayer(DecoderLayer):
+    """The Llama layer with a sparse MLP."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+        super().__init__(config, layer)
+        self.mlp = SparseMoeBlock(config)
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """Qwen3-MoE: Qwen3's attention (QK-norm) with a sparse MLP in every layer."""
+
+    layer_class = MoeDecoderLayer
+
+    @classmethod
+    def mlp_weight_names(cls, config: ModelConfig, prefix: str) -> set[str]:
+        names = {f"{prefix}mlp.gate.weight"}
+        for e in range(config.num_experts):
+            names |= gated_mlp_names(f"{prefix}mlp.experts.{e}.")
+        return names
+
+    def load_mlp(self, layer: int, put: Callable, take: Callable, fused: Callable) -> None:
+        src, dst = f"model.layers.{layer}.mlp.", f"layers.{layer}.mlp."
+        put(f"{dst}gate.weight", take(f"{src}gate.weight"))
+        for e in range(self.config.num_experts):
+            load_gated_mlp(f"{src}experts.{e}.", f"{dst}experts.{e}.", put, take, fused)
+
+    def pack_mlp(self, layer: int, packed: Callable) -> None:
+        mlp: SparseMoeBlock = self.layers[layer].mlp
+        if not isinstance(mlp.gate, PackedLinear):
+            # the router in float32 panels whatever the scheme: its scores pick the experts
+            mlp.gate = PackedLinear(pack(quantize(mlp.gate.weight.float(), F32)), None)
+        for e, expert in enumerate(mlp.experts):
+            pack_gated_mlp(expert, f"model.layers.{layer}.mlp.experts.{e}.", packed)
