@@ -435,7 +435,7 @@ def write_gguf_from_hf(path: Path, arch: str, ref) -> Path:
             w.add_tensor(prefix + "ffn_gate_exps.weight", np.ascontiguousarray(gate))
             w.add_tensor(prefix + "ffn_up_exps.weight", np.ascontiguousarray(up))
             continue
-        if name.endswith("mlp.experts.down_proj"):  # (experts, out, in), as the converter stacks them
+        if name.endswith("mlp.experts.down_proj"):  # (experts, out, in), stacked as converted
             w.add_tensor(f"blk.{name.split('.')[2]}.ffn_down_exps.weight", arr)
             continue
         if name == "model.embed_tokens.weight":
