@@ -119,6 +119,8 @@ GGUF_ARCHITECTURES = {
     "gemma3": "gemma3_text",
     "qwen3moe": "qwen3_moe",
 }
+# Mixtures of experts: their MLP tensors are a router and the experts' stacked projections.
+MOE_ARCHITECTURES = ("qwen3moe",)
 # Architectures whose converter permutes q/k rows for GGML's RoPE pairs (`_unpermute`).
 PERMUTED_ARCHITECTURES = ("llama", "smollm3")
 # llama.cpp's SmolLM3: every fourth layer has no RoPE (a constant there, not a file key).
@@ -217,7 +219,7 @@ def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
             "SmolLM and other checkpoints llama.cpp converts to it)"
         )
     a = f"{arch}."
-    moe = arch == "qwen3moe"
+    moe = arch in MOE_ARCHITECTURES
     if not moe and (meta.get(a + "expert_count") or 0) > 0:
         raise ModelLoadError(
             f"{path.name}: mixture-of-experts {arch} models are not supported (qwen3moe is)"
@@ -386,7 +388,7 @@ class _ExpertSlice:
 def _expert_slices(t: Any, path: Path, arch: str) -> dict[str, _ExpertSlice]:
     """A stacked expert tensor under its experts' Hugging Face names."""
     m = _EXPERTS_RE.fullmatch(t.name)
-    if m is None or arch not in _ARCH_BLOCK_NAMES or "ffn_gate_inp" not in _ARCH_BLOCK_NAMES[arch]:
+    if m is None or arch not in MOE_ARCHITECTURES:
         raise ModelLoadError(f"{path.name}: tensor {t.name!r} has no place in a {arch} decoder")
     layer, proj = m.groups()
     if len(t.shape) != 3 or t.data.shape[0] != int(t.shape[2]):

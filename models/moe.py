@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from models import ops
 from models.config import ModelConfig
 from models.llama import (
     MLP,
@@ -31,7 +33,51 @@ from models.llama import (
     load_gated_mlp,
     pack_gated_mlp,
 )
+from models.ops import Act, Kind
 from models.quant import F32, pack, quantize
+
+
+class FusedExperts(NamedTuple):
+    """`ops.moe_experts`' weight arguments: every expert's GGUF rows in one file map."""
+
+    qs: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_index: torch.Tensor
+    down: torch.Tensor
+    down_index: torch.Tensor
+    out_features: int
+    kind: int
+    act: int
+
+
+def _fuse(experts: list[MLP]) -> FusedExperts | None:
+    """The experts' packed projections as one op's tables, or None unless all are GGUF rows of
+    one kind in one storage (a GGUF file's map; the tables' offsets are then into all of it)."""
+    linears = [m for e in experts for m in (e.gate_up_proj, e.down_proj)]
+    if not all(isinstance(m, PackedLinear) and m.bias is None for m in linears):
+        return None
+    kinds = {m.packed.kind for m in linears}
+    storage = linears[0].packed.qs.untyped_storage()
+    if len(kinds) != 1 or kinds & {Kind.GGML, Kind.GGML_A8} != kinds:
+        return None
+    if any(m.packed.qs.untyped_storage().data_ptr() != storage.data_ptr() for m in linears):
+        return None
+    base = torch.empty(0, dtype=torch.uint8).set_(storage)
+
+    def table(ms: list[PackedLinear]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = []
+        for m in ms:
+            t = m.packed.m.clone()
+            t[:, 2] += m.packed.qs.data_ptr() - base.data_ptr()  # offsets into the whole map
+            rows.append(t)
+        index = torch.tensor([0] + [len(t) for t in rows]).cumsum(0)
+        return torch.cat(rows), index
+
+    gate_up, gate_up_index = table([e.gate_up_proj for e in experts])
+    down, down_index = table([e.down_proj for e in experts])
+    act = Act.GELU_MUL if experts[0].gelu else Act.SILU_MUL
+    out = experts[0].down_proj.out_features
+    return FusedExperts(base, gate_up, gate_up_index, down, down_index, out, kinds.pop(), act)
 
 
 class SparseMoeBlock(nn.Module):
@@ -45,6 +91,11 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(config.hidden_size, self.num_experts, bias=False)
         expert = replace(config, intermediate_size=config.moe_intermediate_size)
         self.experts = nn.ModuleList(MLP(expert) for _ in range(self.num_experts))
+        self.fused: FusedExperts | None = None  # set by `fuse` once the experts are packed
+
+    def fuse(self) -> None:
+        """Run the experts as one op (`ops.moe_experts`) where their packed weights allow."""
+        self.fused = _fuse(list(self.experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, k) expert ids and their weights: softmax over every expert's score, the k best."""
@@ -57,6 +108,9 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x (T, d) -> the experts' weighted sum (T, d), plus `residual` when given."""
         experts, weights = self.route(x)
+        if self.fused is not None and x.dtype == torch.float32:
+            out = ops.moe_experts(x, experts, weights, *self.fused)
+            return out if residual is None else residual + out
         flat = experts.reshape(-1)
         # (token, slot) pairs grouped by expert: stable, so an expert's tokens keep their order
         order = torch.argsort(flat, stable=True)
@@ -108,3 +162,4 @@ class MoeForCausalLM(LlamaForCausalLM):
             mlp.gate = PackedLinear(pack(quantize(mlp.gate.weight.float(), F32)), None)
         for e, expert in enumerate(mlp.experts):
             pack_gated_mlp(expert, f"model.layers.{layer}.mlp.experts.{e}.", packed)
+        mlp.fuse()

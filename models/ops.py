@@ -45,6 +45,7 @@ _NAMES = (
     "packed_linear",
     "ggml_linear",
     "ggml_rows",
+    "moe_experts",
     "rms_norm",
     "head_rms_norm",
     "argmax_rows",
@@ -85,6 +86,7 @@ _unloaded = {name: _stub(name) for name in _NAMES}
 _packed_linear = _unloaded["packed_linear"]
 _ggml_linear = _unloaded["ggml_linear"]
 _ggml_rows = _unloaded["ggml_rows"]
+_moe_experts = _unloaded["moe_experts"]
 _rms_norm = _unloaded["rms_norm"]
 _head_rms_norm = _unloaded["head_rms_norm"]
 _argmax_rows = _unloaded["argmax_rows"]
@@ -140,6 +142,30 @@ def ggml_rows(qs: torch.Tensor, ggml_type: int, k: int, ids: torch.Tensor) -> to
     """Rows `ids` (any shape) of an embedding table of GGUF blocks of `ggml_type` with `k` values a
     row, decoded to float32 as gguf's dequantize does: ids.shape + (k,)."""
     return _ggml_rows(qs, ggml_type, k, ids)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    qs: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_index: torch.Tensor,
+    down: torch.Tensor,
+    down_index: torch.Tensor,
+    out_features: int,
+    kind: int,
+    act: int = Act.SILU_MUL,
+) -> torch.Tensor:
+    """A mixture of experts' MLP outputs (T, d) for x (T, K): per token, the sum over its experts
+    (`experts` (T, k) int64 ids, `weights` (T, k) float32) of weight x down(act(gate) * up) of its
+    row. Every expert's weights are GGUF rows of `qs`: expert e's gate/up parts are rows
+    gate_up_index[e]:gate_up_index[e + 1] of the (parts, 3) table `gate_up` (`ggml_linear`'s `m`
+    rows, gate then up), its down projection's likewise (`out_features` rows: d); `kind`
+    Kind.GGML or Kind.GGML_A8."""
+    return _moe_experts(
+        x, experts, weights, qs, gate_up, gate_up_index, down, down_index, out_features, kind, act
+    )
 
 
 def rms_norm(
@@ -315,6 +341,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("cbserve::ggml_rows")
     def _(qs, typ, K, ids):  # noqa: N803
         return torch.empty((*ids.shape, K), dtype=torch.float32, device=qs.device)
+
+    @torch.library.register_fake("cbserve::moe_experts")
+    def _(x, experts, weights, qs, gate_up, gate_up_index, down, down_index, out_features, *_):
+        return x.new_empty((x.shape[0], out_features))
 
     @torch.library.register_fake("cbserve::rms_norm")
     def _(x, w, eps, residual=None):

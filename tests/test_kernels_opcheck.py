@@ -33,6 +33,7 @@ def test_every_op_in_the_library_is_wrapped_and_checked_here():
         "packed_linear",
         "ggml_linear",
         "ggml_rows",
+        "moe_experts",
         "rms_norm",
         "head_rms_norm",
         "argmax_rows",
@@ -102,6 +103,17 @@ def test_ggml_linear_opcheck(int8, act):
         act,
     )
     torch.library.opcheck(OP["ggml_linear"], args)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_moe_experts_opcheck(int8):
+    from test_moe_kernel import moe_weights, routes
+
+    fused, _ = moe_weights(4, 256, 256, 256, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
+    ids, weights = routes(3, 4, 2, seed=0)
+    kind = ops.Kind.GGML_A8 if int8 else ops.Kind.GGML
+    args = (torch.randn(3, 256), ids, weights, *fused, kind, ops.Act.SILU_MUL)
+    torch.library.opcheck(OP["moe_experts"], args)
 
 
 def test_ggml_rows_opcheck():

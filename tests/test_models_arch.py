@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 
 from engine import ContinuousBatchEngine, Request, SamplingParams
@@ -373,8 +374,10 @@ def _gguf_block_name(arch: str, hf: str) -> str:
     return _GGUF_NAMES[hf]
 
 
-def write_gguf_from_hf(path: Path, arch: str, ref) -> Path:
-    """`ref`'s weights as a float32 GGUF of `arch` with the byte-level tokenizer."""
+def write_gguf_from_hf(path: Path, arch: str, ref, experts_q8_0: bool = False) -> Path:
+    """`ref`'s weights as a float32 GGUF of `arch` with the byte-level tokenizer; with
+    `experts_q8_0`, a mixture of experts' stacked expert tensors in Q8_0."""
+    from gguf.quants import quantize as gguf_quantize
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     cfg = ref.config
@@ -423,6 +426,14 @@ def write_gguf_from_hf(path: Path, arch: str, ref) -> Path:
         for kind in ("long", "short"):
             values = np.array(rope[f"{kind}_factor"], dtype=np.float32)
             w.add_tensor(f"rope_factors_{kind}.weight", values)
+
+    def add_experts(name: str, arr: np.ndarray) -> None:
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if experts_q8_0:
+            w.add_tensor(name, gguf_quantize(arr, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            w.add_tensor(name, arr)
+
     for name, t in ref.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -432,11 +443,11 @@ def write_gguf_from_hf(path: Path, arch: str, ref) -> Path:
         if name.endswith("mlp.experts.gate_up_proj"):  # (experts, 2 ff, in): [gate; up]
             gate, up = np.split(arr, 2, axis=1)
             prefix = f"blk.{name.split('.')[2]}."
-            w.add_tensor(prefix + "ffn_gate_exps.weight", np.ascontiguousarray(gate))
-            w.add_tensor(prefix + "ffn_up_exps.weight", np.ascontiguousarray(up))
+            add_experts(prefix + "ffn_gate_exps.weight", gate)
+            add_experts(prefix + "ffn_up_exps.weight", up)
             continue
         if name.endswith("mlp.experts.down_proj"):  # (experts, out, in), stacked as converted
-            w.add_tensor(f"blk.{name.split('.')[2]}.ffn_down_exps.weight", arr)
+            add_experts(f"blk.{name.split('.')[2]}.ffn_down_exps.weight", arr)
             continue
         if name == "model.embed_tokens.weight":
             gguf = "token_embd.weight"
@@ -686,3 +697,26 @@ def test_moe_rows_do_not_depend_on_the_batch(checkpoint):
         for i in range(len(x)):
             assert torch.equal(mlp(x[i : i + 1]), batch[i : i + 1])
         assert torch.equal(mlp(x[3:9]), batch[3:9])
+
+
+def test_moe_experts_in_a_quantized_file_run_as_one_op(checkpoint, tmp_path, monkeypatch):
+    """Experts stored in a block format run through `ops.moe_experts`; the model's logits are
+    those of the same experts run one at a time (the sparse MLP's torch loop over the packed
+    projections), and near transformers' (Q8_0 rounding)."""
+    name, _, ref = checkpoint
+    if name != "qwen3moe":
+        pytest.skip("mixture of experts only")
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason() or "no kernels")
+    monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))
+    path = write_gguf_from_hf(tmp_path / "q8.gguf", "qwen3moe", ref, experts_q8_0=True)
+    lm = load_model(str(path))
+    mlps = [layer.mlp for layer in lm.model.layers]
+    assert all(m.fused is not None for m in mlps)
+    ids = random_ids(24, VOCAB, seed=5)
+    fused = our_logits(lm, ids)
+    for m in mlps:
+        monkeypatch.setattr(m, "fused", None)
+    one_by_one = our_logits(lm, ids)
+    torch.testing.assert_close(fused, one_by_one, rtol=1e-5, atol=1e-5)
+    assert (fused - hf_logits(ref, ids)).abs().max().item() < 0.02

@@ -166,6 +166,82 @@ inline void gated_row(int64_t act, const float* g, const float* u, int64_t n, fl
   }
 }
 
+}  // namespace
+
+Weight::Weight(const int64_t* table, int64_t P, const uint8_t* base, int64_t base_bytes, int64_t K, bool int8,
+               const char* op) {
+  for (int64_t i = 0; i < P; ++i) {
+    const int64_t* row = table + 3 * i;
+    const int64_t type = row[0], bb = block_bytes(type), bv = block_values(type);
+    TORCH_CHECK(bb > 0, op, ": unsupported ggml type ", type);
+    TORCH_CHECK(K % bv == 0, op, ": in_features ", K, " is not a multiple of ", bv);
+    const Part p{type, N, row[1], K / bv * bb, K / bv, base + row[2]};
+    TORCH_CHECK(row[1] >= 0 && row[2] >= 0 && row[2] + p.rows * p.row_bytes <= base_bytes, op, ": part ", i,
+                " lies outside qs");
+    (k_family(type) ? need256 : need32) = true;
+    parts.push_back(p);
+    tiles.push_back(tile_for(type, int8));
+    N += p.rows;
+  }
+}
+
+void Weight::gated(int64_t c, int64_t w, const Acts& a, int64_t M, int64_t act, const float* bias, float* out,
+                   int64_t ldo) const {
+  const int64_t F = N / 2, ld = 2 * w;
+  // (its own buffer: the tiles use `scratch` for their unpacked weights)
+  static thread_local std::vector<float> results;
+  if (results.size() < static_cast<size_t>(M * ld)) results.resize(M * ld);
+  float* buf = results.data();
+  // (the buffer's column j holds output c + j, then F + c + j: the tiles add the absolute output
+  // index to the base they are given)
+  outputs(c, c + w, a, M, buf - c, ld);
+  outputs(F + c, F + c + w, a, M, buf + w - (F + c), ld);
+  for (int64_t m = 0; m < M; ++m) {
+    float* g = buf + m * ld;
+    float* u = g + w;
+    if (bias)
+      for (int64_t j = 0; j < w; ++j) {
+        g[j] += bias[c + j];
+        u[j] += bias[F + c + j];
+      }
+    gated_row(act, g, u, w, out + m * ldo + c);
+  }
+}
+
+QuantizedRows::QuantizedRows(const float* x, int64_t M, int64_t K, bool int8, bool need32, bool need256)
+    : acts{x, K, nullptr, 0, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr} {
+  if (!int8) return;
+  const int64_t nb32 = b32_groups(K / 32) * 8;  // zero blocks pad rows to whole groups of 8
+  if (need32) {
+    q32.assign(M * nb32 * 32, 0);
+    d32.assign(M * nb32, 0.f);
+    i32.assign(M * nb32, 0);
+    s32.assign(M * nb32, 0.f);
+  }
+  if (need256) { q256.resize(M * K); d256.resize(M * K / 256); bs16.resize(M * K / 16); }
+  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 14) / K), [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      if (need32)
+        quantize32(x + r * K, K, q32.data() + r * nb32 * 32, d32.data() + r * nb32, i32.data() + r * nb32,
+                   s32.data() + r * nb32);
+      if (need256)
+        quantize256(x + r * K, K, q256.data() + r * K, d256.data() + r * K / 256, bs16.data() + r * K / 16);
+    }
+  });
+  acts = Acts{x, K, q32.data(), nb32, d32.data(), i32.data(), s32.data(), q256.data(), d256.data(), bs16.data()};
+}
+
+Acts QuantizedRows::from_row(int64_t r) const {
+  Acts a = acts;
+  const int64_t K = a.K;
+  a.x += r * K;
+  if (a.q32) { a.q32 += r * a.nb32 * 32; a.d32 += r * a.nb32; a.i32 += r * a.nb32; a.s32 += r * a.nb32; }
+  if (a.q256) { a.q256 += r * K; a.d256 += r * K / 256; a.bs16 += r * K / 16; }
+  return a;
+}
+
+namespace {
+
 // parts: (P, 3) int64 rows [ggml type, rows, byte offset into qs]; their rows are the outputs in
 // order. `d` is unused (the scales live in the blocks); kept so the schema is packed_linear's.
 at::Tensor ggml_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::optional<at::Tensor>& d_,
@@ -182,25 +258,9 @@ at::Tensor ggml_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::op
   at::Tensor pt = parts_->contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   const bool int8 = kind == GGML_A8;
-  const uint8_t* base = qs.data_ptr<uint8_t>();
-  std::vector<Part> parts;
-  std::vector<TileFn> tiles;
-  int64_t n0 = 0;
-  bool need32 = false, need256 = false;
-  for (int64_t i = 0; i < pt.size(0); ++i) {
-    const int64_t* row = pt.data_ptr<int64_t>() + 3 * i;
-    const int64_t type = row[0], bb = block_bytes(type), bv = block_values(type);
-    TORCH_CHECK(bb > 0, "ggml_linear: unsupported ggml type ", type);
-    TORCH_CHECK(K % bv == 0, "ggml_linear: in_features ", K, " is not a multiple of ", bv);
-    const Part p{type, n0, row[1], K / bv * bb, K / bv, base + row[2]};
-    TORCH_CHECK(row[2] >= 0 && row[2] + p.rows * p.row_bytes <= qs.numel(), "ggml_linear: part ", i,
-                " lies outside qs");
-    (k_family(type) ? need256 : need32) = true;
-    parts.push_back(p);
-    tiles.push_back(tile_for(type, int8));
-    n0 += p.rows;
-  }
-  TORCH_CHECK(n0 == N, "ggml_linear: the parts hold ", n0, " rows, not N = ", N);
+  const Weight weight(pt.data_ptr<int64_t>(), pt.size(0), qs.data_ptr<uint8_t>(), qs.numel(), K, int8,
+                      "ggml_linear");
+  TORCH_CHECK(weight.N == N, "ggml_linear: the parts hold ", weight.N, " rows, not N = ", N);
   const int64_t out_n = cbserve::act_outputs(act, N, "ggml_linear");
   at::Tensor out = cbserve::output_matrix(M, out_n, x.options());
   if (M == 0) return out;
@@ -214,48 +274,15 @@ at::Tensor ggml_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::op
     TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.size(0) == M && residual.size(1) == N,
                 "residual must be (M, N) float32");
   }
-  const float* xp = x.data_ptr<float>();
-  Acts acts{xp, K, nullptr, 0, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
-  std::vector<int8_t> q32, q256;
-  std::vector<float> d32, s32, d256;
-  std::vector<int32_t> i32;
-  std::vector<int16_t> bs16;
-  if (int8) {
-    const int64_t nb32 = b32_groups(K / 32) * 8;  // zero blocks pad rows to whole groups of 8
-    if (need32) {
-      q32.assign(M * nb32 * 32, 0);
-      d32.assign(M * nb32, 0.f);
-      i32.assign(M * nb32, 0);
-      s32.assign(M * nb32, 0.f);
-    }
-    if (need256) { q256.resize(M * K); d256.resize(M * K / 256); bs16.resize(M * K / 16); }
-    at::parallel_for(0, M, std::max<int64_t>(1, (1 << 14) / K), [&](int64_t a, int64_t b) {
-      for (int64_t r = a; r < b; ++r) {
-        if (need32)
-          quantize32(xp + r * K, K, q32.data() + r * nb32 * 32, d32.data() + r * nb32, i32.data() + r * nb32,
-                     s32.data() + r * nb32);
-        if (need256)
-          quantize256(xp + r * K, K, q256.data() + r * K, d256.data() + r * K / 256, bs16.data() + r * K / 16);
-      }
-    });
-    acts = Acts{xp, K, q32.data(), nb32, d32.data(), i32.data(), s32.data(), q256.data(), d256.data(), bs16.data()};
-  }
+  const QuantizedRows rows(x.data_ptr<float>(), M, K, int8, weight.need32, weight.need256);
+  const Acts& acts = rows.acts;
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  // Outputs [c0, c1) of every activation row into y[m * ldy + n] (y addressed by absolute output
-  // index n): each part's share of the range is that part family's tile.
-  auto outputs = [&](int64_t c0, int64_t c1, float* y, int64_t ldy) {
-    for (size_t i = 0; i < parts.size(); ++i) {
-      const Part& p = parts[i];
-      const int64_t a = std::max(c0, p.n0), b = std::min(c1, p.n0 + p.rows);
-      if (a < b) tiles[i](p, a, b, acts, M, y, ldy);
-    }
-  };
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * K));
   if (act == NONE) {  // straight to `out`, with bias and residual
     float* yp = out.data_ptr<float>();
     const float* rp = residual.defined() ? residual.data_ptr<float>() : nullptr;
     at::parallel_for(0, N, grain, [&](int64_t c0, int64_t c1) {
-      outputs(c0, c1, yp, N);
+      weight.outputs(c0, c1, acts, M, yp, N);
       if (bp || rp)
         for (int64_t m = 0; m < M; ++m)
           for (int64_t n = c0; n < c1; ++n) {
@@ -268,36 +295,11 @@ at::Tensor ggml_linear(const at::Tensor& x_, const at::Tensor& qs, const c10::op
     return out;
   }
   // [gate; up] rows: out = act(gate) * up. A thread takes gate rows [f0, f1) and the up rows
-  // paired with them, a chunk of w at a time: both halves' results for every activation row go to
-  // a per-thread buffer small enough to stay in L2 (M x 2w floats, ~256 KB), and the epilogue
-  // reads them there. (A (M, N) float matrix of results, written whole and read back, is 64 MB
-  // for a 1B model's 1,024-token prefill: DRAM traffic the size of the multiply's own time.)
-  const int64_t F = N / 2;
-  const int64_t chunk = std::max<int64_t>(16, ((int64_t(1) << 15) / M) & ~int64_t(15));
+  // paired with them, `gated_chunk` outputs at a time (see `Weight::gated`).
+  const int64_t F = N / 2, chunk = gated_chunk(M);
   float* op = out.data_ptr<float>();
   at::parallel_for(0, F, std::max<int64_t>(1, grain / 2), [&](int64_t f0, int64_t f1) {
-    const int64_t cw = std::min(chunk, f1 - f0);
-    // (its own buffer: the tiles use `scratch` for their unpacked weights)
-    static thread_local std::vector<float> results;
-    if (results.size() < static_cast<size_t>(M * 2 * cw)) results.resize(M * 2 * cw);
-    float* buf = results.data();
-    for (int64_t c = f0; c < f1; c += cw) {
-      const int64_t w = std::min(cw, f1 - c), ld = 2 * w;
-      // (the buffer's column j holds output c + j, then F + c + j: the tiles add the absolute
-      // output index to the base they are given)
-      outputs(c, c + w, buf - c, ld);
-      outputs(F + c, F + c + w, buf + w - (F + c), ld);
-      for (int64_t m = 0; m < M; ++m) {
-        float* g = buf + m * ld;
-        float* u = g + w;
-        if (bp)
-          for (int64_t j = 0; j < w; ++j) {
-            g[j] += bp[c + j];
-            u[j] += bp[F + c + j];
-          }
-        gated_row(act, g, u, w, op + m * F + c);
-      }
-    }
+    for (int64_t c = f0; c < f1; c += chunk) weight.gated(c, std::min(chunk, f1 - c), acts, M, act, bp, op, F);
   });
   return out;
 }

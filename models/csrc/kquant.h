@@ -346,6 +346,52 @@ struct Part {
 // y[m * ldy + n]. One thread's share of a call; may keep per-thread scratch.
 using TileFn = void (*)(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy);
 
+// -- what kquant.cpp's ops share (ggml_linear, and moe.cpp's experts) ---------------------------
+
+// A weight of GGUF rows: its parts from a (P, 3) int64 table of rows [ggml type, rows, byte offset
+// into `base`], each with its family's tile. `need32` / `need256`: which int8 activation forms its
+// parts read.
+struct Weight {
+  std::vector<Part> parts;
+  std::vector<TileFn> tiles;
+  int64_t N = 0;
+  bool need32 = false, need256 = false;
+  Weight(const int64_t* table, int64_t P, const uint8_t* base, int64_t base_bytes, int64_t K, bool int8,
+         const char* op);
+  // Outputs [c0, c1) of every one of the M activation rows into y[m * ldy + n] (y addressed by the
+  // absolute output index n): each part's share of the range is that part family's tile.
+  void outputs(int64_t c0, int64_t c1, const Acts& a, int64_t M, float* y, int64_t ldy) const {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const Part& p = parts[i];
+      const int64_t lo = std::max(c0, p.n0), hi = std::min(c1, p.n0 + p.rows);
+      if (lo < hi) tiles[i](p, lo, hi, a, M, y, ldy);
+    }
+  }
+  // A [gate; up] weight (N = 2F rows): out[m * ldo + c + j] = act(gate + bias) * (up + bias) for
+  // gate outputs c + j, j < w (<= gated_chunk(M)), and the up outputs F + c + j. Both halves'
+  // results go to a per-thread buffer small enough to stay in L2 (M x 2w floats, ~256 KB) where
+  // the epilogue reads them. (A (M, N) float matrix of results, written whole and read back, is
+  // 64 MB for a 1B model's 1,024-token prefill: DRAM traffic the size of the multiply's own time.)
+  void gated(int64_t c, int64_t w, const Acts& a, int64_t M, int64_t act, const float* bias, float* out,
+             int64_t ldo) const;
+};
+
+// The gate outputs `Weight::gated` takes at a time for M activation rows.
+inline int64_t gated_chunk(int64_t M) { return std::max<int64_t>(16, ((int64_t(1) << 15) / M) & ~int64_t(15)); }
+
+// M rows of activations (K values each) as the tiles take them: the float rows, and with `int8`
+// their int8 forms (per 32 and / or per 256, as `need32` / `need256` ask), owning those buffers.
+struct QuantizedRows {
+  std::vector<int8_t> q32, q256;
+  std::vector<float> d32, s32, d256;
+  std::vector<int32_t> i32;
+  std::vector<int16_t> bs16;
+  Acts acts;
+  QuantizedRows(const float* x, int64_t M, int64_t K, bool int8, bool need32, bool need256);
+  // The activations from row r on (a group of rows a call multiplies on their own).
+  Acts from_row(int64_t r) const;
+};
+
 // The families' tiles for int8 activations (the float32 path is kquant.cpp's).
 TileFn tile_b32_a8(int64_t type);  // kquant_b32.cpp
 TileFn tile_k_a8(int64_t type);    // kquant_k.cpp

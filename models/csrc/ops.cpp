@@ -38,6 +38,13 @@ TORCH_LIBRARY(cbserve, m) {
   m.def(
       "ggml_linear(Tensor x, Tensor qs, Tensor? d, Tensor? m, int kind, int N, Tensor? bias, "
       "Tensor? residual, int act) -> Tensor");
+  // A mixture of experts' experts: for each token (row of x) the sum over its k experts (ids in
+  // `experts`, (T, k)) of weight x down(act(gate) * up) of x, each expert's gate_up and down
+  // weights GGUF rows of `qs` listed by rows [gate_up_index[e], gate_up_index[e + 1]) of the
+  // (parts, 3) table `gate_up` (and likewise `down`, out_features rows each); kind GGML or GGML_A8.
+  m.def(
+      "moe_experts(Tensor x, Tensor experts, Tensor weights, Tensor qs, Tensor gate_up, Tensor gate_up_index, "
+      "Tensor down, Tensor down_index, int out_features, int kind, int act) -> Tensor");
   // Rows `ids` of an embedding table of GGUF blocks of `type`, K values a row, as float32.
   m.def("ggml_rows(Tensor qs, int type, int K, Tensor ids) -> Tensor");
   // x / rms(x) * w per row, plus `residual` when given (a branch normed before it joins the stream).
@@ -71,6 +78,7 @@ TORCH_LIBRARY_IMPL(cbserve, CPU, m) {
   m.impl("packed_linear", &cbserve::packed_linear);
   m.impl("ggml_linear", &cbserve::ggml_linear);
   m.impl("ggml_rows", &cbserve::ggml_rows);
+  m.impl("moe_experts", &cbserve::moe_experts);
   m.impl("rms_norm", &cbserve::rms_norm);
   m.impl("head_rms_norm", &cbserve::head_rms_norm);
   m.impl("argmax_rows", &cbserve::argmax_rows);

@@ -35,6 +35,10 @@ at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& qs, const c10::opt
                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
                        int64_t act);
 at::Tensor ggml_rows(const at::Tensor& qs, int64_t type, int64_t K, const at::Tensor& ids);
+// A mixture of experts' experts over GGUF rows (moe.cpp): see its schema in ops.cpp.
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights, const at::Tensor& qs,
+                       const at::Tensor& gate_up, const at::Tensor& gate_up_index, const at::Tensor& down,
+                       const at::Tensor& down_index, int64_t out_features, int64_t kind, int64_t act);
 
 // A linear's (M, N) float32 result (misc.cpp): large ones reuse one buffer that no earlier result
 // still holds, so a result stays valid for as long as it is referenced.

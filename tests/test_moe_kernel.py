@@ -1,0 +1,136 @@
+"""`ops.moe_experts` (models/csrc/moe.cpp), a mixture of experts' experts in one op, against the
+same experts one at a time through `ggml_linear` (the arithmetic it must repeat, up to the last
+multiply-add's rounding) and against the float reference of their blocks (gguf's dequantize);
+a token's result alone and in any batch, bit for bit; bad tables refused. (Its opcheck:
+tests/test_kernels_opcheck.py; the Qwen3-MoE model around it: tests/test_models_arch.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from test_kquant import random_rows
+
+from models import kernels, ops
+from models.ops import Act, Kind
+from models.quant import GGMLTensor
+
+pytestmark = pytest.mark.skipif(
+    not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"
+)
+
+
+def moe_weights(n_experts: int, k: int, f: int, d: int, up_type: Q, down_type: Q, seed: int = 0):
+    """Every expert's [gate; up] (2f x k) and down (d x f) GGUF rows in one byte tensor, as a
+    file map holds them, and `ops.moe_experts`' tables; with each expert's GGMLTensors."""
+    raws, tables, experts, offset = [], {"gate_up": [], "down": []}, [], 0
+    for e in range(n_experts):
+        gate = random_rows(up_type, f, k, seed=seed + 3 * e)
+        up = random_rows(up_type, f, k, seed=seed + 3 * e + 1)
+        down = random_rows(down_type, d, f, seed=seed + 3 * e + 2)
+        rows = []
+        for w in (gate, up, down):
+            ((typ, raw),) = w.parts
+            rows.append([typ, raw.shape[0], offset])
+            raws.append(raw.reshape(-1))
+            offset += raw.numel()
+        tables["gate_up"].append(rows[:2])
+        tables["down"].append(rows[2:])
+        experts.append((GGMLTensor.cat([gate, up]), down))
+
+    def table(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        t = tables[name]
+        index = torch.tensor([0] + [len(r) for r in t]).cumsum(0)
+        return torch.tensor([r for rows in t for r in rows]), index
+
+    return (torch.cat(raws), *table("gate_up"), *table("down"), d), experts
+
+
+def routes(t: int, n_experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(n_experts, generator=g)[:top_k] for _ in range(t)])
+    weights = torch.rand(t, top_k, generator=g) + 0.1
+    return ids, weights / weights.sum(-1, keepdim=True)
+
+
+def one_by_one(x, ids, weights, fused, kind):
+    """Each token's experts in id order, each through `ggml_linear` (gated, then down)."""
+    qs, gu, gu_index, dn, dn_index, d = fused
+    out = torch.zeros(x.shape[0], d)
+    for t in range(x.shape[0]):
+        for j in sorted(range(ids.shape[1]), key=lambda j: int(ids[t, j])):
+            e = int(ids[t, j])
+            g = gu[gu_index[e] : gu_index[e + 1]]
+            n = int(g[:, 1].sum())
+            h = ops.ggml_linear(x[t : t + 1], qs, None, g, kind, n, act=Act.SILU_MUL)
+            down = dn[dn_index[e] : dn_index[e + 1]]
+            out[t] += weights[t, j] * ops.ggml_linear(h, qs, None, down, kind, d)[0]
+    return out
+
+
+CASES = [  # (gate/up format, down format, in, expert size, out): Qwen3-MoE's Q4_K_M mixes
+    (Q.Q4_K, Q.Q6_K, 512, 256, 256),
+    (Q.Q4_K, Q.Q4_K, 256, 256, 512),
+    (Q.Q8_0, Q.Q5_0, 64, 32, 64),
+]
+
+
+@pytest.mark.parametrize("kind", [Kind.GGML, Kind.GGML_A8], ids=["f32-acts", "int8-acts"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].name}-{c[1].name}-{c[2]}")
+def test_the_op_is_each_expert_through_ggml_linear(case, kind):
+    up_type, down_type, k, f, d = case
+    fused, _ = moe_weights(6, k, f, d, up_type, down_type)
+    for t, top_k in ((1, 2), (5, 3), (40, 2)):  # 40 x 2 pairs: experts with many rows (panels)
+        x = torch.randn(t, k, generator=torch.Generator().manual_seed(t))
+        ids, weights = routes(t, 6, top_k, seed=t)
+        got = ops.moe_experts(x, ids, weights, *fused, kind, Act.SILU_MUL)
+        want = one_by_one(x, ids, weights, fused, kind)
+        # (the op's last multiply-add may round once where torch rounds twice)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].name}-{c[1].name}-{c[2]}")
+def test_float_activations_give_the_dequantized_experts(case):
+    up_type, down_type, k, f, d = case
+    fused, experts = moe_weights(4, k, f, d, up_type, down_type)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(1))
+    ids, weights = routes(7, 4, 2, seed=2)
+    got = ops.moe_experts(x, ids, weights, *fused, Kind.GGML, Act.SILU_MUL)
+    want = torch.zeros(7, d, dtype=torch.float64)
+    xd = x.double()
+    for t in range(7):
+        for j in range(2):
+            gate_up, down = experts[int(ids[t, j])]
+            g, u = (xd[t] @ gate_up.dequantize().double().T).chunk(2)
+            want[t] += weights[t, j] * (down.dequantize().double() @ (F.silu(g) * u))
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", [Kind.GGML, Kind.GGML_A8], ids=["f32-acts", "int8-acts"])
+def test_a_token_gives_the_same_bits_alone_and_in_any_batch(kind):
+    fused, _ = moe_weights(8, 256, 256, 256, Q.Q4_K, Q.Q6_K)
+    x = torch.randn(24, 256, generator=torch.Generator().manual_seed(3))
+    ids, weights = routes(24, 8, 3, seed=4)
+    batch = ops.moe_experts(x, ids, weights, *fused, kind, Act.SILU_MUL)
+    for i in range(24):
+        alone = ops.moe_experts(x[i : i + 1], ids[i : i + 1], weights[i : i + 1], *fused, kind, 1)
+        assert torch.equal(alone, batch[i : i + 1])
+    part = ops.moe_experts(x[5:17], ids[5:17], weights[5:17], *fused, kind, Act.SILU_MUL)
+    assert torch.equal(part, batch[5:17])
+
+
+def test_bad_ids_and_tables_are_refused():
+    fused, _ = moe_weights(3, 64, 32, 64, Q.Q8_0, Q.Q8_0)
+    qs, gu, gu_index, dn, dn_index, d = fused
+    x = torch.randn(2, 64)
+    ids, weights = routes(2, 3, 2, seed=0)
+    with pytest.raises(RuntimeError, match="expert id 3 outside"):
+        ops.moe_experts(x, ids.clone().fill_(3), weights, *fused, Kind.GGML_A8, Act.SILU_MUL)
+    short = qs[: qs.numel() // 2]
+    with pytest.raises(RuntimeError, match="lies outside qs"):
+        ops.moe_experts(x, ids, weights, short, gu, gu_index, dn, dn_index, d, Kind.GGML, 1)
+    with pytest.raises(RuntimeError, match="not 32"):
+        ops.moe_experts(x, ids, weights, qs, gu, gu_index, dn, dn_index, 32, Kind.GGML, 1)
+    with pytest.raises(RuntimeError, match="gated"):
+        ops.moe_experts(x, ids, weights, *fused, Kind.GGML, Act.NONE)
