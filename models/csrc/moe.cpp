@@ -103,8 +103,11 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& experts_, const a
 
   // Each pair's input row, in the grouped order; the experts' gated outputs h; their down outputs.
   const float* xp = x.data_ptr<float>();
-  std::vector<float> xs(P * K), h(P * F), y(P * D);
-  for (int64_t i = 0; i < P; ++i) std::memcpy(xs.data() + i * K, xp + order[i] / k * K, K * sizeof(float));
+  // (uninitialized: every value is written before it is read)
+  const at::Tensor xs_ = at::empty({P, K}, x.options()), h_ = at::empty({P, F}, x.options()),
+                   y_ = at::empty({P, D}, x.options());
+  float *xs = xs_.data_ptr<float>(), *h = h_.data_ptr<float>(), *y = y_.data_ptr<float>();
+  for (int64_t i = 0; i < P; ++i) std::memcpy(xs + i * K, xp + order[i] / k * K, K * sizeof(float));
   // Items: (expert, first output) of every used expert's outputs, `width` at a time.
   auto items = [&](int64_t n, int64_t width) {
     std::vector<std::pair<int64_t, int64_t>> list;
@@ -113,22 +116,22 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& experts_, const a
     return list;
   };
   {
-    const QuantizedRows rows(xs.data(), P, K, int8, need32, need256);
+    const QuantizedRows rows(xs, P, K, int8, need32, need256);
     const auto list = items(F, kItem);
     for_each_item(static_cast<int64_t>(list.size()), [&](int64_t i) {
       const auto [e, c] = list[i];
       const int64_t r0 = start[e], M = start[e + 1] - r0, end = std::min(F, c + kItem), g = gated_chunk(M);
       const Acts a = rows.from_row(r0);
-      for (int64_t c2 = c; c2 < end; c2 += g) up[e].gated(c2, std::min(g, end - c2), a, M, act, nullptr, h.data() + r0 * F, F);
+      for (int64_t c2 = c; c2 < end; c2 += g) up[e].gated(c2, std::min(g, end - c2), a, M, act, nullptr, h + r0 * F, F);
     });
   }
   {
-    const QuantizedRows rows(h.data(), P, F, int8, dn32, dn256);
+    const QuantizedRows rows(h, P, F, int8, dn32, dn256);
     const auto list = items(D, kItem);
     for_each_item(static_cast<int64_t>(list.size()), [&](int64_t i) {
       const auto [e, c] = list[i];
       const int64_t r0 = start[e], M = start[e + 1] - r0;
-      dn[e].outputs(c, std::min(D, c + kItem), rows.from_row(r0), M, y.data() + r0 * D, D);
+      dn[e].outputs(c, std::min(D, c + kItem), rows.from_row(r0), M, y + r0 * D, D);
     });
   }
   // out[t] = sum of weight x down output over t's pairs, in expert order (the grouped order).
@@ -138,7 +141,7 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& experts_, const a
     for (int64_t i = 0; i < P; ++i) {
       const float wi = wp[order[i]];
       float* o = op + order[i] / k * D;
-      const float* yi = y.data() + i * D;
+      const float* yi = y + i * D;
       for (int64_t c = c0; c < c1; ++c) o[c] += wi * yi[c];
     }
   });
