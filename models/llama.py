@@ -479,6 +479,11 @@ class LlamaForCausalLM(nn.Module):
             n -= head.weight.numel()  # a bfloat16 copy of the tied table is not a parameter more
         return n
 
+    def num_active_parameters(self) -> int:
+        """The parameters one token's forward pass multiplies: all of them (a mixture of experts
+        leaves out the experts a token did not choose)."""
+        return self.num_parameters()
+
     # -- kernels -------------------------------------------------------------------------------
 
     kernels = False  # True once enable_kernels ran

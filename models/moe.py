@@ -142,6 +142,11 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     layer_class = MoeDecoderLayer
 
+    def num_active_parameters(self) -> int:
+        c = self.config
+        idle = (c.num_experts - c.num_experts_per_tok) * 3 * c.hidden_size * c.moe_intermediate_size
+        return self.num_parameters() - c.num_layers * idle
+
     @classmethod
     def mlp_weight_names(cls, config: ModelConfig, prefix: str) -> set[str]:
         names = {f"{prefix}mlp.gate.weight"}

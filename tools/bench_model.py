@@ -201,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_from_args(args)
     load_s = time.perf_counter() - t0
     model, params = lm.model, lm.num_parameters()
-    flops_per_token = 2 * params
+    # A token multiplies its active parameters: a mixture of experts' chosen experts only.
+    active = getattr(model, "num_active_parameters", lm.num_parameters)()
+    flops_per_token = 2 * active
     wbytes = weight_bytes(model)
     print(f"Conditions: {conditions(lm)}")
     print(
@@ -213,7 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     peak = max(matmul_gflops() for _ in range(3))
     bw = max(copy_gbps() for _ in range(3))
     print(f"machine: fp32 matmul {peak:.1f} GFLOP/s (2048^2 GEMM), copy bandwidth {bw:.1f} GB/s")
-    print("(model FLOP/s counts 2 x params per token; attention score FLOPs are left out)\n")
+    print(
+        "(model FLOP/s counts 2 x active params per token; attention score FLOPs are left out"
+        + (
+            f"; {active:,} of {params:,} params active a token, the weights GB/s column scaled"
+            " by that share)\n"
+            if active != params
+            else ")\n"
+        )
+    )
 
     with torch.inference_mode():
         pre_s = bench_prefill(model, args.prompt_len)
@@ -236,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{'':>44} {b:>5} {med * 1e3:>11.1f} {tps:>8.1f} "
                 f"{tps * flops_per_token / 1e9:>8.2f} {tps * flops_per_token / 1e9 / peak:>7.1%} "
-                f"{wbytes / med / 1e9:>12.2f} "
+                f"{wbytes * active / params / med / 1e9:>12.2f} "
                 f"{kv_used / 2**20:>8.0f}/{pool.bytes / 2**20:<8.0f} {rss_mib():>8.0f}"
             )
             del pool
