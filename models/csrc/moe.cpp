@@ -40,9 +40,13 @@ std::vector<Weight> expert_weights(const at::Tensor& table_, const at::Tensor& i
   return out;
 }
 
-// Outputs of an expert an item computes: small enough that a decode step's few experts make work
-// for every thread, large enough to amortize taking an item.
-constexpr int64_t kItem = 64;
+// Outputs of an expert an item computes: a few items a thread, so that the threads share the
+// work evenly, each a long run of consecutive weight rows (one stream for the prefetchers), and
+// at least 16 (a panel's outputs).
+int64_t item_width(int64_t experts, int64_t n) {
+  const int64_t per = experts * n / (4 * std::max<int64_t>(1, at::get_num_threads()));
+  return std::clamp<int64_t>((per + 15) / 16 * 16, 16, n);
+}
 
 // Runs fn(item) for items [0, n) on the intra-op threads, each taking the next item as it is
 // free (items differ in cost: an expert's share of the batch's rows).
@@ -117,21 +121,23 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& experts_, const a
   };
   {
     const QuantizedRows rows(xs, P, K, int8, need32, need256);
-    const auto list = items(F, kItem);
+    const int64_t width = item_width(static_cast<int64_t>(used.size()), F);
+    const auto list = items(F, width);
     for_each_item(static_cast<int64_t>(list.size()), [&](int64_t i) {
       const auto [e, c] = list[i];
-      const int64_t r0 = start[e], M = start[e + 1] - r0, end = std::min(F, c + kItem), g = gated_chunk(M);
+      const int64_t r0 = start[e], M = start[e + 1] - r0, end = std::min(F, c + width), g = gated_chunk(M);
       const Acts a = rows.from_row(r0);
       for (int64_t c2 = c; c2 < end; c2 += g) up[e].gated(c2, std::min(g, end - c2), a, M, act, nullptr, h + r0 * F, F);
     });
   }
   {
     const QuantizedRows rows(h, P, F, int8, dn32, dn256);
-    const auto list = items(D, kItem);
+    const int64_t width = item_width(static_cast<int64_t>(used.size()), D);
+    const auto list = items(D, width);
     for_each_item(static_cast<int64_t>(list.size()), [&](int64_t i) {
       const auto [e, c] = list[i];
       const int64_t r0 = start[e], M = start[e + 1] - r0;
-      dn[e].outputs(c, std::min(D, c + kItem), rows.from_row(r0), M, y + r0 * D, D);
+      dn[e].outputs(c, std::min(D, c + width), rows.from_row(r0), M, y + r0 * D, D);
     });
   }
   // out[t] = sum of weight x down output over t's pairs, in expert order (the grouped order).
