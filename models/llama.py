@@ -515,8 +515,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("the kernels run float32 activations; load the model in float32")
         target = SCHEME_KINDS[scheme]
 
-        def packed(linear: nn.Module, sources: list[list[str]], gate_up: bool = False) -> nn.Module:
-            """`sources`: the checkpoint tensors that hold this projection, fused or in parts."""
+        def packed(
+            linear: nn.Module, sources: list[list[str]], gate_up: bool = False, rows: bool = False
+        ) -> nn.Module:
+            """`sources`: the checkpoint tensors that hold this projection, fused or in parts;
+            `rows`: a GGUF file's blocks stay its rows in any format (`models.quant.pack`)."""
             if isinstance(linear, PackedLinear) or linear.weight.shape[1] % QB:
                 return linear
             parts: list = []
@@ -535,7 +538,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 qt = quantize(linear.weight.float(), F32 if target is None else target)
             int8 = qt.kind != F32 and activations != "float32"
-            return PackedLinear(pack(qt, gate_up=gate_up, int8=int8), linear.bias)
+            return PackedLinear(pack(qt, gate_up=gate_up, int8=int8, rows=rows), linear.bias)
 
         embed_name = "model.embed_tokens.weight"
         table = blocks(embed_name) if blocks is not None and scheme != "none" else None

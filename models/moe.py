@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -165,6 +166,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         if not isinstance(mlp.gate, PackedLinear):
             # the router in float32 panels whatever the scheme: its scores pick the experts
             mlp.gate = PackedLinear(pack(quantize(mlp.gate.weight.float(), F32)), None)
+        # the file's rows in every format (no panels of Q4_0/Q8_0 experts): one op takes them all
+        rows = partial(packed, rows=True)
         for e, expert in enumerate(mlp.experts):
-            pack_gated_mlp(expert, f"model.layers.{layer}.mlp.experts.{e}.", packed)
+            pack_gated_mlp(expert, f"model.layers.{layer}.mlp.experts.{e}.", rows)
         mlp.fuse()

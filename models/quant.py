@@ -444,12 +444,16 @@ def _take_rows(t: torch.Tensor, order: torch.Tensor | None, rows: int) -> torch.
     return t
 
 
-def pack(w: QTensor | GGMLTensor, gate_up: bool = False, int8: bool = False) -> PackedWeight:
+def pack(
+    w: QTensor | GGMLTensor, gate_up: bool = False, int8: bool = False, rows: bool = False
+) -> PackedWeight:
     """Lay a QTensor out in panels. `gate_up`: rows are [gate; up], to be fused with a gated act (silu_mul, gelu_mul).
 
     A GGMLTensor stays GGUF rows (`pack_rows`), unless it holds only Q4_0/Q4_1/Q8_0 and the
     panels multiply it (float32 activations, or int8 with AVX512-VNNI). int8 activations
     without VNNI take GGUF rows for every quantized format (the AVX2 vpmaddubsw kernel).
+    `rows`: a GGMLTensor stays GGUF rows whatever its format (a mixture of experts' experts, which
+    `ops.moe_experts` multiplies where they lie in the file).
 
     `int8` (Q8_0 / Q4_1 only): the layout of the int8-activation kernel (kinds Q8_0X / Q4_1X),
     whose inner step is vpdpbusd over 16 outputs x 4 inputs: per panel and block, groups of 64
@@ -457,7 +461,7 @@ def pack(w: QTensor | GGMLTensor, gate_up: bool = False, int8: bool = False) -> 
     8 g + j in the low nibble and 8 g + 4 + j in the high one. Q8_0X's `m` is int32 128 * sum(q)
     per output and block, the correction for activations entering as unsigned x + 128."""
     if isinstance(w, GGMLTensor):
-        legacy = w.legacy() if not int8 or _vnni() else None
+        legacy = w.legacy() if not rows and (not int8 or _vnni()) else None
         return pack(legacy, gate_up, int8) if legacy is not None else pack_rows(w, int8)
     if int8 and w.kind != F32 and not _vnni():
         return pack_rows(w.to_ggml(), int8)
