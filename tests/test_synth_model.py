@@ -40,7 +40,14 @@ TINY = dict(
     intermediate_size=512, head_dim=64, vocab_size=512, max_position_embeddings=1024,
 )  # fmt: skip
 PRESET = {"llama": "smollm2-360m", "qwen2": "qwen2.5-0.5b", "qwen3": "qwen3-0.6b",
-          "phi3": "phi-3-mini", "smollm3": "smollm3-3b", "gemma3": "gemma-3-270m"}  # fmt: skip
+          "qwen3moe": "qwen3-30b-a3b", "phi3": "phi-3-mini", "smollm3": "smollm3-3b",
+          "gemma3": "gemma-3-270m"}  # fmt: skip
+# a mixture of experts' tiny experts (rows of 256 for the K-quant blocks)
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
+
+
+def tiny(arch: str, **fields) -> dict:
+    return {**TINY, **(TINY_MOE if arch == "qwen3moe" else {}), **fields}
 
 
 def our_logits(lm, ids: list[int]) -> torch.Tensor:
@@ -104,7 +111,7 @@ def test_each_architecture_multiplies_its_file_blocks_in_place(
     layers = {"gemma3": 6, "smollm3": 4}.get(arch, 2)
     path = synth_model.write_synthetic(
         tmp_path / f"{arch}.gguf", PRESET[arch], "Q4_K_M", seed=4, tokenizer=smol_tokenizer,
-        **dict(TINY, num_hidden_layers=layers, sliding_window=8),
+        **tiny(arch, num_hidden_layers=layers, sliding_window=8),
     )  # fmt: skip
     dequantized: list[tuple[str, int]] = []
     real_dequantize = gguf_loader._dequantize
@@ -117,12 +124,17 @@ def test_each_architecture_multiplies_its_file_blocks_in_place(
         m.setattr(gguf_loader, "_dequantize", recording)
         packed = load_model(str(path), activations="float32", kv_cache_dtype="float32")
     # only norms and biases (a Phi-3 file's fused ffn_up was dequantized whole and dropped:
-    # 0.8 s a layer at 3.8B)
-    assert dequantized and all(dims == 1 for _, dims in dequantized), dequantized
+    # 0.8 s a layer at 3.8B); and a MoE router, float32 in the file as llama-quantize leaves it
+    floats = [name for name, dims in dequantized if dims > 1]
+    assert dequantized and all(n.endswith("ffn_gate_inp.weight") for n in floats), dequantized
     formats = packed.model.weight_formats()
+    if arch == "qwen3moe":  # (the router: float32 panels, its scores choose the experts)
+        assert formats.pop("f32") > 0
+        assert all(layer.mlp.fused is not None for layer in packed.model.layers)  # one op
     assert formats and all(name.startswith("q") for name in formats), formats
     assert type(packed.model.embed_tokens).__name__ == "RowsEmbedding"
-    assert packed.model._plan is not None  # the module-free layer loop
+    # the module-free layer loop (a sparse MLP's layers run as modules)
+    assert (packed.model._plan is not None) == (arch != "qwen3moe")
     floats = load_model(str(path), use_kernels=False)
     ids = [1, *range(40, 70)]  # 31 tokens: past the window of 8
     want = our_logits(floats, ids)
@@ -217,6 +229,9 @@ def _hf_model(arch: str):
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"head_dim": 32}),
+        "qwen3moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM,
+                     {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                      "moe_intermediate_size": 32}),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, {"pad_token_id": 0}),
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM,
                     {"num_hidden_layers": 4, "pad_token_id": 0}),
@@ -268,8 +283,20 @@ def test_each_architecture_has_the_tensors_keys_and_layouts_of_llama_cpp(
         assert np.array_equal(
             tensors["blk.1.attn_k.bias"], hf["model.layers.1.self_attn.k_proj.bias"]
         )
-    if arch in ("qwen3", "gemma3"):
+    if arch in ("qwen3", "qwen3moe", "gemma3"):
         assert tensors["blk.0.attn_q_norm.weight"].shape == (32,)
+    if arch == "qwen3moe":  # transformers' stacked [gate; up] split as the converter does
+        gate_up = hf["model.layers.1.mlp.experts.gate_up_proj"]
+        assert np.array_equal(tensors["blk.1.ffn_gate_exps.weight"], gate_up[:, :32])
+        assert np.array_equal(tensors["blk.1.ffn_up_exps.weight"], gate_up[:, 32:])
+        down = hf["model.layers.1.mlp.experts.down_proj"]
+        assert np.array_equal(tensors["blk.1.ffn_down_exps.weight"], down)
+        assert np.array_equal(
+            tensors["blk.1.ffn_gate_inp.weight"], hf["model.layers.1.mlp.gate.weight"]
+        )
+        for key, value in (("expert_count", 4), ("expert_used_count", 2),
+                           ("expert_feed_forward_length", 32)):  # fmt: skip
+            assert reader.fields[f"qwen3moe.{key}"].contents() == value
     if arch == "phi3":
         assert tensors["blk.1.ffn_up.weight"].shape == (256, 64)  # gate and up, as HF fuses them
         assert reader.fields["phi3.rope.dimension_count"].contents() == 16
@@ -395,7 +422,12 @@ def llama_server_greedy(model, ids: list[int], n: int, ctx: int = 512) -> list[i
 def test_each_architecture_loads_and_generates_in_llama_cpp(tmp_path, smol_tokenizer, arch):
     llama_cpp_tool("llama-server")
     path = synth_model.write_synthetic(
-        tmp_path / f"{arch}.gguf", PRESET[arch], "Q4_K_M", seed=2, tokenizer=smol_tokenizer, **TINY
+        tmp_path / f"{arch}.gguf",
+        PRESET[arch],
+        "Q4_K_M",
+        seed=2,
+        tokenizer=smol_tokenizer,
+        **tiny(arch),
     )
     tokens = llama_server_greedy(path, [1, 400, 17, 99, 250], 12)
     assert len(tokens) == 12 and all(0 <= t < 512 for t in tokens)
@@ -403,18 +435,21 @@ def test_each_architecture_loads_and_generates_in_llama_cpp(tmp_path, smol_token
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["phi-3.5-mini", "phi-4-mini", "smollm3-3b"])
+@pytest.mark.parametrize("preset", ["phi-3.5-mini", "phi-4-mini", "smollm3-3b", "qwen3-30b-a3b"])
 def test_synthetic_files_generate_as_llama_cpp(tmp_path, smol_tokenizer, preset):
     """Greedy 16 tokens equal to llama-server's on each prompt. LongRoPE (and Phi-4-mini's
     partial rotary): served within the original context (4096; llama-server -c 4096) both take
     the short factors, beyond it (-c 8192) the long ones, and the two contexts' tokens differ.
-    SmolLM3: its fourth layer without RoPE."""
+    SmolLM3: its fourth layer without RoPE. Qwen3-MoE: each token's experts as llama.cpp routes
+    them (softmax, top k, renormalized)."""
     from tests.test_models_real import engine_greedy
 
     llama_cpp_tool("llama-server")
     shape = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=2,
                  num_key_value_heads=1, intermediate_size=512)  # fmt: skip
     # (a small vocabulary: a random model's top logits stand further apart than over 49k)
+    if preset == "qwen3-30b-a3b":
+        shape |= TINY_MOE
     arch, config = synth_model.make_config(preset, vocab_size=512, **shape)
     lazy = random_state_dict(arch, config, seed=3)
     state = {name: lazy[name] for name in lazy}
@@ -437,21 +472,26 @@ def test_synthetic_files_generate_as_llama_cpp(tmp_path, smol_tokenizer, preset)
         runs[ctx] = ours
     if longrope:
         assert all(a != b for a, b in zip(runs[4096], runs[8192], strict=True))
-    else:
+    elif arch == "smollm3":
         assert lm.config.nope_layers == (False, False, False, True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["Q4_K_M", "IQ4_XS"])
-def test_synth_f16_then_llama_quantize_is_synth_quantized(tmp_path, smol_tokenizer, fmt):
+@pytest.mark.parametrize(
+    "preset,fmt",
+    [("smollm2-360m", "Q4_K_M"), ("smollm2-360m", "IQ4_XS"), ("qwen3-30b-a3b", "Q4_K_M")],
+)
+def test_synth_f16_then_llama_quantize_is_synth_quantized(tmp_path, smol_tokenizer, preset, fmt):
     tool = llama_cpp_tool("llama-quantize")
     shape = dict(TINY, num_hidden_layers=4, intermediate_size=352)  # fallback rows too
     if fmt == "IQ4_XS":
         # Eight layers: layer 0's ffn_down goes up; one KV head for four: so do the attn_v.
         shape |= dict(num_hidden_layers=8, num_key_value_heads=1)
+    if preset == "qwen3-30b-a3b":  # stacked experts (3-D tensors), a float32 router
+        shape |= TINY_MOE
     common = dict(seed=4, tokenizer=smol_tokenizer, **shape)
-    f16 = synth_model.write_synthetic(tmp_path / "f16.gguf", "smollm2-360m", "F16", **common)
-    ours = synth_model.write_synthetic(tmp_path / "q.gguf", "smollm2-360m", fmt, **common)
+    f16 = synth_model.write_synthetic(tmp_path / "f16.gguf", preset, "F16", **common)
+    ours = synth_model.write_synthetic(tmp_path / "q.gguf", preset, fmt, **common)
     theirs = tmp_path / "theirs.gguf"
     done = subprocess.run([str(tool), str(f16), str(theirs), fmt], capture_output=True)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -9,16 +9,17 @@ Owns: the shape presets (`PRESETS`, Hugging Face config fields), the random weig
 (`random_state_dict`: normal with std 0.02 as transformers initialises them, norms near 1), and
 `write_gguf(path, arch, config, state_dict, ...)`, which writes a Hugging Face-named state dict
 and config as llama.cpp's converter (convert_hf_to_gguf.py) would: its metadata keys, tensor names
-(gguf's own name map) and layouts (llama, smollm3: Q/K rows permuted for llama.cpp's RoPE; qwen2 / qwen3 /
-phi3 / gemma3 unpermuted; phi3's fused attn_qkv and ffn_up = gate+up as the checkpoint holds them;
-gemma3 norms stored as weight + 1), then quantized with `models.gguf_quantize` as
-`llama-quantize` mixes formats (2-D weights pass through float16 first, as from an F16 file, so
-`synth F16` + `llama-quantize Q4_K_M` gives this tool's Q4_K_M bytes). Tests write transformers'
-own tiny random models with it.
+(gguf's own name map) and layouts (llama, smollm3: Q/K rows permuted for llama.cpp's RoPE;
+qwen2 / qwen3 / phi3 / gemma3 unpermuted; phi3's fused attn_qkv and ffn_up = gate+up as the
+checkpoint holds them; gemma3 norms stored as weight + 1; qwen3moe's experts, stacked as
+transformers holds them, as blk.N.ffn_{gate,up,down}_exps, its router ffn_gate_inp left float32),
+then quantized with `models.gguf_quantize` as `llama-quantize` mixes formats (weights pass
+through float16 first, as from an F16 file, so `synth F16` + `llama-quantize Q4_K_M` gives this
+tool's Q4_K_M bytes). Tests write transformers' own tiny random models with it.
 
 The tokenizer is real, copied from a GGUF the project fetches: Gemma 3 270M's (262,144 tokens)
-for gemma3, SmolLM2's (GPT-2 style BPE, 49,152 tokens) for llama, qwen2, qwen3, phi3 and smollm3, whose own
-tokenizers no package ships. The vocabulary is the tokenizer's by default, so a Qwen- or
+for gemma3, SmolLM2's (GPT-2 style BPE, 49,152 tokens) for llama, qwen2, qwen3, qwen3moe, phi3
+and smollm3, whose own tokenizers no package ships. The vocabulary is the tokenizer's by default, so a Qwen- or
 Phi-shaped file has SmolLM2's 49,152 tokens and head rows, not 151,936 or 32,064; `--vocab N`
 sets it (`--vocab 128256` for Llama 3.2's head size): a smaller vocabulary keeps the first N
 tokens, a larger one pads with unused tokens no text encodes to.
@@ -45,7 +46,7 @@ from models.gguf_loader import PERMUTED_ARCHITECTURES
 from models.gguf_quantize import FTYPES, mix_types, quantize
 
 Q = GGMLQuantizationType
-ARCHES = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma3")
+ARCHES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "smollm3", "gemma3")
 # Architectures whose converter permutes q/k rows for llama.cpp's RoPE pairs (as the loader
 # knows them).
 PERMUTED = PERMUTED_ARCHITECTURES
@@ -53,6 +54,7 @@ _GGUF_ARCH = {
     "llama": MODEL_ARCH.LLAMA,
     "qwen2": MODEL_ARCH.QWEN2,
     "qwen3": MODEL_ARCH.QWEN3,
+    "qwen3moe": MODEL_ARCH.QWEN3MOE,
     "phi3": MODEL_ARCH.PHI3,
     "smollm3": MODEL_ARCH.SMOLLM3,
     "gemma3": MODEL_ARCH.GEMMA3,
@@ -62,6 +64,7 @@ TOKENIZER_FROM = {
     "llama": "smollm2-135m-instruct",
     "qwen2": "smollm2-135m-instruct",
     "qwen3": "smollm2-135m-instruct",
+    "qwen3moe": "smollm2-135m-instruct",
     "phi3": "smollm2-135m-instruct",
     "smollm3": "smollm2-135m-instruct",
     "gemma3": "gemma-3-270m",
@@ -156,6 +159,16 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "qwen3-30b-a3b": (
+        "qwen3moe",
+        dict(
+            hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+            num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+            moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+            norm_topk_prob=True, vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, max_position_embeddings=40960,
+        ),
+    ),
     "gemma-3-270m": (
         "gemma3",
         dict(
@@ -179,6 +192,9 @@ OVERRIDES = (
     ("vocab_size", "--vocab"),
     ("max_position_embeddings", "--context"),
     ("sliding_window", "--sliding-window"),
+    ("num_experts", "--experts"),
+    ("num_experts_per_tok", "--experts-used"),
+    ("moe_intermediate_size", "--expert-ffn"),
 )
 
 INIT_STD = 0.02
@@ -333,26 +349,39 @@ def hf_shapes(arch: str, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]
         shapes[p + "post_attention_layernorm.weight"] = (d,)
         if arch == "phi3":
             shapes[p + "self_attn.qkv_proj.weight"] = (nq + 2 * nkv, d)
-            shapes[p + "mlp.gate_up_proj.weight"] = (2 * ffn, d)
         else:
             shapes[p + "self_attn.q_proj.weight"] = (nq, d)
             shapes[p + "self_attn.k_proj.weight"] = (nkv, d)
             shapes[p + "self_attn.v_proj.weight"] = (nkv, d)
+        shapes[p + "self_attn.o_proj.weight"] = (d, nq)
+        if arch == "qwen3moe":  # a router; the experts stacked as transformers holds them
+            n_experts, eff = n_experts_of(config), int(config["moe_intermediate_size"])
+            shapes[p + "mlp.gate.weight"] = (n_experts, d)
+            shapes[p + "mlp.experts.gate_up_proj"] = (n_experts, 2 * eff, d)
+            shapes[p + "mlp.experts.down_proj"] = (n_experts, d, eff)
+        elif arch == "phi3":
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * ffn, d)
+            shapes[p + "mlp.down_proj.weight"] = (d, ffn)
+        else:
             shapes[p + "mlp.gate_proj.weight"] = (ffn, d)
             shapes[p + "mlp.up_proj.weight"] = (ffn, d)
-        shapes[p + "self_attn.o_proj.weight"] = (d, nq)
-        shapes[p + "mlp.down_proj.weight"] = (d, ffn)
+            shapes[p + "mlp.down_proj.weight"] = (d, ffn)
         if arch == "qwen2":
             shapes[p + "self_attn.q_proj.bias"] = (nq,)
             shapes[p + "self_attn.k_proj.bias"] = (nkv,)
             shapes[p + "self_attn.v_proj.bias"] = (nkv,)
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
         if arch == "gemma3":
             shapes[p + "pre_feedforward_layernorm.weight"] = (d,)
             shapes[p + "post_feedforward_layernorm.weight"] = (d,)
     return shapes
+
+
+def n_experts_of(config: Mapping[str, Any]) -> int:
+    """A mixture of experts' expert count (transformers 5 names it num_local_experts)."""
+    return int(config.get("num_experts") or config["num_local_experts"])
 
 
 class LazyStateDict(Mapping[str, np.ndarray]):
@@ -383,10 +412,10 @@ def random_state_dict(arch: str, config: Mapping[str, Any], seed: int = 0) -> La
         def make() -> np.ndarray:
             rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
             std = INIT_STD
-            if len(shape) == 2 and "embed_tokens" not in name and "lm_head" not in name:
+            if len(shape) >= 2 and "embed_tokens" not in name and "lm_head" not in name:
                 # A narrow test shape keeps a 2048-wide model's activation sizes, so its layers
                 # outweigh the embedding as a real model's do (else greedy repeats the input).
-                std = max(INIT_STD, 0.9 / math.sqrt(shape[1]))
+                std = max(INIT_STD, 0.9 / math.sqrt(shape[-1]))
             x = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
             if name.endswith("norm.weight") and arch != "gemma3":
                 x += np.float32(1)
@@ -439,6 +468,12 @@ def _metadata(arch: str, config: Mapping[str, Any], vocab: int) -> list[tuple[st
         if _rope(config).get("rope_type") == "longrope":
             factor = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
             keys.append(("rope.scaling.attn_factor", factor))
+    if arch == "qwen3moe":
+        keys += [
+            ("expert_count", n_experts_of(config)),
+            ("expert_used_count", int(config["num_experts_per_tok"])),
+            ("expert_feed_forward_length", int(config["moe_intermediate_size"])),
+        ]
     if arch == "gemma3":
         keys += [
             ("attention.sliding_window", int(config["sliding_window"])),
@@ -485,20 +520,16 @@ def _gguf_tensors(
     for hf_name in state_dict:
         if hf_name == "lm_head.weight" and config.get("tie_word_embeddings", False):
             continue
+        if ".mlp.experts." in hf_name:
+            out.update(_experts(state_dict, hf_name))
+            continue
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {hf_name!r} in {arch}")
-        shape = (
-            state_dict.shape(hf_name)
-            if isinstance(state_dict, LazyStateDict)
-            else tuple(np.shape(state_dict[hf_name]))
-        )
+        shape = _shape(state_dict, hf_name)
 
         def values(hf_name: str = hf_name) -> np.ndarray:
-            x = state_dict[hf_name]
-            x = (x.detach().float().numpy() if hasattr(x, "detach") else np.asarray(x)).astype(
-                np.float32
-            )
+            x = _float32(state_dict[hf_name])
             if arch in PERMUTED and hf_name.endswith("q_proj.weight"):
                 x = _permute(x, n_head)
             elif arch in PERMUTED and hf_name.endswith("k_proj.weight"):
@@ -516,6 +547,40 @@ def _gguf_tensors(
             factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
             out[f"rope_factors_{kind}.weight"] = (factors.shape, lambda f=factors: f)
     return out
+
+
+def _experts(
+    state_dict: Mapping[str, Any], hf_name: str
+) -> dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]]:
+    """A mixture of experts' stacked projection as the converter writes it (experts first):
+    gate_up_proj (experts, 2 ffn, d) as blk.N.ffn_gate_exps and ffn_up_exps, down_proj as
+    ffn_down_exps."""
+    blk = f"blk.{hf_name.split('.')[2]}."
+    shape = _shape(state_dict, hf_name)
+    if hf_name.endswith("down_proj"):
+        return {f"{blk}ffn_down_exps.weight": (shape, lambda: _float32(state_dict[hf_name]))}
+    half = (shape[0], shape[1] // 2, shape[2])
+
+    def part(i: int) -> np.ndarray:
+        return np.ascontiguousarray(np.split(_float32(state_dict[hf_name]), 2, axis=1)[i])
+
+    return {
+        f"{blk}ffn_gate_exps.weight": (half, lambda: part(0)),
+        f"{blk}ffn_up_exps.weight": (half, lambda: part(1)),
+    }
+
+
+def _shape(state_dict: Mapping[str, Any], name: str) -> tuple[int, ...]:
+    if isinstance(state_dict, LazyStateDict):
+        return state_dict.shape(name)
+    return tuple(int(s) for s in np.shape(state_dict[name]))
+
+
+def _float32(x: Any) -> np.ndarray:
+    """A state dict's tensor (numpy array or torch tensor) as a float32 array."""
+    return (x.detach().float().numpy() if hasattr(x, "detach") else np.asarray(x)).astype(
+        np.float32
+    )
 
 
 def write_gguf(
@@ -632,7 +697,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     if args.list:
         for name, (arch, config) in PRESETS.items():
             print(
-                f"{name:<14} {arch:<7} {parameter_count(arch, config) / 1e6:7.0f}M parameters "
+                f"{name:<14} {arch:<8} {parameter_count(arch, config) / 1e6:7.0f}M parameters "
                 f"(with its own vocabulary {config['vocab_size']}); tokenizer from "
                 f"{TOKENIZER_FROM[arch]}"
             )
