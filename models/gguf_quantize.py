@@ -555,11 +555,18 @@ def _n_gqa(tensors: Mapping[str, tuple[Sequence[int], GGMLQuantizationType]]) ->
     return int(q[0][0]) // int(k[0][0])
 
 
+def _n_expert(tensors: Mapping[str, tuple[Sequence[int], GGMLQuantizationType]]) -> int:
+    """A mixture of experts' expert count from layer 0's stacked experts (1 for a dense model)."""
+    stacked = tensors.get("blk.0.ffn_gate_exps.weight") or tensors.get("blk.0.ffn_down_exps.weight")
+    return int(stacked[0][0]) if stacked is not None and len(stacked[0]) == 3 else 1
+
+
 def mix_types(
     tensors: Mapping[str, tuple[Sequence[int], GGMLQuantizationType]],
     ftype: str,
     n_layer: int | None = None,
     n_gqa: int | None = None,
+    n_expert: int | None = None,
 ) -> dict[str, GGMLQuantizationType]:
     """The format llama-quantize gives each tensor for `ftype` (a key of `FTYPES`).
 
@@ -571,7 +578,9 @@ def mix_types(
     do not split into the blocks); in the K_M mixes attn_v / attn_qkv and ffn_down of some layers
     in Q6_K; in the IQ4 mixes attn_v / attn_qkv in Q5_K when four or more query heads share a KV
     head and ffn_down of the first eighth of the layers in Q5_K; and a 32-value format where a
-    row length does not split into 256.
+    row length does not split into 256. `n_expert` (default: from layer 0's stacked experts):
+    with exactly eight experts (Mixtral's count) attn_k and attn_v go to Q8_0 and, in the Q4_K
+    and IQ4 mixes, attn_output to Q5_K, as llama-quantize special-cases.
     """
     if ftype not in FTYPES:
         raise ValueError(f"unknown file type {ftype!r}; choose one of {list(FTYPES)}")
@@ -585,6 +594,8 @@ def mix_types(
         n_layer = max((_layer(n) for n in order), default=-1) + 1
     if n_gqa is None:
         n_gqa = _n_gqa(tensors)
+    if n_expert is None:
+        n_expert = _n_expert(tensors)
     iq4 = ftype in ("IQ4_NL", "IQ4_XS")
     i_attn_v = 0
     i_ffn_down = 0
@@ -610,7 +621,13 @@ def mix_types(
                 new = Q.Q5_K
             elif ftype in ("Q4_K_M", "Q5_K_M") and _use_more_bits(i_attn_v, n_attn_v):
                 new = Q.Q6_K
+            if n_expert == 8:
+                new = Q.Q8_0
             i_attn_v += 1
+        elif cat == "attn_k" and n_expert == 8:
+            new = Q.Q8_0
+        elif cat == "attn_output" and n_expert == 8 and ftype in ("Q4_K_M", "IQ4_NL", "IQ4_XS"):
+            new = Q.Q5_K
         elif cat == "ffn_down":
             if ftype in ("Q4_K_M", "Q5_K_M") and _use_more_bits(i_ffn_down, n_layer):
                 new = Q.Q6_K

@@ -275,3 +275,28 @@ def test_bytes_equal_llama_quantize(tmp_path, float_type):
                 nbytes = GGML_QUANT_SIZES[t.tensor_type][1]
                 first = int(np.flatnonzero(ours != theirs)[0]) // nbytes
                 pytest.fail(f"{ftype} {t.name} ({t.tensor_type.name}): block {first} differs")
+
+
+@pytest.mark.parametrize("n_expert", [8, 128])
+def test_mixes_for_a_mixture_of_experts(n_expert):
+    """Stacked experts mix as their dense names (ffn_down_exps as ffn_down), the router stays
+    float32, and eight experts (llama-quantize's Mixtral case) lift attn_k / attn_v / attn_output.
+    (The bytes against llama-quantize itself: tests/test_synth_model.py, where it is built.)"""
+    shapes = {"token_embd.weight": (1000, 256), "output.weight": (1000, 256)}
+    for i in range(8):
+        b = f"blk.{i}."
+        shapes |= {b + n: (256, 256) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")}
+        shapes |= {b + "attn_output.weight": (256, 256), b + "ffn_gate_inp.weight": (n_expert, 256)}
+        shapes |= {b + "ffn_gate_exps.weight": (n_expert, 512, 256)}
+        shapes |= {b + "ffn_down_exps.weight": (n_expert, 256, 512)}
+    tensors = {n: (s, Q.F32 if "gate_inp" in n else Q.F16) for n, s in shapes.items()}
+    mix = mix_types(tensors, "Q4_K_M")
+    eight = n_expert == 8
+    assert mix["blk.2.ffn_gate_inp.weight"] == Q.F32 and mix["blk.2.ffn_gate_exps.weight"] == Q.Q4_K
+    assert [mix[f"blk.{i}.ffn_down_exps.weight"] == Q.Q6_K for i in range(8)] == [
+        True, False, False, True, False, False, True, True,
+    ]  # fmt: skip
+    assert mix["blk.1.attn_k.weight"] == (Q.Q8_0 if eight else Q.Q4_K)
+    assert mix["blk.1.attn_v.weight"] == (Q.Q8_0 if eight else Q.Q4_K)
+    assert mix["blk.1.attn_output.weight"] == (Q.Q5_K if eight else Q.Q4_K)
+    assert mix["blk.1.attn_q.weight"] == Q.Q4_K
