@@ -560,9 +560,12 @@ def _experts(
     if hf_name.endswith("down_proj"):
         return {f"{blk}ffn_down_exps.weight": (shape, lambda: _float32(state_dict[hf_name]))}
     half = (shape[0], shape[1] // 2, shape[2])
+    halves: dict[int, np.ndarray] = {}  # up's half, kept from gate's read (the file's next tensor)
 
     def part(i: int) -> np.ndarray:
-        return np.ascontiguousarray(np.split(_float32(state_dict[hf_name]), 2, axis=1)[i])
+        if i not in halves:
+            halves.update(enumerate(np.split(_float32(state_dict[hf_name]), 2, axis=1)))
+        return np.ascontiguousarray(halves.pop(i))
 
     return {
         f"{blk}ffn_gate_exps.weight": (half, lambda: part(0)),
