@@ -18,7 +18,17 @@ import torch.nn.functional as F
 from models import kernels, ops
 from models.attention import AttentionMetadata, PrefillChunk, paged_attention
 from models.llama import apply_rotary
-from models.quant import F32, Q4_1, Q8_0, QB, QTensor, from_gguf_blocks, pack, quantize
+from models.quant import (
+    F32,
+    Q4_1,
+    Q8_0,
+    QB,
+    QTensor,
+    _block_sums,
+    from_gguf_blocks,
+    pack,
+    quantize,
+)
 from tests.test_kquant import GATED
 
 pytestmark = pytest.mark.skipif(
@@ -138,6 +148,13 @@ def test_int8_rows_do_not_depend_on_the_batch_around_them(kind):
 def test_int8_layout_refuses_float_weights():
     with pytest.raises(ValueError, match="int8 activations need"):
         pack(quantize(torch.randn(16, 32), F32), int8=True)
+
+
+def test_int8_layouts_block_sums_in_slices_are_the_whole_sum():
+    q = torch.randint(-128, 128, (10, 16, 3, QB), dtype=torch.int8)
+    want = q.sum(-1, dtype=torch.int32)
+    assert torch.equal(_block_sums(q, rows=3), want)
+    assert torch.equal(_block_sums(q), want)
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1"])
