@@ -98,9 +98,9 @@ class QTensor:
     @staticmethod
     def cat(parts: list[QTensor | GGMLTensor]) -> QTensor | GGMLTensor:
         """The rows of `parts` in order; GGUF rows of different formats stay separate parts."""
-        kinds = {p.kind for p in parts}
         if len(parts) == 1:
             return parts[0]
+        kinds = {p.kind for p in parts}
         if len(kinds) != 1 or any(isinstance(p, GGMLTensor) for p in parts):
             return GGMLTensor.cat(parts)
 
