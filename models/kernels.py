@@ -178,6 +178,13 @@ def has_int8_dot() -> bool:
     return available() and ops.has_int8_dot()
 
 
+def has_amx_tiles() -> bool:
+    """True where the kernels run on AMX-INT8 tiles (`models.ops.has_amx_tiles`)."""
+    from models import ops
+
+    return available() and ops.has_amx_tiles()
+
+
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -186,7 +193,9 @@ def main() -> int:
         print(f"models.kernels: {e}", file=sys.stderr)
         return 1
     torch.ops.load_library(str(path))
-    print(f"cbserve kernels: {path} (int8 dot products: {has_int8_dot()})")
+    print(
+        f"cbserve kernels: {path} (int8 dot products: {has_int8_dot()}, AMX tiles: {has_amx_tiles()})"
+    )
     return 0
 
 

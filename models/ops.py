@@ -53,6 +53,7 @@ _NAMES = (
     "attention",
     "decoder_layers",
     "has_int8_dot",
+    "has_amx_tiles",
     "enum_values",
 )
 
@@ -94,6 +95,7 @@ _top_candidates = _unloaded["top_candidates"]
 _attention = _unloaded["attention"]
 _decoder_layers = _unloaded["decoder_layers"]
 _has_int8_dot = _unloaded["has_int8_dot"]
+_has_amx_tiles = _unloaded["has_amx_tiles"]
 _enum_values = _unloaded["enum_values"]
 
 
@@ -200,6 +202,13 @@ def top_candidates(
 def has_int8_dot() -> bool:
     """The CPU multiplies int8 with AVX512-VNNI (and no ATEN_CPU_CAPABILITY cap forbids it)."""
     return bool(_has_int8_dot())
+
+
+def has_amx_tiles() -> bool:
+    """The CPU has AMX-INT8 tiles and Linux granted them (Sapphire Rapids and later), VNNI too,
+    and neither CBSERVE_AMX=0 nor an ATEN_CPU_CAPABILITY cap forbids them: Q4_K / Q5_K weights
+    meet 16 activation rows at a time on the tiles."""
+    return bool(_has_amx_tiles())
 
 
 def attention(

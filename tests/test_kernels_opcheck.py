@@ -41,6 +41,7 @@ def test_every_op_in_the_library_is_wrapped_and_checked_here():
         "attention",
         "decoder_layers",
         "has_int8_dot",
+        "has_amx_tiles",
         "enum_values",
     }
     assert checked == set(OP), "a new op needs its opcheck case below"
@@ -145,6 +146,7 @@ def test_top_candidates_opcheck():
 
 def test_scalar_ops_opcheck():
     torch.library.opcheck(OP["has_int8_dot"], ())
+    torch.library.opcheck(OP["has_amx_tiles"], ())
     # AOT dispatch's output comparison handles no strings: the other checks only
     torch.library.opcheck(
         OP["enum_values"],

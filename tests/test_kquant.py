@@ -9,6 +9,9 @@ these formats loading with no float copy of its projections.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -148,15 +151,30 @@ def test_int8_dots_of_32_value_formats_agree_on_the_files_rows_and_unpacked(qtyp
         assert torch.equal(linear(x[:m], packed), alone[:m]), f"M = {m} changed a row"
 
 
+def test_amx_tiles_are_used_where_the_cpu_has_them():
+    """Where the CPU lists AMX-INT8 the kernels ask Linux for the tile state and use it (so the
+    batch-invariance test below runs Q4_K / Q5_K's 16-row tiles against the one-row path)."""
+    flags = next(
+        (
+            line.split(":", 1)[1].split()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        ),
+        [],
+    )
+    wanted = "amx_int8" in flags and kernels.has_int8_dot() and os.environ.get("CBSERVE_AMX") != "0"
+    assert kernels.has_amx_tiles() == wanted
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("int8", [False, True])
 def test_a_rows_result_does_not_depend_on_the_batch_around_it(qtype, int8):
     torch.manual_seed(2)
     packed = pack_rows(random_rows(qtype, 40, 512, seed=3), int8)
-    x = torch.randn(23, 512)
-    alone = torch.cat([linear(x[i : i + 1], packed) for i in range(23)])
-    for m in (2, 3, 4, 5, 9, 23):
-        batched = torch.cat([linear(x[i : i + m], packed) for i in range(0, 23, m)])
+    x = torch.randn(39, 512)  # up to 39 rows: two of AMX's 16-row tiles and a VNNI remainder
+    alone = torch.cat([linear(x[i : i + 1], packed) for i in range(39)])
+    for m in (2, 3, 4, 5, 9, 16, 23, 39):
+        batched = torch.cat([linear(x[i : i + m], packed) for i in range(0, 39, m)])
         assert torch.equal(batched, alone), f"batch of {m} changed a row"
 
 

@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -20,6 +22,9 @@
 namespace cbserve {
 
 #define CB_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+// AMX tiles (kquant_k_vnni.cpp's many-row tile): AVX512-VNNI's set plus the tile instructions.
+#define CB_AMX \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,amx-tile,amx-int8")))
 #define CB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 
 inline __m256 load_h8(const at::Half* p) {
@@ -102,6 +107,22 @@ inline bool cpu_has_vnni() {
   static const bool ok = !isa_capped() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                          __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+// AMX-INT8 tiles (Sapphire Rapids and later), usable: Linux hands a process the 8 KiB tile state
+// only after it asks (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); without the grant a tile
+// instruction is SIGILL. Asked once here. CBSERVE_AMX=0 keeps to the VNNI tiles (same bits).
+inline bool cpu_has_amx() {
+  static const bool ok = [] {
+    const char* off = std::getenv("CBSERVE_AMX");
+    if (!cpu_has_vnni() || (off && std::strcmp(off, "0") == 0)) return false;
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return false;
+    constexpr long ARCH_GET_XCOMP_PERM = 0x1022, ARCH_REQ_XCOMP_PERM = 0x1023, XTILEDATA = 18;
+    unsigned long granted = 0;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XTILEDATA) == 0 &&
+           syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &granted) == 0 && ((granted >> XTILEDATA) & 1);
+  }();
   return ok;
 }
 

@@ -14,6 +14,12 @@
 // The arithmetic is dot_k's exact one (kquant_k.cpp): per block, I1 and I2 are whole integers (the
 // same numbers in any order), then c += I1 (d dx) - I2 (dmin dx) in fp32, one lane per output, so
 // an activation row's result is the same bits here and on the file-row path of decode.
+//
+// With AMX (cbserve::cpu_has_amx), sixteen activation rows at a time meet a sub-block in one tile
+// multiply instead: the panel's values of a sub-block are already a tile's B operand (rows of four
+// values x 16 outputs), the activation rows' bytes of it the A operand, and the 16 x 16 int32
+// result is each pair's sub-block dot, the same integer vpdpbusd sums; its sub-scale, the
+// minimums' term and the fp32 step are then the VNNI rows' own, so the bits are the same too.
 #include "kquant_k.h"
 
 namespace cbserve_kquant {
@@ -264,6 +270,98 @@ CB_VNNI void panel_dot(const uint8_t* panel, int64_t nb, const Acts& a, const in
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(c + PANEL * r, acc[r]);
 }
 
+// AMX: the tile registers' shapes for format T: C0..C3 (tiles 0-3) 16 x 16 int32, A0/A1 (4, 5) 16
+// activation rows x a sub-block's bytes, B0/B1 (6, 7) its values, four to a row x 16 outputs.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+template <int T>
+CB_AMX void amx_begin() {
+  constexpr int SUBK = 256 / subs<T>();
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = t >= 6 ? SUBK / 4 : 16;
+    cfg.colsb[t] = t >= 4 && t < 6 ? SUBK : 64;
+  }
+  asm volatile("" : : "r"(&cfg) : "memory");  // GCC's ldtilecfg builtin does not say it reads cfg
+  _tile_loadconfig(&cfg);
+}
+
+CB_AMX void amx_end() { _tile_release(); }
+
+// i1[r] += dots[0][r] sc[0] + dots[1][r] sc[1]: two sub-blocks' dots of 16 rows, by their sub-scales.
+CB_AMX inline void scale_dots(const int32_t (*dots)[16 * 16], const uint8_t* sc, __m512i* i1) {
+  const __m512i sc0 = _mm512_load_si512(sc), sc1 = _mm512_load_si512(sc + 64);
+  for (int r = 0; r < 16; ++r) {
+    i1[r] = _mm512_add_epi32(i1[r], _mm512_mullo_epi32(_mm512_load_si512(dots[0] + 16 * r), sc0));
+    i1[r] = _mm512_add_epi32(i1[r], _mm512_mullo_epi32(_mm512_load_si512(dots[1] + 16 * r), sc1));
+  }
+}
+
+// panel_dot for the 16 activation rows r0 .. r0 + 16 on the tiles, into c[r * 16 + lane].
+template <int T>
+CB_AMX void panel_dot_amx(const uint8_t* panel, int64_t nb, const Acts& a, const int16_t* corr, int64_t r0, float* c) {
+  constexpr int64_t PB = panel_block<T>();
+  constexpr int NS = subs<T>(), GS = 64 / NS, CW = scaled16(T) ? 16 : 8, SUBK = 4 * GS;
+  const int64_t nbx = a.K / 256;
+  alignas(64) int32_t dots[2][16 * 16];
+  for (int r = 0; r < 16; ++r) _mm512_store_ps(c + PANEL * r, _mm512_setzero_ps());
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* pb = panel + b * PB;
+    const int8_t* x = a.q256 + (r0 * nbx + b) * 256;  // row r at x + r K
+    __m512i i1[16];
+    for (int r = 0; r < 16; ++r) i1[r] = _mm512_setzero_si512();
+    // four sub-blocks a step, in C0..C3, so the tile unit multiplies the next pair while the
+    // previous pair's dots are scaled
+#pragma GCC unroll 1
+    for (int s = 0; s < NS; s += 4) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      _tile_loadd(4, x + SUBK * s, a.K);
+      _tile_loadd(6, pb + 64 * GS * s, 64);
+      _tile_dpbsud(0, 4, 6);
+      _tile_loadd(5, x + SUBK * (s + 1), a.K);
+      _tile_loadd(7, pb + 64 * GS * (s + 1), 64);
+      _tile_dpbsud(1, 5, 7);
+      _tile_loadd(4, x + SUBK * (s + 2), a.K);
+      _tile_loadd(6, pb + 64 * GS * (s + 2), 64);
+      _tile_dpbsud(2, 4, 6);
+      _tile_loadd(5, x + SUBK * (s + 3), a.K);
+      _tile_loadd(7, pb + 64 * GS * (s + 3), 64);
+      _tile_dpbsud(3, 5, 7);
+      _tile_stored(0, dots[0], 64);
+      _tile_stored(1, dots[1], 64);
+      scale_dots(dots, pb + PANEL_SCALES + 64 * s, i1);
+      _tile_stored(2, dots[0], 64);
+      _tile_stored(3, dots[1], 64);
+      scale_dots(dots, pb + PANEL_SCALES + 64 * (s + 2), i1);
+    }
+    const __m512 vd = _mm512_load_ps(pb + panel_dd<T>()), vdmin = _mm512_load_ps(pb + panel_dd<T>() + 64);
+    for (int r = 0; r < 16; ++r) {
+      const int16_t* src = corr + ((r0 + r) * nbx + b) * CW;
+      __m512i i2 = _mm512_setzero_si512();
+      for (int q = 0; q < NS / 2; ++q)
+        i2 = _mm512_dpwssd_epi32(i2, _mm512_load_si512(pb + panel_corr<T>() + 64 * q),
+                                 _mm512_set1_epi32(cbserve::load_i32(src + 2 * q)));
+      const __m512 dx = _mm512_set1_ps(a.d256[(r0 + r) * nbx + b]);
+      __m512 acc = _mm512_load_ps(c + PANEL * r);
+      if constexpr (T == Q2_K || !scaled16(T)) {
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), _mm512_mul_ps(vd, dx), acc);
+        acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(i2), _mm512_mul_ps(vdmin, dx), acc);
+      } else {
+        const __m512i tot = _mm512_sub_epi32(i1[r], _mm512_slli_epi32(i2, k16_offset_shift(T)));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(vd, dx), acc);
+      }
+      _mm512_store_ps(c + PANEL * r, acc);
+    }
+  }
+}
+
 template <int T>
 CB_VNNI void panels_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
   const int64_t nb = p.nb, nbx = a.K / 256;
@@ -277,7 +375,11 @@ CB_VNNI void panels_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int6
     pair_sums_all(a, M, pairs);
     corr = pairs;
   }
-  alignas(64) float c[RA * PANEL];
+  alignas(64) float c[16 * PANEL];
+  // rows the tiles take: Q4_K / Q5_K's. Q6_K / Q3_K / Q2_K's 16-value sub-blocks are too thin a
+  // tile multiply for the scaling that follows each one (slower than VNNI's).
+  const int64_t M16 = !scaled16(T) && cbserve::cpu_has_amx() ? M / 16 * 16 : 0;
+  if (M16) amx_begin<T>();
   for (int64_t t0 = n0; t0 < n1; t0 += PANEL) {
     const int64_t rows = std::min<int64_t>(PANEL, n1 - t0);
     if constexpr (T == Q4_K)
@@ -286,13 +388,18 @@ CB_VNNI void panels_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int6
       build_panel_q6k(p, t0, rows, panel);
     else
       build_panel<T>(p, t0, rows, tmp, panel);
-    for (int64_t m0 = 0; m0 < M; m0 += RA) {
-      const int64_t mr = std::min<int64_t>(RA, M - m0);
-      cbserve::with_count<RA>(mr, [&](auto n) { panel_dot<T, decltype(n)::value>(panel, nb, a, corr, m0, c); });
+    for (int64_t m0 = 0; m0 < M;) {
+      const int64_t mr = m0 < M16 ? 16 : std::min<int64_t>(RA, M - m0);
+      if (m0 < M16)
+        panel_dot_amx<T>(panel, nb, a, corr, m0, c);
+      else
+        cbserve::with_count<RA>(mr, [&](auto n) { panel_dot<T, decltype(n)::value>(panel, nb, a, corr, m0, c); });
       for (int64_t r = 0; r < mr; ++r)
         for (int64_t i = 0; i < rows; ++i) y[(m0 + r) * ldy + t0 + i] = c[PANEL * r + i];
+      m0 += mr;
     }
   }
+  if (M16) amx_end();
 }
 
 }  // namespace

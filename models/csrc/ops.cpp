@@ -56,6 +56,7 @@ TORCH_LIBRARY(cbserve, m) {
   // logsumexp(x / temps); rows with temps <= 0 are skipped (-inf values, ids 0).
   m.def("top_candidates(Tensor x, Tensor temps, int k) -> (Tensor, Tensor, Tensor)");
   m.def("has_int8_dot() -> bool", [] { return cbserve::cpu_has_vnni(); });
+  m.def("has_amx_tiles() -> bool", [] { return cbserve::cpu_has_amx(); });
   m.def("enum_values() -> str", &enum_values);
   // RoPE on qkv's q and k heads in place, this step's K/V written into the pools at `slots`, then
   // paged attention of every token (decode rows, then prefill chunks); returns (T, H * D). window
