@@ -206,8 +206,8 @@ def has_int8_dot() -> bool:
 
 def has_amx_tiles() -> bool:
     """The CPU has AMX-INT8 tiles and Linux granted them (Sapphire Rapids and later), VNNI too,
-    and neither CBSERVE_AMX=0 nor an ATEN_CPU_CAPABILITY cap forbids them: Q4_K / Q5_K weights
-    meet 16 activation rows at a time on the tiles."""
+    and neither CBSERVE_AMX=0 nor an ATEN_CPU_CAPABILITY cap forbids them: GGUF rows of Q4_K and
+    Q5_K meet 16 activation rows at a time on the tiles."""
     return bool(_has_amx_tiles())
 
 

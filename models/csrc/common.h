@@ -126,6 +126,27 @@ inline bool cpu_has_amx() {
   return ok;
 }
 
+// The tile shapes of the AMX kernel (kquant_k_vnni.cpp), loaded into the calling thread: C0..C3 (tiles 0-3) 16 x 16 int32; A0/A1 (4, 5) 16 activation rows x `k_bytes`
+// int8 (one block or sub-block); B0/B1 (6, 7) its weights, four to a row x 16 outputs. A thread
+// ends with amx_tiles_end, so it carries no tile state into other work (or a context switch).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+CB_AMX inline void amx_tiles_begin(int k_bytes) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(t >= 6 ? k_bytes / 4 : 16);
+    cfg.colsb[t] = static_cast<uint16_t>(t >= 4 && t < 6 ? k_bytes : 64);
+  }
+  asm volatile("" : : "r"(&cfg) : "memory");  // GCC's ldtilecfg builtin does not say it reads cfg
+  _tile_loadconfig(&cfg);
+}
+
+CB_AMX inline void amx_tiles_end() { _tile_release(); }
+
 inline bool cpu_has_avx512() {
   static const bool ok = !isa_capped() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");

@@ -270,28 +270,6 @@ CB_VNNI void panel_dot(const uint8_t* panel, int64_t nb, const Acts& a, const in
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(c + PANEL * r, acc[r]);
 }
 
-// AMX: the tile registers' shapes for format T: C0..C3 (tiles 0-3) 16 x 16 int32, A0/A1 (4, 5) 16
-// activation rows x a sub-block's bytes, B0/B1 (6, 7) its values, four to a row x 16 outputs.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-template <int T>
-CB_AMX void amx_begin() {
-  constexpr int SUBK = 256 / subs<T>();
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = t >= 6 ? SUBK / 4 : 16;
-    cfg.colsb[t] = t >= 4 && t < 6 ? SUBK : 64;
-  }
-  asm volatile("" : : "r"(&cfg) : "memory");  // GCC's ldtilecfg builtin does not say it reads cfg
-  _tile_loadconfig(&cfg);
-}
-
-CB_AMX void amx_end() { _tile_release(); }
-
 // i1[r] += dots[0][r] sc[0] + dots[1][r] sc[1]: two sub-blocks' dots of 16 rows, by their sub-scales.
 CB_AMX inline void scale_dots(const int32_t (*dots)[16 * 16], const uint8_t* sc, __m512i* i1) {
   const __m512i sc0 = _mm512_load_si512(sc), sc1 = _mm512_load_si512(sc + 64);
@@ -307,7 +285,7 @@ CB_AMX void panel_dot_amx(const uint8_t* panel, int64_t nb, const Acts& a, const
   constexpr int64_t PB = panel_block<T>();
   constexpr int NS = subs<T>(), GS = 64 / NS, CW = scaled16(T) ? 16 : 8, SUBK = 4 * GS;
   const int64_t nbx = a.K / 256;
-  alignas(64) int32_t dots[2][16 * 16];
+  alignas(64) int32_t dots[4][16 * 16];
   for (int r = 0; r < 16; ++r) _mm512_store_ps(c + PANEL * r, _mm512_setzero_ps());
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* pb = panel + b * PB;
@@ -336,10 +314,10 @@ CB_AMX void panel_dot_amx(const uint8_t* panel, int64_t nb, const Acts& a, const
       _tile_dpbsud(3, 5, 7);
       _tile_stored(0, dots[0], 64);
       _tile_stored(1, dots[1], 64);
+      _tile_stored(2, dots[2], 64);
+      _tile_stored(3, dots[3], 64);
       scale_dots(dots, pb + PANEL_SCALES + 64 * s, i1);
-      _tile_stored(2, dots[0], 64);
-      _tile_stored(3, dots[1], 64);
-      scale_dots(dots, pb + PANEL_SCALES + 64 * (s + 2), i1);
+      scale_dots(dots + 2, pb + PANEL_SCALES + 64 * (s + 2), i1);
     }
     const __m512 vd = _mm512_load_ps(pb + panel_dd<T>()), vdmin = _mm512_load_ps(pb + panel_dd<T>() + 64);
     for (int r = 0; r < 16; ++r) {
@@ -379,7 +357,7 @@ CB_VNNI void panels_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int6
   // rows the tiles take: Q4_K / Q5_K's. Q6_K / Q3_K / Q2_K's 16-value sub-blocks are too thin a
   // tile multiply for the scaling that follows each one (slower than VNNI's).
   const int64_t M16 = !scaled16(T) && cbserve::cpu_has_amx() ? M / 16 * 16 : 0;
-  if (M16) amx_begin<T>();
+  if (M16) cbserve::amx_tiles_begin(256 / subs<T>());
   for (int64_t t0 = n0; t0 < n1; t0 += PANEL) {
     const int64_t rows = std::min<int64_t>(PANEL, n1 - t0);
     if constexpr (T == Q4_K)
@@ -399,7 +377,7 @@ CB_VNNI void panels_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int6
       m0 += mr;
     }
   }
-  if (M16) amx_end();
+  if (M16) cbserve::amx_tiles_end();
 }
 
 }  // namespace
