@@ -15,11 +15,12 @@
 // same numbers in any order), then c += I1 (d dx) - I2 (dmin dx) in fp32, one lane per output, so
 // an activation row's result is the same bits here and on the file-row path of decode.
 //
-// With AMX (cbserve::cpu_has_amx), sixteen activation rows at a time meet a sub-block in one tile
-// multiply instead: the panel's values of a sub-block are already a tile's B operand (rows of four
-// values x 16 outputs), the activation rows' bytes of it the A operand, and the 16 x 16 int32
-// result is each pair's sub-block dot, the same integer vpdpbusd sums; its sub-scale, the
-// minimums' term and the fp32 step are then the VNNI rows' own, so the bits are the same too.
+// With AMX (cbserve::cpu_has_amx), Q4_K and Q5_K meet sixteen activation rows at a time on the
+// tiles instead. Their 6-bit sub-scales split as sc = 8 hi + lo (three bits each), so that a value
+// times either part is still a byte (<= 31 x 7): a copy of the panel's values holds q hi and q lo,
+// and a block's I1 = sum over sub-blocks of sc (x . q) is 8 (x . q hi) + (x . q lo), two tile dots
+// over all 256 inputs with no scaling between sub-blocks. The minimums' term and the fp32 step
+// are then the VNNI rows' own, so the bits are the same as theirs.
 #include "kquant_k.h"
 
 namespace cbserve_kquant {
@@ -270,55 +271,64 @@ CB_VNNI void panel_dot(const uint8_t* panel, int64_t nb, const Acts& a, const in
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(c + PANEL * r, acc[r]);
 }
 
-// i1[r] += dots[0][r] sc[0] + dots[1][r] sc[1]: two sub-blocks' dots of 16 rows, by their sub-scales.
-CB_AMX inline void scale_dots(const int32_t (*dots)[16 * 16], const uint8_t* sc, __m512i* i1) {
-  const __m512i sc0 = _mm512_load_si512(sc), sc1 = _mm512_load_si512(sc + 64);
-  for (int r = 0; r < 16; ++r) {
-    i1[r] = _mm512_add_epi32(i1[r], _mm512_mullo_epi32(_mm512_load_si512(dots[0] + 16 * r), sc0));
-    i1[r] = _mm512_add_epi32(i1[r], _mm512_mullo_epi32(_mm512_load_si512(dots[1] + 16 * r), sc1));
+// AMX's copy of a panel's values with the sub-scales in them: per block, each value times its
+// sub-scale's high three bits (4096 bytes), then times its low three (4096): at most 31 x 7 = 217,
+// still a byte. Then I1 = sum over sub-blocks of sc (x . q) = 8 (x . q sc_hi) + (x . q sc_lo),
+// two K = 256 tile dots with no scaling between sub-blocks. (Q4_K / Q5_K: 6-bit sub-scales.)
+constexpr int64_t SPLIT_BLOCK = 8192;
+
+template <int T>
+CB_AMX void split_scales(const uint8_t* panel, int64_t nb, uint8_t* split) {
+  static_assert(!scaled16(T), "6-bit sub-scales of 32 values");
+  constexpr int64_t PB = panel_block<T>();
+  const __m512i even = _mm512_set1_epi16(0x00FF);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* pb = panel + b * PB;
+    uint8_t* out = split + b * SPLIT_BLOCK;
+    for (int s = 0; s < 8; ++s) {
+      const __m512i sc = _mm512_load_si512(pb + PANEL_SCALES + 64 * s);  // int32 per lane, < 64
+      // the factor in both 16-bit halves of its lane
+      const __m512i hi = _mm512_mullo_epi32(_mm512_srli_epi32(sc, 3), _mm512_set1_epi32(0x10001));
+      const __m512i lo = _mm512_mullo_epi32(_mm512_and_si512(sc, _mm512_set1_epi32(7)), _mm512_set1_epi32(0x10001));
+      for (int g = 0; g < 8; ++g) {
+        const __m512i v = _mm512_load_si512(pb + 64 * (8 * s + g));
+        const __m512i ev = _mm512_and_si512(v, even), od = _mm512_srli_epi16(v, 8);
+        _mm512_store_si512(out + 64 * (8 * s + g),
+                           _mm512_or_si512(_mm512_mullo_epi16(ev, hi), _mm512_slli_epi16(_mm512_mullo_epi16(od, hi), 8)));
+        _mm512_store_si512(out + 4096 + 64 * (8 * s + g),
+                           _mm512_or_si512(_mm512_mullo_epi16(ev, lo), _mm512_slli_epi16(_mm512_mullo_epi16(od, lo), 8)));
+      }
+    }
   }
 }
 
-// panel_dot for the 16 activation rows r0 .. r0 + 16 on the tiles, into c[r * 16 + lane].
+// panel_dot for the 16 activation rows r0 .. r0 + 16 on the tiles (cbserve::amx_tiles_begin(64)),
+// into c[r * 16 + lane]: per block, C0 = x . (q sc_hi) and C1 = x . (q sc_lo) over its 256 inputs
+// in four 64-input steps, I1 = 8 C0 + C1, the rest as panel_dot.
 template <int T>
-CB_AMX void panel_dot_amx(const uint8_t* panel, int64_t nb, const Acts& a, const int16_t* corr, int64_t r0, float* c) {
+CB_AMX void panel_dot_amx(const uint8_t* panel, const uint8_t* split, int64_t nb, const Acts& a, const int16_t* corr,
+                          int64_t r0, float* c) {
   constexpr int64_t PB = panel_block<T>();
-  constexpr int NS = subs<T>(), GS = 64 / NS, CW = scaled16(T) ? 16 : 8, SUBK = 4 * GS;
+  constexpr int NS = subs<T>(), CW = scaled16(T) ? 16 : 8;
   const int64_t nbx = a.K / 256;
-  alignas(64) int32_t dots[4][16 * 16];
+  alignas(64) int32_t dots[2][16 * 16];
   for (int r = 0; r < 16; ++r) _mm512_store_ps(c + PANEL * r, _mm512_setzero_ps());
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* pb = panel + b * PB;
+    const uint8_t* sp = split + b * SPLIT_BLOCK;
     const int8_t* x = a.q256 + (r0 * nbx + b) * 256;  // row r at x + r K
-    __m512i i1[16];
-    for (int r = 0; r < 16; ++r) i1[r] = _mm512_setzero_si512();
-    // four sub-blocks a step, in C0..C3, so the tile unit multiplies the next pair while the
-    // previous pair's dots are scaled
-#pragma GCC unroll 1
-    for (int s = 0; s < NS; s += 4) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      _tile_loadd(4, x + SUBK * s, a.K);
-      _tile_loadd(6, pb + 64 * GS * s, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      _tile_loadd(4, x + 64 * k, a.K);
+      _tile_loadd(6, sp + 1024 * k, 64);
+      _tile_loadd(7, sp + 4096 + 1024 * k, 64);
       _tile_dpbsud(0, 4, 6);
-      _tile_loadd(5, x + SUBK * (s + 1), a.K);
-      _tile_loadd(7, pb + 64 * GS * (s + 1), 64);
-      _tile_dpbsud(1, 5, 7);
-      _tile_loadd(4, x + SUBK * (s + 2), a.K);
-      _tile_loadd(6, pb + 64 * GS * (s + 2), 64);
-      _tile_dpbsud(2, 4, 6);
-      _tile_loadd(5, x + SUBK * (s + 3), a.K);
-      _tile_loadd(7, pb + 64 * GS * (s + 3), 64);
-      _tile_dpbsud(3, 5, 7);
-      _tile_stored(0, dots[0], 64);
-      _tile_stored(1, dots[1], 64);
-      _tile_stored(2, dots[2], 64);
-      _tile_stored(3, dots[3], 64);
-      scale_dots(dots, pb + PANEL_SCALES + 64 * s, i1);
-      scale_dots(dots + 2, pb + PANEL_SCALES + 64 * (s + 2), i1);
+      _tile_dpbsud(1, 4, 7);
     }
+    _tile_stored(0, dots[0], 64);
+    _tile_stored(1, dots[1], 64);
     const __m512 vd = _mm512_load_ps(pb + panel_dd<T>()), vdmin = _mm512_load_ps(pb + panel_dd<T>() + 64);
     for (int r = 0; r < 16; ++r) {
       const int16_t* src = corr + ((r0 + r) * nbx + b) * CW;
@@ -328,13 +338,10 @@ CB_AMX void panel_dot_amx(const uint8_t* panel, int64_t nb, const Acts& a, const
                                  _mm512_set1_epi32(cbserve::load_i32(src + 2 * q)));
       const __m512 dx = _mm512_set1_ps(a.d256[(r0 + r) * nbx + b]);
       __m512 acc = _mm512_load_ps(c + PANEL * r);
-      if constexpr (T == Q2_K || !scaled16(T)) {
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), _mm512_mul_ps(vd, dx), acc);
-        acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(i2), _mm512_mul_ps(vdmin, dx), acc);
-      } else {
-        const __m512i tot = _mm512_sub_epi32(i1[r], _mm512_slli_epi32(i2, k16_offset_shift(T)));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(vd, dx), acc);
-      }
+      const __m512i i1 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(dots[0] + 16 * r), 3),
+                                          _mm512_load_si512(dots[1] + 16 * r));
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(vd, dx), acc);
+      acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(i2), _mm512_mul_ps(vdmin, dx), acc);
       _mm512_store_ps(c + PANEL * r, acc);
     }
   }
@@ -344,7 +351,14 @@ template <int T>
 CB_VNNI void panels_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
   const int64_t nb = p.nb, nbx = a.K / 256;
   const int64_t panel_bytes = nb * panel_block<T>(), tmp_bytes = T == Q4_K || T == Q6_K ? 0 : PANEL * nb * unpacked_block<T>();
-  uint8_t* buf = scratch(panel_bytes + tmp_bytes + (!scaled16(T) ? 16 * M * nbx : 0));
+  // rows the tiles take (AMX CPUs): Q4_K / Q5_K's, 16 at a time, from 32 rows on (fewer do not pay
+  // for the split copy). (The 16-value sub-blocks of Q6_K, Q3_K, Q2_K have 8-bit scales: no
+  // byte-sized split.)
+  const int64_t M16 = !scaled16(T) && M >= 32 && cbserve::cpu_has_amx() ? M / 16 * 16 : 0;
+  const int64_t split_bytes = M16 ? nb * SPLIT_BLOCK : 0;
+  uint8_t* buf = scratch(split_bytes + panel_bytes + tmp_bytes + (!scaled16(T) ? 16 * M * nbx : 0));
+  uint8_t* split = buf;
+  buf += split_bytes;
   uint8_t* panel = buf;
   uint8_t* tmp = buf + panel_bytes;
   const int16_t* corr = a.bs16;
@@ -354,10 +368,7 @@ CB_VNNI void panels_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int6
     corr = pairs;
   }
   alignas(64) float c[16 * PANEL];
-  // rows the tiles take: Q4_K / Q5_K's. Q6_K / Q3_K / Q2_K's 16-value sub-blocks are too thin a
-  // tile multiply for the scaling that follows each one (slower than VNNI's).
-  const int64_t M16 = !scaled16(T) && cbserve::cpu_has_amx() ? M / 16 * 16 : 0;
-  if (M16) cbserve::amx_tiles_begin(256 / subs<T>());
+  if (M16) cbserve::amx_tiles_begin(64);
   for (int64_t t0 = n0; t0 < n1; t0 += PANEL) {
     const int64_t rows = std::min<int64_t>(PANEL, n1 - t0);
     if constexpr (T == Q4_K)
@@ -366,11 +377,13 @@ CB_VNNI void panels_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int6
       build_panel_q6k(p, t0, rows, panel);
     else
       build_panel<T>(p, t0, rows, tmp, panel);
+    if constexpr (!scaled16(T))
+      if (M16) split_scales<T>(panel, nb, split);
     for (int64_t m0 = 0; m0 < M;) {
       const int64_t mr = m0 < M16 ? 16 : std::min<int64_t>(RA, M - m0);
-      if (m0 < M16)
-        panel_dot_amx<T>(panel, nb, a, corr, m0, c);
-      else
+      if constexpr (!scaled16(T))
+        if (m0 < M16) panel_dot_amx<T>(panel, split, nb, a, corr, m0, c);
+      if (m0 >= M16)
         cbserve::with_count<RA>(mr, [&](auto n) { panel_dot<T, decltype(n)::value>(panel, nb, a, corr, m0, c); });
       for (int64_t r = 0; r < mr; ++r)
         for (int64_t i = 0; i < rows; ++i) y[(m0 + r) * ldy + t0 + i] = c[PANEL * r + i];
