@@ -16,11 +16,10 @@
 // an activation row's result is the same bits here and on the file-row path of decode.
 //
 // With AMX (cbserve::cpu_has_amx), Q4_K and Q5_K meet sixteen activation rows at a time on the
-// tiles instead. Their 6-bit sub-scales split as sc = 8 hi + lo (three bits each), so that a value
-// times either part is still a byte (<= 31 x 7): a copy of the panel's values holds q hi and q lo,
-// and a block's I1 = sum over sub-blocks of sc (x . q) is 8 (x . q hi) + (x . q lo), two tile dots
-// over all 256 inputs with no scaling between sub-blocks. The minimums' term and the fp32 step
-// are then the VNNI rows' own, so the bits are the same as theirs.
+// tiles instead. Their 6-bit sub-scales go into a copy of the values as two 3-bit digits, small
+// enough that a value times one is still a byte (split_scales), so a block's I1 = sum over
+// sub-blocks of sc (x . q) is two tile dots over all 256 inputs, with no scaling between
+// sub-blocks. The minimums' term and the fp32 step are then the VNNI rows' own: the same bits.
 #include "kquant_k.h"
 
 namespace cbserve_kquant {
@@ -271,78 +270,91 @@ CB_VNNI void panel_dot(const uint8_t* panel, int64_t nb, const Acts& a, const in
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(c + PANEL * r, acc[r]);
 }
 
-// AMX's copy of a panel's values with the sub-scales in them: per block, each value times its
-// sub-scale's high three bits (4096 bytes), then times its low three (4096): at most 31 x 7 = 217,
-// still a byte. Then I1 = sum over sub-blocks of sc (x . q) = 8 (x . q sc_hi) + (x . q sc_lo),
-// two K = 256 tile dots with no scaling between sub-blocks. (Q4_K / Q5_K: 6-bit sub-scales.)
+// AMX's copy of a panel's values with the 6-bit sub-scales in them (Q4_K / Q5_K): per block, each
+// value times its sub-scale's high three bits (4096 bytes), then times its low three (4096), at most
+// 31 x 7, still a byte. A block's I1 = sum over sub-blocks of sc (x . q) = 8 (x . q hi) + (x . q lo):
+// two tile dots over its 256 inputs, no scaling between sub-blocks. (Q6_K's 8-bit scales would take
+// five such dots in base-4 digits: slower than VNNI here, measured.)
 constexpr int64_t SPLIT_BLOCK = 8192;
 
 template <int T>
+constexpr bool amx_format() {
+  return T == Q4_K || T == Q5_K;
+}
+
+// v's bytes times f (per 32-bit lane, in both of its 16-bit halves; every product < 256).
+CB_AMX inline __m512i times_lane(__m512i v, __m512i f) {
+  const __m512i even = _mm512_and_si512(v, _mm512_set1_epi16(0x00FF)), odd = _mm512_srli_epi16(v, 8);
+  return _mm512_or_si512(_mm512_mullo_epi16(even, f), _mm512_slli_epi16(_mm512_mullo_epi16(odd, f), 8));
+}
+
+template <int T>
 CB_AMX void split_scales(const uint8_t* panel, int64_t nb, uint8_t* split) {
-  static_assert(!scaled16(T), "6-bit sub-scales of 32 values");
+  static_assert(amx_format<T>());
   constexpr int64_t PB = panel_block<T>();
-  const __m512i even = _mm512_set1_epi16(0x00FF);
+  constexpr int NS = subs<T>(), GS = 64 / NS;
+  const __m512i halves = _mm512_set1_epi32(0x10001), low3 = _mm512_set1_epi32(7);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* pb = panel + b * PB;
     uint8_t* out = split + b * SPLIT_BLOCK;
-    for (int s = 0; s < 8; ++s) {
-      const __m512i sc = _mm512_load_si512(pb + PANEL_SCALES + 64 * s);  // int32 per lane, < 64
-      // the factor in both 16-bit halves of its lane
-      const __m512i hi = _mm512_mullo_epi32(_mm512_srli_epi32(sc, 3), _mm512_set1_epi32(0x10001));
-      const __m512i lo = _mm512_mullo_epi32(_mm512_and_si512(sc, _mm512_set1_epi32(7)), _mm512_set1_epi32(0x10001));
-      for (int g = 0; g < 8; ++g) {
-        const __m512i v = _mm512_load_si512(pb + 64 * (8 * s + g));
-        const __m512i ev = _mm512_and_si512(v, even), od = _mm512_srli_epi16(v, 8);
-        _mm512_store_si512(out + 64 * (8 * s + g),
-                           _mm512_or_si512(_mm512_mullo_epi16(ev, hi), _mm512_slli_epi16(_mm512_mullo_epi16(od, hi), 8)));
-        _mm512_store_si512(out + 4096 + 64 * (8 * s + g),
-                           _mm512_or_si512(_mm512_mullo_epi16(ev, lo), _mm512_slli_epi16(_mm512_mullo_epi16(od, lo), 8)));
+    for (int s = 0; s < NS; ++s) {
+      const __m512i sc = _mm512_load_si512(pb + PANEL_SCALES + 64 * s);  // int32 a lane, < 64
+      for (int j = 0; j < 2; ++j) {  // the high three bits, then the low three
+        const __m512i f = _mm512_mullo_epi32(_mm512_and_si512(_mm512_srli_epi32(sc, 3 - 3 * j), low3), halves);
+        for (int g = 0; g < GS; ++g) {
+          const int64_t at = 64 * (GS * s + g);
+          _mm512_store_si512(out + 4096 * j + at, times_lane(_mm512_load_si512(pb + at), f));
+        }
       }
     }
   }
 }
 
-// panel_dot for the 16 activation rows r0 .. r0 + 16 on the tiles (cbserve::amx_tiles_begin(64)),
-// into c[r * 16 + lane]: per block, C0 = x . (q sc_hi) and C1 = x . (q sc_lo) over its 256 inputs
-// in four 64-input steps, I1 = 8 C0 + C1, the rest as panel_dot.
+// panel_dot for the activation rows 0 .. M16 on the tiles (cbserve::amx_tiles_begin(64)), 16 at a
+// time, into c[r * 16 + lane]: a block's two dots over its 256 inputs in four 64-input steps, I1 =
+// 8 C0 + C1, the rest as panel_dot. Block by block, every row group meeting it while its 12 KB
+// (values and split copy) stay in L1.
 template <int T>
 CB_AMX void panel_dot_amx(const uint8_t* panel, const uint8_t* split, int64_t nb, const Acts& a, const int16_t* corr,
-                          int64_t r0, float* c) {
+                          int64_t M16, float* c) {
+  static_assert(amx_format<T>());
   constexpr int64_t PB = panel_block<T>();
-  constexpr int NS = subs<T>(), CW = scaled16(T) ? 16 : 8;
+  constexpr int NS = subs<T>(), CW = 8;
   const int64_t nbx = a.K / 256;
   alignas(64) int32_t dots[2][16 * 16];
-  for (int r = 0; r < 16; ++r) _mm512_store_ps(c + PANEL * r, _mm512_setzero_ps());
+  for (int64_t r = 0; r < M16; ++r) _mm512_store_ps(c + PANEL * r, _mm512_setzero_ps());
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* pb = panel + b * PB;
     const uint8_t* sp = split + b * SPLIT_BLOCK;
-    const int8_t* x = a.q256 + (r0 * nbx + b) * 256;  // row r at x + r K
-    _tile_zero(0);
-    _tile_zero(1);
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) {
-      _tile_loadd(4, x + 64 * k, a.K);
-      _tile_loadd(6, sp + 1024 * k, 64);
-      _tile_loadd(7, sp + 4096 + 1024 * k, 64);
-      _tile_dpbsud(0, 4, 6);
-      _tile_dpbsud(1, 4, 7);
-    }
-    _tile_stored(0, dots[0], 64);
-    _tile_stored(1, dots[1], 64);
     const __m512 vd = _mm512_load_ps(pb + panel_dd<T>()), vdmin = _mm512_load_ps(pb + panel_dd<T>() + 64);
-    for (int r = 0; r < 16; ++r) {
-      const int16_t* src = corr + ((r0 + r) * nbx + b) * CW;
-      __m512i i2 = _mm512_setzero_si512();
-      for (int q = 0; q < NS / 2; ++q)
-        i2 = _mm512_dpwssd_epi32(i2, _mm512_load_si512(pb + panel_corr<T>() + 64 * q),
-                                 _mm512_set1_epi32(cbserve::load_i32(src + 2 * q)));
-      const __m512 dx = _mm512_set1_ps(a.d256[(r0 + r) * nbx + b]);
-      __m512 acc = _mm512_load_ps(c + PANEL * r);
-      const __m512i i1 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(dots[0] + 16 * r), 3),
-                                          _mm512_load_si512(dots[1] + 16 * r));
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(vd, dx), acc);
-      acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(i2), _mm512_mul_ps(vdmin, dx), acc);
-      _mm512_store_ps(c + PANEL * r, acc);
+    for (int64_t r0 = 0; r0 < M16; r0 += 16) {
+      const int8_t* x = a.q256 + (r0 * nbx + b) * 256;  // row r at x + r K
+      _tile_zero(0);
+      _tile_zero(1);
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        _tile_loadd(4, x + 64 * k, a.K);
+        _tile_loadd(6, sp + 1024 * k, 64);
+        _tile_loadd(7, sp + 4096 + 1024 * k, 64);
+        _tile_dpbsud(0, 4, 6);
+        _tile_dpbsud(1, 4, 7);
+      }
+      _tile_stored(0, dots[0], 64);
+      _tile_stored(1, dots[1], 64);
+      for (int r = 0; r < 16; ++r) {
+        const int16_t* src = corr + ((r0 + r) * nbx + b) * CW;
+        __m512i i2 = _mm512_setzero_si512();
+        for (int q = 0; q < NS / 2; ++q)
+          i2 = _mm512_dpwssd_epi32(i2, _mm512_load_si512(pb + panel_corr<T>() + 64 * q),
+                                   _mm512_set1_epi32(cbserve::load_i32(src + 2 * q)));
+        const __m512i i1 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(dots[0] + 16 * r), 3),
+                                            _mm512_load_si512(dots[1] + 16 * r));
+        const __m512 dx = _mm512_set1_ps(a.d256[(r0 + r) * nbx + b]);
+        float* cr = c + PANEL * (r0 + r);
+        __m512 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(vd, dx), _mm512_load_ps(cr));
+        acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(i2), _mm512_mul_ps(vdmin, dx), acc);
+        _mm512_store_ps(cr, acc);
+      }
     }
   }
 }
@@ -352,13 +364,13 @@ CB_VNNI void panels_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int6
   const int64_t nb = p.nb, nbx = a.K / 256;
   const int64_t panel_bytes = nb * panel_block<T>(), tmp_bytes = T == Q4_K || T == Q6_K ? 0 : PANEL * nb * unpacked_block<T>();
   // rows the tiles take (AMX CPUs): Q4_K / Q5_K's, 16 at a time, from 32 rows on (fewer do not pay
-  // for the split copy). (The 16-value sub-blocks of Q6_K, Q3_K, Q2_K have 8-bit scales: no
-  // byte-sized split.)
-  const int64_t M16 = !scaled16(T) && M >= 32 && cbserve::cpu_has_amx() ? M / 16 * 16 : 0;
+  // for the split copy)
+  const int64_t M16 = amx_format<T>() && M >= 32 && cbserve::cpu_has_amx() ? M / 16 * 16 : 0;
   const int64_t split_bytes = M16 ? nb * SPLIT_BLOCK : 0;
-  uint8_t* buf = scratch(split_bytes + panel_bytes + tmp_bytes + (!scaled16(T) ? 16 * M * nbx : 0));
+  uint8_t* buf = scratch(split_bytes + M16 * PANEL * 4 + panel_bytes + tmp_bytes + (!scaled16(T) ? 16 * M * nbx : 0));
   uint8_t* split = buf;
-  buf += split_bytes;
+  float* c16 = reinterpret_cast<float*>(buf + split_bytes);  // the tile rows' results
+  buf += split_bytes + M16 * PANEL * 4;
   uint8_t* panel = buf;
   uint8_t* tmp = buf + panel_bytes;
   const int16_t* corr = a.bs16;
@@ -367,7 +379,7 @@ CB_VNNI void panels_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int6
     pair_sums_all(a, M, pairs);
     corr = pairs;
   }
-  alignas(64) float c[16 * PANEL];
+  alignas(64) float c[RA * PANEL];
   if (M16) cbserve::amx_tiles_begin(64);
   for (int64_t t0 = n0; t0 < n1; t0 += PANEL) {
     const int64_t rows = std::min<int64_t>(PANEL, n1 - t0);
@@ -377,17 +389,19 @@ CB_VNNI void panels_k(const Part& p, int64_t n0, int64_t n1, const Acts& a, int6
       build_panel_q6k(p, t0, rows, panel);
     else
       build_panel<T>(p, t0, rows, tmp, panel);
-    if constexpr (!scaled16(T))
-      if (M16) split_scales<T>(panel, nb, split);
-    for (int64_t m0 = 0; m0 < M;) {
-      const int64_t mr = m0 < M16 ? 16 : std::min<int64_t>(RA, M - m0);
-      if constexpr (!scaled16(T))
-        if (m0 < M16) panel_dot_amx<T>(panel, split, nb, a, corr, m0, c);
-      if (m0 >= M16)
-        cbserve::with_count<RA>(mr, [&](auto n) { panel_dot<T, decltype(n)::value>(panel, nb, a, corr, m0, c); });
+    if constexpr (amx_format<T>()) {
+      if (M16) {
+        split_scales<T>(panel, nb, split);
+        panel_dot_amx<T>(panel, split, nb, a, corr, M16, c16);
+        for (int64_t r = 0; r < M16; ++r)
+          for (int64_t i = 0; i < rows; ++i) y[r * ldy + t0 + i] = c16[PANEL * r + i];
+      }
+    }
+    for (int64_t m0 = M16; m0 < M; m0 += RA) {
+      const int64_t mr = std::min<int64_t>(RA, M - m0);
+      cbserve::with_count<RA>(mr, [&](auto n) { panel_dot<T, decltype(n)::value>(panel, nb, a, corr, m0, c); });
       for (int64_t r = 0; r < mr; ++r)
         for (int64_t i = 0; i < rows; ++i) y[(m0 + r) * ldy + t0 + i] = c[PANEL * r + i];
-      m0 += mr;
     }
   }
   if (M16) cbserve::amx_tiles_end();
