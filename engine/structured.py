@@ -216,6 +216,9 @@ def _ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> Any:
         import llguidance.hf
 
         return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
+    serialized = getattr(tokenizer, "serialized", None)
+    if serialized is not None:  # models.saved_tokenizer.SavedTokenizer: the same Rust tokenizer
+        return llguidance.LLTokenizer(serialized(), n_vocab=vocab_size, eos_token=eos)
     # Tokens with bytes of their own (TinyGPT's bytes, SentencePiece pieces): each id's raw
     # bytes; ids without bytes are special, which llguidance spells as a 0xFF byte before a name.
     tokens: list[bytes] = []

@@ -9,7 +9,8 @@ norms are stored as w + 1) for the model's `load_hf_weights`. With the kernels, 
 are never dequantized: `GGUFWeights.blocks` hands the model the file's rows (`models.quant`), and
 the float "weight" it sees is a zero-memory stand-in. The tokenizer and chat template come from
 the same file: Gemma's SentencePiece vocabularies through `models.spm_tokenizer` (no derived
-merges table), every other one through transformers' conversion (`models.hf_tokenizer`).
+merges table), every other one converted by transformers once, in a child process, and then
+served from the saved copy without it (`models.hf_tokenizer`, `models.saved_tokenizer`).
 
 Architectures: llama (Llama 1-3, Mistral, SmolLM2 convert to it), qwen2, qwen3, phi3 (Phi-3, 3.5,
 4-mini: LongRoPE's factors and partial rotary dimensions), smollm3 (NoPE every fourth layer, as
@@ -40,7 +41,7 @@ from models.base import LoadedModel, ModelLoadError
 from models.config import ModelConfig
 from models.gguf_reader import GGUFHeaderReader
 from models.hf_loader import check_weight_names
-from models.hf_tokenizer import HFTokenizer, end_ids, end_token_ids, load_gguf_tokenizer
+from models.hf_tokenizer import end_ids, load_gguf_bpe_tokenizer
 from models.quant import GGML_BLOCKS, GGMLTensor, KernelOptions, gguf_rows
 from models.registry import model_class
 from models.spm_tokenizer import SPMTokenizer, read_gguf_tokenizer_metadata, uses_spm_tokenizer
@@ -614,5 +615,4 @@ def _tokenizer(path: Path, meta: _Meta) -> Tokenizer:
         control = {t: i for t, i in tok.added_vocab.items() if i in tok.special_ids}
         tok.eos_token_ids = end_ids(declared, tok.eos_token_id, control)
         return tok
-    hf = load_gguf_tokenizer(path)
-    return HFTokenizer(hf, end_token_ids(hf, declared))
+    return load_gguf_bpe_tokenizer(path, declared)

@@ -2,21 +2,28 @@
 
 Owns: loading a tokenizer and its chat template with `transformers.AutoTokenizer`, from a model
 directory or from a GGUF file's metadata (transformers converts the GGUF vocabulary and merges into
-a fast tokenizer); caching that conversion; and deciding which ids end a generation. Tokenization
-and template rendering are transformers' and `tokenizers`' work, not ours.
+a fast tokenizer); caching that conversion, made in a child process so that a server reading a
+GGUF file serves the saved copy with `tokenizers` alone (`models.saved_tokenizer`) and never
+imports transformers; and deciding which ids end a generation. Tokenization and template
+rendering are transformers' and `tokenizers`' work, not ours.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.metadata
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from models.base import ModelLoadError, model_dir
+from models.saved_tokenizer import SavedTokenizer
 
 # Tokens that end a turn or a document in the chat formats of the Llama family (ChatML for SmolLM2
 # and Qwen2, Llama 3, Phi-3, Gemma, Llama 2 / Mistral). A model that emits one of these is done even
@@ -132,13 +139,12 @@ def load_hf_tokenizer(directory: Path) -> Any:
 
 
 def _gguf_cache_dir(path: Path) -> Path:
-    import transformers
-
     # Keyed by content, not path or mtime (an image layer rounds mtimes, so a cache baked into a
     # Docker image would never match): the size, a SHA-256 of the first 16 MiB, which hold the
     # GGUF header and all its metadata, tokenizer included (1.7 MB for SmolLM2, ~10 MB for the
     # largest vocabularies), and the transformers version that converted it. ~0.06 s, any size.
-    h = hashlib.sha256(f"{path.stat().st_size}|{transformers.__version__}|".encode())
+    version = importlib.metadata.version("transformers")  # without importing it (~45 MiB)
+    h = hashlib.sha256(f"{path.stat().st_size}|{version}|".encode())
     with path.open("rb") as f:
         h.update(f.read(16 << 20))
     digest = h.hexdigest()[:16]
@@ -184,3 +190,43 @@ def load_gguf_tokenizer(path: Path) -> Any:
     except OSError:
         pass
     return tok
+
+
+def load_gguf_bpe_tokenizer(path: Path, declared: Iterable[int | None]) -> Any:
+    """A GGUF file's converted tokenizer as a `models.saved_tokenizer.SavedTokenizer`, with its
+    end-of-generation ids (`declared` first): the server process does not import transformers.
+
+    The first load of a file converts it in a child process that saves the result in the
+    model cache (`python -m models.hf_tokenizer FILE`); where the cache cannot be written, the
+    conversion runs here and transformers' tokenizer is used (`HFTokenizer`)."""
+    path = Path(path)
+    cache = _gguf_cache_dir(path)
+    if not (cache / "tokenizer.json").is_file():
+        root = str(Path(__file__).resolve().parent.parent)  # this checkout, for `-m models...`
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+        }
+        # a failed conversion is redone here, below, where its error reaches the caller
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            subprocess.run(
+                [sys.executable, "-m", "models.hf_tokenizer", str(path)],
+                env=env,
+                capture_output=True,
+                check=False,
+                timeout=600,
+            )
+    if (cache / "tokenizer.json").is_file():
+        try:
+            tok = SavedTokenizer(cache)
+        except Exception as e:  # tokenizers raises a plain Exception on a file it cannot read
+            shutil.rmtree(cache, ignore_errors=True)  # damaged: converted again next time
+            raise ModelLoadError(f"cannot read the tokenizer saved for {path}: {e}") from e
+        tok.eos_token_ids = end_ids(declared, tok.eos_token_id, tok.added_vocab)
+        return tok
+    hf = load_gguf_tokenizer(path)
+    return HFTokenizer(hf, end_token_ids(hf, declared))
+
+
+if __name__ == "__main__":  # the child process of load_gguf_bpe_tokenizer: convert and save
+    load_gguf_tokenizer(Path(sys.argv[1]))

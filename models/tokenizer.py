@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import codecs
 import datetime
+import functools
+import json
 from typing import Protocol, runtime_checkable
 
+import jinja2.ext
 import jinja2.sandbox
 
 
@@ -60,15 +63,32 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # transformers' filter: Jinja's own escapes HTML characters ("<" -> "\\u003c"), which would
+    # change how tool schemas read in a prompt.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(template: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(template)
+
+
 def render_chat_template(
     template: str, messages: list[dict], add_generation_prompt: bool, **kw
 ) -> str:
-    """Render a Jinja chat template in a sandbox, as transformers does (with its globals:
-    templates such as Gemma's call `raise_exception` on roles that do not alternate)."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(template).render(
+    """Render a Jinja chat template in a sandbox, as transformers does (its globals, such as
+    the `raise_exception` Gemma's template calls on roles that do not alternate, its `tojson`
+    and `{% break %}` / `{% continue %}`). Compiled templates are cached by their text."""
+    return _compiled(template).render(
         messages=messages, add_generation_prompt=add_generation_prompt, **kw
     )
 
