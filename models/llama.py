@@ -28,10 +28,13 @@ from models.ops import Act, Kind
 from models.quant import (
     F32,
     KIND_NAMES,
+    Q8_0X,
     QB,
     SCHEME_KINDS,
+    BlockEmbedding,
     GGMLTensor,
     PackedWeight,
+    PanelEmbedding,
     QTensor,
     RowsEmbedding,
     pack,
@@ -469,7 +472,7 @@ class LlamaForCausalLM(nn.Module):
                 n += mod.in_features * mod.out_features + (
                     0 if mod.bias is None else mod.out_features
                 )
-        if isinstance(self.embed_tokens, RowsEmbedding):
+        if isinstance(self.embed_tokens, BlockEmbedding):
             n += self.embed_tokens.num_embeddings * self.embed_tokens.embedding_dim
         head = self.lm_head
         if isinstance(head, PackedLinear):
@@ -565,7 +568,19 @@ class LlamaForCausalLM(nn.Module):
         # GGUF table with int8 activations on AVX2 multiplies the lookup's own rows, where they
         # lie in the file map (Gemma 3's 262k x 640 Q8_0: no second 170 MB copy).
         self.lm_head = packed(self.lm_head, [[embed_name if tied else "lm_head.weight"]])
+        head = getattr(self.lm_head, "packed", None)
+        shape = tuple(self.embed_tokens.weight.shape)
         if (
+            tied
+            and table is not None
+            and head is not None
+            and head.kind == Q8_0X
+            and (head.out_features, head.in_features) == shape
+        ):
+            # the head's panels are a copy of the table: look tokens up there, and the file's
+            # rows are not read again (they leave the resident set after loading)
+            self.embed_tokens = PanelEmbedding(head, shape[0])
+        elif (
             isinstance(table, GGMLTensor)
             and len(table.parts) == 1
             and tuple(table.shape) == tuple(self.embed_tokens.weight.shape)

@@ -26,9 +26,11 @@ from models.quant import (
     GGML_A8,
     Q4_1,
     Q8_0,
+    Q8_0X,
+    BlockEmbedding,
     GGMLTensor,
+    PanelEmbedding,
     QTensor,
-    RowsEmbedding,
     pack,
     pack_rows,
     quantize,
@@ -230,6 +232,25 @@ def test_q8_0_and_q4_1_blocks_as_gguf_rows_compute_the_same_matrix(kind):
     assert torch.equal(qt.to_ggml().dequantize(), qt.dequantize())
 
 
+def test_a_tied_q8_0_table_is_looked_up_from_the_heads_panels(monkeypatch):
+    """The AVX512-VNNI head's Q8_0X panels serve the lookup: the same floats as gguf's
+    dequantize of the file's rows (the panel layout is torch's work, so any CPU checks it)."""
+    from models import quant
+
+    monkeypatch.setattr(quant, "_vnni", lambda: True)
+    w = random_rows(Q.Q8_0, 37, 96, seed=3)  # a partial last panel
+    head = pack(w, int8=True)
+    assert head.kind == Q8_0X
+    emb = PanelEmbedding(head, 37)
+    ref = torch.from_numpy(dequantize(w.parts[0][1].numpy(), Q.Q8_0).reshape(37, 96))
+    ids = torch.tensor([[0, 36, 16], [15, 17, 0]])
+    got = emb(ids)
+    assert got.shape == (2, 3, 96) and got.dtype == torch.float32
+    assert torch.equal(got, ref[ids])
+    with pytest.raises(ValueError, match="Q8_0X"):
+        PanelEmbedding(pack(w), 37)
+
+
 def test_legacy_formats_keep_the_float_panels():
     w = random_rows(Q.Q4_0, 16, 64)
     assert pack(w).kind == Q4_1  # float activations: the existing panel kernel
@@ -272,7 +293,7 @@ def test_a_gguf_in_k_and_q5_formats_loads_without_float_copies(tmp_path, monkeyp
         names = ("q4_k", "q6_k", "q5_0", "q5_1", "q5_k", "iq4_nl", "iq4_xs", "q3_k", "q2_k")
         assert set(formats) >= {f"{n}{suffix}" for n in names}
         assert not any(n.startswith(("f32", "float")) for n in formats), formats
-        assert isinstance(lm.model.embed_tokens, RowsEmbedding)  # no float table either
+        assert isinstance(lm.model.embed_tokens, BlockEmbedding)  # no float table either
         got = our_logits(lm, ids)
         if activations == "float32":
             torch.testing.assert_close(got, ref, rtol=0, atol=1e-3)
