@@ -12,7 +12,7 @@ import torch
 from models import kernels, load_model
 from models.fetch import model_path
 from models.llama import PackedLinear
-from models.quant import GGML, GGML_A8, gguf_rows
+from models.quant import GGML, GGML_A8, PanelEmbedding, gguf_rows
 from tests.test_synth_model import our_logits
 from tools import synth_model
 
@@ -73,15 +73,18 @@ def test_k_quant_projections_and_embedding_read_the_file_map_in_place(
 def test_a_tied_q8_0_head_is_the_embeddings_rows_or_a_packed_copy(
     tmp_path, smol_tokenizer, activations
 ):
-    """int8 activations on AVX2 multiply the lookup's own rows; float32 activations, or int8 on
-    AVX512-VNNI, a packed copy of the table in panels."""
+    """int8 activations on AVX2 multiply the lookup's own rows; on AVX512-VNNI the head is a
+    packed copy of the table and the lookup reads that copy (the file's rows are not touched
+    again); float32 activations multiply a packed copy and look up the file's rows."""
     path = gemma_file(tmp_path, smol_tokenizer, "Q8_0")
     lm = load_model(str(path), kv_cache_dtype="float32", activations=activations)
     head, table = lm.model.lm_head.packed, lm.model.embed_tokens.qs
     shared = head.qs.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()
     rows = activations == "auto" and not kernels.has_int8_dot()
-    assert shared == rows
+    panels = activations == "auto" and kernels.has_int8_dot()
+    assert shared == (rows or panels)
     assert (head.kind == GGML_A8) == rows
+    assert isinstance(lm.model.embed_tokens, PanelEmbedding) == panels
     floats = load_model(str(path), use_kernels=False)
     ids = [1, *range(40, 60)]
     want = our_logits(floats, ids)
