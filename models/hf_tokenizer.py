@@ -203,10 +203,8 @@ def load_gguf_bpe_tokenizer(path: Path, declared: Iterable[int | None]) -> Any:
     cache = _gguf_cache_dir(path)
     if not (cache / "tokenizer.json").is_file():
         root = str(Path(__file__).resolve().parent.parent)  # this checkout, for `-m models...`
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-        }
+        paths = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
         # a failed conversion is redone here, below, where its error reaches the caller
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):
             subprocess.run(
