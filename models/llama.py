@@ -581,9 +581,7 @@ class LlamaForCausalLM(nn.Module):
             # rows are not read again (they leave the resident set after loading)
             self.embed_tokens = PanelEmbedding(head, shape[0])
         elif (
-            isinstance(table, GGMLTensor)
-            and len(table.parts) == 1
-            and tuple(table.shape) == tuple(self.embed_tokens.weight.shape)
+            isinstance(table, GGMLTensor) and len(table.parts) == 1 and tuple(table.shape) == shape
         ):
             # looked up from the file's rows (`ggml_rows` decodes only the rows a step reads)
             self.embed_tokens = RowsEmbedding(table)

@@ -65,7 +65,7 @@ def saved_chat_template(directory: Path, config: Mapping[str, Any]) -> str | Non
 class SavedTokenizer:
     """A saved fast tokenizer as a `models.tokenizer.Tokenizer`, without transformers."""
 
-    def __init__(self, directory: str | Path, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, directory: str | Path) -> None:
         directory = Path(directory)
         self.backend = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
         config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
@@ -82,7 +82,8 @@ class SavedTokenizer:
         self.eos_token_id = self._id("eos_token")
         self.pad_token_id = self._id("pad_token")
         self.vocab_size: int = self.backend.get_vocab_size(with_added_tokens=True)
-        self.eos_token_ids: tuple[int, ...] = eos_token_ids
+        # the loader sets them: the file's declared ids first (models.hf_tokenizer.end_ids)
+        self.eos_token_ids: tuple[int, ...] = ()
         self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self.chat_template: str | None = saved_chat_template(directory, config)
 
