@@ -216,23 +216,27 @@ def _ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> Any:
         import llguidance.hf
 
         return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
-    serialized = getattr(tokenizer, "serialized", None)
-    if serialized is not None:  # models.saved_tokenizer.SavedTokenizer: the same Rust tokenizer
-        return llguidance.LLTokenizer(serialized(), n_vocab=vocab_size, eos_token=eos)
-    # Tokens with bytes of their own (TinyGPT's bytes, SentencePiece pieces): each id's raw
-    # bytes; ids without bytes are special, which llguidance spells as a 0xFF byte before a name.
-    tokens: list[bytes] = []
-    specials: list[int] = []
-    for i in range(vocab_size):
-        piece = tokenizer.token_bytes(i)
-        if piece is None:
+    if tokenizer.token_bytes(0) is None:
+        # a vocabulary without bytes of its own: llguidance reads the Rust tokenizer itself
+        # (models.saved_tokenizer.SavedTokenizer), a second copy of it in memory
+        serialized = getattr(tokenizer, "serialized", None)
+        if serialized is None:
             raise InvalidRequestError(
                 "structured output needs a tokenizer whose tokens have known bytes",
                 "response_format",
             )
-        if piece == b"":
+        return llguidance.LLTokenizer(serialized(), n_vocab=vocab_size, eos_token=eos)
+    # Tokens with bytes of their own (byte-level BPE, TinyGPT's bytes, SentencePiece pieces):
+    # llguidance keeps only these and its trie, and calls back to encode. Ids without bytes are
+    # special, which llguidance spells as a 0xFF byte before the token's name.
+    tokens: list[bytes] = []
+    specials: list[int] = []
+    names: set[bytes] = set()
+    for i in range(vocab_size):
+        piece = tokenizer.token_bytes(i)
+        if not piece:
             specials.append(i)
-            piece = b"\xff<special_%d>" % i
+            piece = _special_name(tokenizer, i, names)
         tokens.append(piece)
 
     class _Vocab:
@@ -249,6 +253,19 @@ def _ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> Any:
             return tokenizer.encode(text, add_special_tokens=False)
 
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab()), eos_token=eos)
+
+
+def _special_name(tokenizer: Tokenizer, token_id: int, taken: set[bytes]) -> bytes:
+    """A special token as llguidance names it: 0xFF and its text (so a Lark grammar can name
+    `<|im_end|>`), or `<special_N>` for one without text of its own or whose text is taken."""
+    try:
+        text = tokenizer.decode([token_id], skip_special_tokens=False).encode()
+    except (IndexError, OverflowError, TypeError, ValueError):
+        text = b""
+    if not text or text in taken:
+        text = b"<special_%d>" % token_id
+    taken.add(text)
+    return b"\xff" + text
 
 
 class GrammarCompiler:

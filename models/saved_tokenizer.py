@@ -4,8 +4,9 @@ Owns: reading a directory written by transformers' `save_pretrained` for a fast 
 (tokenizer.json, tokenizer_config.json, chat_template.jinja) and answering the
 `models.tokenizer.Tokenizer` protocol from it: encode and decode (the Rust tokenizer's, as
 transformers calls it), the special tokens and ids, the chat template (rendered by
-`models.tokenizer.render_chat_template`, transformers' sandbox and filters), and the serialized
-tokenizer llguidance builds structured output's vocabulary from.
+`models.tokenizer.render_chat_template`, transformers' sandbox and filters), each token's raw
+bytes where the vocabulary is byte-level (GPT-2's alphabet: what structured output's vocabulary
+and logprobs' `bytes` are built from), and the serialized tokenizer for the other kinds.
 
 A GGUF file's byte-level BPE tokenizer is converted by transformers once (models.hf_tokenizer,
 in a child process) and then served from the saved copy this way, so a server never imports
@@ -39,6 +40,19 @@ _CLEAN_UP = (
     (" 've", "'ve"),
     (" 're", "'re"),
 )
+
+
+def _byte_level_alphabet() -> dict[str, bytes]:
+    """GPT-2's byte-level alphabet, character -> its byte: printable Latin-1 bytes stand for
+    themselves, the other 68 bytes for the characters from U+0100 on, in byte order."""
+    shown = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    hidden = [b for b in range(256) if b not in shown]
+    chars = {chr(b): bytes((b,)) for b in shown}
+    chars.update((chr(0x100 + k), bytes((b,))) for k, b in enumerate(hidden))
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
 
 
 def _token_text(value: Any) -> str | None:
@@ -86,6 +100,10 @@ class SavedTokenizer:
         self.eos_token_ids: tuple[int, ...] = ()
         self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self.chat_template: str | None = saved_chat_template(directory, config)
+        self._special_ids = frozenset(
+            i for i, t in self.backend.get_added_tokens_decoder().items() if t.special
+        )
+        self._byte_level = isinstance(self.backend.decoder, tokenizers.decoders.ByteLevel)
 
     def _id(self, name: str) -> int | None:
         text = self.special_tokens.get(name)
@@ -114,7 +132,17 @@ class SavedTokenizer:
         )
 
     def token_bytes(self, token_id: int) -> bytes | None:
-        return None  # byte-level BPE pieces are not raw bytes: decode them instead
+        """A byte-level vocabulary's token as raw bytes (its characters mapped back through
+        the alphabet, as the ByteLevel decoder does; b"" for a special token or an id past the
+        vocabulary); None for other vocabularies, whose text exists only as decoded text."""
+        if not self._byte_level:
+            return None
+        if token_id in self._special_ids:
+            return b""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        return b"".join(_BYTE_LEVEL.get(c) or c.encode() for c in piece)
 
     def incremental_decoder(self) -> None:
         return None

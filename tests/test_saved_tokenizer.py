@@ -126,8 +126,24 @@ def test_chat_templates_render_as_transformers_renders_them(pair):
         )
 
 
+def test_token_bytes_are_the_byte_level_pieces(pair):
+    """Each token's raw bytes, joined, are transformers' decoding of the ids (byte-level pieces
+    mapped back through GPT-2's alphabet); a special token has none."""
+    ours, hf = pair
+    special = {i for i, t in hf.added_tokens_decoder.items() if t.special}
+    assert set(hf.all_special_ids) <= special
+    assert all(ours.token_bytes(i) == b"" for i in special)
+    plain = [i for i in range(ours.vocab_size) if i not in special]
+    for start in range(0, len(plain), 4096):
+        ids = plain[start : start + 4096]
+        text = b"".join(ours.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+        assert text == hf.decode(ids, clean_up_tokenization_spaces=False)
+    assert ours.token_bytes(ours.vocab_size) == b""
+
+
 def test_structured_output_vocabulary_from_the_saved_tokenizer(pair):
-    """llguidance's grammar over our tokenizer allows exactly what it allows over transformers'."""
+    """llguidance's vocabulary over our token bytes is the one llguidance reads from
+    transformers' tokenizer itself: every token's bytes, which are special, and tokenization."""
     from engine.structured import _ll_tokenizer
 
     ours, hf = pair
@@ -138,6 +154,9 @@ def test_structured_output_vocabulary_from_the_saved_tokenizer(pair):
         hf, n_vocab=ours.vocab_size, eos_token=list(ours.eos_token_ids)
     )
     assert a.vocab_size == b.vocab_size
+    for i in range(ours.vocab_size):
+        assert a.decode_bytes([i]) == b.decode_bytes([i]), i
+        assert a.is_special_token(i) == b.is_special_token(i), i
     text = 'Hello {"a": [1, 2]} 日本'
     assert a.tokenize_str(text) == b.tokenize_str(text) == ours.encode(text)
 
