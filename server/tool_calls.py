@@ -9,7 +9,9 @@ still become a trigger is held back. In the region each call object is streamed 
 its id, type and name in the first delta once `"name": "..."` is complete, then fragments of the
 arguments' raw JSON text as they arrive, so the fragments join to exactly the `arguments`
 string of the whole response. A call whose keys come in another order is sent whole when its
-object closes; an object that is not a call goes back out as content.
+object closes; an object that is not a call goes back out as content. An object cut off (by
+max_tokens) before its name is whole is dropped, not sent as content, where it follows a trigger
+or another call: it is the start of a call, as a cut-off call's arguments so far are a call.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class ToolCallStream:
         self.pos = 0  # everything before it is sent (as content or as calls)
         self.in_calls = False
         self.region = (0, 0)  # where the calls region began (its trigger), calls before it
+        self.region_trigger = False  # the region began with a trigger, not a bare opening
         self.wrote_content = False
         self.current: _Call | None = None
         self.obj_start = 0
@@ -150,13 +153,13 @@ class ToolCallStream:
                 return  # only whitespace so far: it may still open with the bare start
             if stripped.startswith(bare):
                 self.pos += len(rest) - len(stripped)
-                self._enter(self.pos)
+                self._enter(self.pos, trigger=False)
                 return
         hits = [(rest.find(t), t) for t in self.triggers if t in rest]
         if hits:
             i, trigger = min(hits)
             content.append(rest[:i])
-            self._enter(self.pos + i)
+            self._enter(self.pos + i, trigger=True)
             self.pos += i + len(trigger)
             return
         hold = 0 if final else _partial_suffix(rest, self.triggers)
@@ -223,6 +226,10 @@ class ToolCallStream:
             return
         whole = self.buf[self.obj_start : obj_end] if obj_end is not None else None
         call = _as_call(whole)
+        if call is None and whole is None and (self.region_trigger or c.index > self.region[1]):
+            self.current = None  # the start of a call, cut off before its name was whole
+            self.pos = len(self.buf)
+            return
         if call is None:  # not a call: it was content after all
             self.current = None
             self._leave(obj_end or len(self.buf), content, self.obj_start)
@@ -239,9 +246,10 @@ class ToolCallStream:
         self._close(c, args)
         self.pos = obj_end  # type: ignore[assignment]
 
-    def _enter(self, at: int) -> None:
+    def _enter(self, at: int, trigger: bool) -> None:
         self.in_calls = True
         self.region = (at, len(self.calls))
+        self.region_trigger = trigger
 
     def _leave(self, at: int, content: list[str], upto: int | None = None) -> None:
         """Back to content at `at`. A region that held no call was content all along: its

@@ -87,6 +87,24 @@ def test_a_call_cut_off_keeps_its_arguments_so_far():
     assert calls[0]["function"] == {"name": "f", "arguments": '{"a": "unfini'}
 
 
+@pytest.mark.parametrize(
+    ("fmt", "text", "content", "names"),
+    [
+        ("hermes", hermes(CALLS[:1]) + '\n<tool_call>\n{"name":', "", ["get_weather"]),
+        ("hermes", 'Checking. <tool_call>\n{"na', "Checking. ", []),
+        ("llama3", llama3(CALLS[:1]) + '; {"name": "look', "", ["get_weather"]),
+        ("mistral", mistral(CALLS[:1])[:-1] + ', {"name"', "", ["get_weather"]),
+        ("llama3", '{"answer": "not a call, cut o', '{"answer": "not a call, cut o', []),
+    ],
+)
+def test_a_call_cut_off_before_its_name_is_dropped(fmt, text, content, names):
+    """max_tokens ending inside the next call's name: no `{"name":` left over as content (a bare
+    JSON opening with no call before it is still content)."""
+    for cut in range(len(text) + 1):
+        got, calls, _ = run(fmt, text, [text[:cut], text[cut:]])
+        assert (got, [c["function"]["name"] for c in calls]) == (content, names), cut
+
+
 def test_keys_in_another_order_are_sent_whole_when_the_object_closes():
     text = hermes([]) + '<tool_call>\n{"arguments": {"a": 1}, "name": "f"}\n</tool_call>'
     content, calls, fragments = run("hermes", text, list(text))
