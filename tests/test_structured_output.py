@@ -304,6 +304,24 @@ def test_a_sentencepiece_vocabulary_constrains_by_its_pieces(tmp_path):
     assert c.is_finished
 
 
+def test_a_grammar_names_a_special_token_by_its_text(tmp_path):
+    """llguidance knows a special token by its text (`<end_of_turn>`), as a Lark grammar writes
+    it: after "yes" the mask allows that token alone."""
+    from models.spm_tokenizer import load_spm_tokenizer
+    from tests.test_spm_tokenizer import write_gemma_vocab_gguf
+
+    tok = load_spm_tokenizer(write_gemma_vocab_gguf(tmp_path / "v.gguf"))
+    compiler = GrammarCompiler(tok)
+    c = compiler.constraint(StructuredSpec("grammar", 'start: "yes" <end_of_turn>'))
+    for i in tok.encode("yes"):
+        assert c.accept(i)
+    mask = torch.zeros(1, (tok.vocab_size + 31) // 32, dtype=torch.int32)
+    c.fill_bitmask(mask, 0)
+    (end,) = tok.encode("<end_of_turn>")
+    assert allowed_tokens(mask, tok.vocab_size)[0].nonzero().flatten().tolist() == [end]
+    assert c.accept(end) and c.is_finished
+
+
 def test_allowed_tokens_unpacks_bits_and_pads_the_vocabulary():
     bits = torch.tensor([[0b101, -(2**31)]], dtype=torch.int32)  # tokens 0, 2 and 63
     allowed = allowed_tokens(bits, 70)
