@@ -1,5 +1,6 @@
 // Decode's K-format rows (up to MR activation rows, the file's bytes) in 512-bit vectors on
-// AVX512-VNNI CPUs: Q4_K and Q5_K, the bulk of a Q4_K_M / Q5_K_M file.
+// AVX512-VNNI CPUs: Q4_K and Q5_K, the bulk of a Q4_K_M / Q5_K_M file, and Q6_K, its head and
+// half its down projections.
 //
 // At one to four activation rows the weights are used once each, so a row's cost is the
 // instructions that turn its bytes into integer sums; dot_k's 256-bit loop (kquant_k.cpp) spends
@@ -95,11 +96,82 @@ CB_VNNI void dot_k4_512(const uint8_t* const* w, const Acts& a, int64_t r0, int6
   exact_result<PAIRS>(exact4, exact8, res);
 }
 
+// Q6_K: a half's 64 low-nibble bytes are one vector, values 0..63 of the half (dot_k's u[0] and
+// u[1]), their high nibbles values 64..127 (u[2], u[3]); the half's 32 bytes of top bits, in both
+// 256-bit halves, give each its two bits by one variable shift. So the activations are read in
+// their own order (no gather: from L1, by each weight row, as the vpmaddubsw operand) and each
+// vector is one vpmaddubsw and one vpdpwssd, its four sub-scales (one a 128-bit lane) picked from
+// the half's scales by one vpshufb. The offset of 32 leaves through
+// the activation sums per 16, as in dot_k: the same whole-block integers.
+template <int NR, int R>
+CB_VNNI void dot_k6_512(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float* res,
+                        const uint8_t* pf) {
+  constexpr int64_t BB = block_bytes(Q6_K);
+  constexpr int PAIRS = NR * R;
+  const bool pf_l2 = NR * nb * BB > L1_GROUP_BYTES;
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  // top bits: values 0..31 of a half take bits 0-1 (<< 4), 32..63 bits 2-3 (<< 2), 64..95 bits 4-5
+  // (as they are), 96..127 bits 6-7 (>> 2), each then masked to bits 4-5
+  const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  const __m512i down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  const __m512i ctrl_lo = _mm512_inserti64x4(_mm512_castsi256_si512(q6k_scale_ctrl(0)), q6k_scale_ctrl(1), 1);
+  const __m512i ctrl_hi = _mm512_inserti64x4(_mm512_castsi256_si512(q6k_scale_ctrl(2)), q6k_scale_ctrl(3), 1);
+  __m128 exact4 = _mm_setzero_ps();
+  __m256 exact8 = _mm256_setzero_ps();
+  const int64_t nbx = a.K / 256;
+  for (int64_t b = 0; b < nb; ++b) {
+    prefetch_slice(pf, b, NR * BB, pf_l2);
+    const int8_t* x[R];  // activation row r's values, read by each weight row from L1
+    __m256i bs[R];       // its sums per 16
+    alignas(32) float dxs[8] = {}, dn[8] = {}, dminn[8] = {};
+    for (int r = 0; r < R; ++r) {
+      const int64_t rb = (r0 + r) * nbx + b;
+      x[r] = a.q256 + rb * 256;
+      bs[r] = load256(a.bs16 + rb * 16);
+      for (int n = 0; n < NR; ++n) dxs[n * R + r] = a.d256[rb];
+    }
+    __m256i ints[16];
+    for (int i = 0; i < 16; ++i) ints[i] = _mm256_setzero_si256();
+    for (int n = 0; n < NR; ++n) {
+      const uint8_t* blk = w[n] + b * BB;
+      const __m128i sc = k16_scales<Q6_K>(blk);
+      __m512i acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const __m512i q = _mm512_loadu_si512(blk + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(load256(blk + 128 + 32 * h));
+        const __m512i lo = _mm512_or_si512(_mm512_and_si512(q, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, up), m30));
+        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4),
+                                           _mm512_and_si512(_mm512_srlv_epi16(qh, down), m30));
+        const __m512i scv = _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(h == 0 ? sc : _mm_srli_si128(sc, 8)));
+        const __m512i slo = _mm512_shuffle_epi8(scv, ctrl_lo), shi = _mm512_shuffle_epi8(scv, ctrl_hi);
+        for (int r = 0; r < R; ++r) {
+          acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_maddubs_epi16(lo, _mm512_loadu_si512(x[r] + 128 * h)), slo);
+          acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_maddubs_epi16(hi, _mm512_loadu_si512(x[r] + 128 * h + 64)), shi);
+        }
+      }
+      const __m256i sc16 = all_scales16(sc);
+      const float d = k16_d<Q6_K>(blk);
+      for (int r = 0; r < R; ++r) {
+        const __m256i sum = _mm256_add_epi32(_mm512_castsi512_si256(acc[r]), _mm512_extracti64x4_epi64(acc[r], 1));
+        ints[n * R + r] =
+            _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs[r]), k16_offset_shift(Q6_K)));
+        dn[n * R + r] = d;
+      }
+    }
+    exact_block<PAIRS, false>(ints, dn, dminn, dxs, exact4, exact8);
+  }
+  exact_result<PAIRS>(exact4, exact8, res);
+}
+
 template <int T, int R>
-void rows_k4_512(const uint8_t* first, int64_t stride, int64_t count, const uint8_t* end, const Acts& a, int64_t nb,
+void rows_k_512(const uint8_t* first, int64_t stride, int64_t count, const uint8_t* end, const Acts& a, int64_t nb,
                  int64_t m0, float* y, int64_t ldy) {
   constexpr int NR = R <= 2 ? 4 : 2;
-  rows_of<NR, R, dot_k4_512<T, NR, R>, dot_k4_512<T, 1, R>>(first, stride, count, end, a, nb, m0, y, ldy);
+  if constexpr (T == Q6_K)
+    rows_of<NR, R, dot_k6_512<NR, R>, dot_k6_512<1, R>>(first, stride, count, end, a, nb, m0, y, ldy);
+  else
+    rows_of<NR, R, dot_k4_512<T, NR, R>, dot_k4_512<T, 1, R>>(first, stride, count, end, a, nb, m0, y, ldy);
 }
 
 }  // namespace
@@ -107,10 +179,10 @@ void rows_k4_512(const uint8_t* first, int64_t stride, int64_t count, const uint
 RowsFn rows_k_vnni(int64_t type, int64_t R) {
   RowsFn f = nullptr;
   if (R < 1 || R > MR || !cbserve::cpu_has_vnni()) return f;
-  cbserve::with_value<Q4_K, Q5_K>(type, [&](auto t) {
+  cbserve::with_value<Q4_K, Q5_K, Q6_K>(type, [&](auto t) {
     constexpr int T = decltype(t)::value;
-    static const RowsFn by_r[MR + 1] = {nullptr, rows_k4_512<T, 1>, rows_k4_512<T, 2>, rows_k4_512<T, 3>,
-                                        rows_k4_512<T, 4>};
+    static const RowsFn by_r[MR + 1] = {nullptr, rows_k_512<T, 1>, rows_k_512<T, 2>, rows_k_512<T, 3>,
+                                        rows_k_512<T, 4>};
     f = by_r[R];
   });
   return f;
