@@ -101,8 +101,8 @@ CB_VNNI void dot_k4_512(const uint8_t* const* w, const Acts& a, int64_t r0, int6
 // 256-bit halves, give each its two bits by one variable shift. So the activations are read in
 // their own order (no gather: from L1, by each weight row, as the vpmaddubsw operand) and each
 // vector is one vpmaddubsw and one vpdpwssd, its four sub-scales (one a 128-bit lane) picked from
-// the half's scales by one vpshufb. The offset of 32 leaves through
-// the activation sums per 16, as in dot_k: the same whole-block integers.
+// the half's scales by one vpshufb. The offset of 32 leaves through the activation sums per 16,
+// as in dot_k: the same whole-block integers.
 template <int NR, int R>
 CB_VNNI void dot_k6_512(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float* res,
                         const uint8_t* pf) {
