@@ -142,7 +142,57 @@ CB_VNNI void panels_b32(const Part& p, int64_t n0, int64_t n1, const Acts& a, in
   }
 }
 
+// One activation row (decode) of the unsigned formats: kquant_b32.cpp's tile_row1 (its arithmetic and
+// prefetch, eight rows' block integers reduced across by sums8), each row's block integer by one
+// vpdpbusd (the unsigned values against the signed activations, no vpmaddubsw / vpmaddwd pair) and
+// the Q5 formats' fifth bits by one masked add (instead of bits32's shuffle, compare and mask): about
+// half tile_row1's instructions a block, where one row's decode is bound by them rather than DRAM.
+template <int T>
+CB_VNNI inline __m256i values32_vnni(const uint8_t* blk) {
+  if constexpr (T == Q5_0 || T == Q5_1) {
+    constexpr int64_t QH = T == Q5_0 ? 2 : 4;
+    const __m256i nib = nibbles32(blk + QH + 4);
+    const auto bits = static_cast<__mmask32>(static_cast<uint32_t>(cbserve::load_i32(blk + QH)));
+    return _mm256_mask_add_epi8(nib, bits, nib, _mm256_set1_epi8(0x10));
+  } else {
+    return values32<T>(blk);
+  }
+}
+
+template <int T>
+CB_VNNI void row1_b32(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t, float* y, int64_t) {
+  static_assert(!signed_values(T) && subs<T>() == 1, "the unsigned 32-value formats");
+  constexpr int64_t BB = block_bytes(T), R8 = 8;
+  const int64_t nb = row_blocks<T>(p);
+  for (int64_t n = n0; n < n1; n += R8) {
+    const int64_t rows = std::min(R8, n1 - n);
+    const uint8_t* w[R8];
+    panel_rows<R8>(p, n, rows, w);
+    __m256 acc = _mm256_setzero_ps();
+    const uint8_t* next = w[0] + R8 * p.row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 ws;
+      block_scales8<T>(w, b, &ws);
+      prefetch_share(next, R8 * p.row_bytes, b, nb);
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q32 + b * 32));
+      __m256i s[8];
+      for (int i = 0; i < 8; ++i) s[i] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), values32_vnni<T>(w[i] + b * BB), xv);
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums8(s)), _mm256_mul_ps(ws, _mm256_set1_ps(a.d32[b])), acc);
+      acc = _mm256_fmadd_ps(block_offsets8<T>(w, b, ws), _mm256_set1_ps(a.s32[b]), acc);
+    }
+    alignas(32) float v[8];
+    _mm256_store_ps(v, acc);
+    std::memcpy(y + n, v, rows * sizeof(float));
+  }
+}
+
 }  // namespace
+
+TileFn row1_b32_vnni(int64_t type) {
+  TileFn f = nullptr;
+  cbserve::with_value<Q4_0, Q4_1, Q5_0, Q5_1>(type, [&](auto t) { f = row1_b32<decltype(t)::value>; });
+  return f;
+}
 
 TileFn panels_b32_vnni(int64_t type) {
   TileFn f = nullptr;
