@@ -83,10 +83,11 @@ class SavedTokenizer:
         directory = Path(directory)
         self.backend = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
         config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+        added = sorted(self.backend.get_added_tokens_decoder().items())
         # Special and added tokens, text -> id (transformers' get_added_vocab).
-        self.added_vocab: dict[str, int] = {
-            t.content: i for i, t in sorted(self.backend.get_added_tokens_decoder().items())
-        }
+        self.added_vocab: dict[str, int] = {t.content: i for i, t in added}
+        # the added tokens marked special: no bytes of their own (token_bytes)
+        self._special_ids = frozenset(i for i, t in added if t.special)
         self.special_tokens: dict[str, str] = {}
         for name in SPECIAL_NAMES:
             text = _token_text(config.get(name))
@@ -100,9 +101,6 @@ class SavedTokenizer:
         self.eos_token_ids: tuple[int, ...] = ()
         self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self.chat_template: str | None = saved_chat_template(directory, config)
-        self._special_ids = frozenset(
-            i for i, t in self.backend.get_added_tokens_decoder().items() if t.special
-        )
         self._byte_level = isinstance(self.backend.decoder, tokenizers.decoders.ByteLevel)
 
     def _id(self, name: str) -> int | None:
