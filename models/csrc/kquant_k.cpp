@@ -11,7 +11,7 @@
 // Up to MR activation rows (decode) the kernel reads the file's rows, prefetching the next rows
 // (each weight is used once and streams from DRAM). More (prefill, batched decode) meet panels of
 // weight rows built once per call: kquant_k_panels.cpp on AVX2 CPUs, kquant_k_vnni.cpp on
-// AVX512-VNNI ones (where Q4_K / Q5_K / Q6_K decode runs on kquant_k_rows_vnni.cpp's 512-bit rows).
+// AVX512-VNNI ones (where decode runs on kquant_k_rows_vnni.cpp's 512-bit rows).
 //
 // Batch invariance: every path computes, per block and (weight row, activation row) pair, the same
 // whole-block integers (exact, in any order) and then the same fp32 chain per pair in block order,

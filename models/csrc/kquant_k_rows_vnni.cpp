@@ -1,6 +1,6 @@
 // Decode's K-format rows (up to MR activation rows, the file's bytes) in 512-bit vectors on
-// AVX512-VNNI CPUs: Q4_K and Q5_K, the bulk of a Q4_K_M / Q5_K_M file, and Q6_K, its head and
-// half its down projections.
+// AVX512-VNNI CPUs: Q4_K and Q5_K, the bulk of a Q4_K_M / Q5_K_M file; Q6_K, its head and half
+// its down projections; Q3_K and Q2_K, the bulk of Q3_K_M and Q2_K files.
 //
 // At one to four activation rows the weights are used once each, so a row's cost is the
 // instructions that turn its bytes into integer sums; dot_k's 256-bit loop (kquant_k.cpp) spends
@@ -9,6 +9,8 @@
 // and 4c + 3, so the activations are gathered to match once per block (two 32-byte halves a
 // vector, shared by every weight row), and each vector of values is one vpmaddubsw and one
 // vpdpwssd (sub-scales as 16-bit lanes, the multiply-add of the pairs and the running sum in one).
+// The formats with a scale per 16 values take the activations in their own order instead
+// (dot_k16_512).
 //
 // The arithmetic is dot_k's exact one: per block and (weight row, activation row) pair the integer
 // sums I1 and I2 are whole numbers (the same in any order), then exact_block's fp32 chain, so a
@@ -96,24 +98,60 @@ CB_VNNI void dot_k4_512(const uint8_t* const* w, const Acts& a, int64_t r0, int6
   exact_result<PAIRS>(exact4, exact8, res);
 }
 
-// Q6_K: a half's 64 low-nibble bytes are one vector, values 0..63 of the half (dot_k's u[0] and
-// u[1]), their high nibbles values 64..127 (u[2], u[3]); the half's 32 bytes of top bits, in both
-// 256-bit halves, give each its two bits by one variable shift. So the activations are read in
-// their own order (no gather: from L1, by each weight row, as the vpmaddubsw operand) and each
-// vector is one vpmaddubsw and one vpdpwssd, its four sub-scales (one a 128-bit lane) picked from
-// the half's scales by one vpshufb. The offset of 32 leaves through the activation sums per 16,
-// as in dot_k: the same whole-block integers.
-template <int NR, int R>
-CB_VNNI void dot_k6_512(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float* res,
-                        const uint8_t* pf) {
-  constexpr int64_t BB = block_bytes(Q6_K);
-  constexpr int PAIRS = NR * R;
+// The formats with a scale per 16 values (Q6_K, Q3_K, Q2_K), a half block (128 values) at a time:
+// one vector holds the half's values 0..63, another 64..127, in the activations' own order, so
+// the activations are not gathered (each weight row reads them from L1 as the vpmaddubsw operand)
+// and each vector is one vpmaddubsw and one vpdpwssd, its four sub-scales (one a 128-bit lane)
+// picked from the half's scales by one vpshufb. A vector's bytes come from the half's packed bits,
+// loaded once into both 256-bit halves, each half moved by its own count in one variable shift:
+// - Q6_K: the half's 64 low-nibble bytes hold values 0..63 (low nibbles) and 64..127 (high
+//   nibbles); its 32 bytes of top bits give each 32 values their two bits (shifted to bits 4-5).
+// - Q2_K: the half's 32 bytes hold four 32-value steps, two bits each (bits 2k..2k+1 for step k).
+// - Q3_K: the same two bits from qs, the third from hmask bit 4h + k (one byte-mask test, then a
+//   masked add of 4).
+// The offset (Q6_K 32, Q3_K 4) leaves through the activation sums per 16, and Q2_K's minimums
+// meet them, as in dot_k: the same whole-block integers.
+// The counts of a variable 16-bit shift: a in the lower 256 bits, b in the upper.
+CB_VNNI inline __m512i counts(int a, int b) {
+  return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(a)), _mm256_set1_epi16(static_cast<int16_t>(b)), 1);
+}
+
+// Bit a of every byte in the lower 256 bits, bit b in the upper.
+CB_VNNI inline __m512i bits(int a, int b) {
+  return _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << a)), _mm256_set1_epi8(static_cast<char>(1 << b)), 1);
+}
+
+template <int T>
+CB_VNNI inline void k16_values512(const uint8_t* blk, int h, __m512i& lo, __m512i& hi) {
+  if constexpr (T == Q6_K) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i q = _mm512_loadu_si512(blk + 64 * h);
+    const __m512i qh = _mm512_broadcast_i64x4(load256(blk + 128 + 32 * h));
+    // top bits: values 0..31 take bits 0-1 (<< 4), 32..63 bits 2-3 (<< 2), 64..95 bits 4-5 (as
+    // they are), 96..127 bits 6-7 (>> 2), each then masked to bits 4-5
+    lo = _mm512_or_si512(_mm512_and_si512(q, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, counts(4, 2)), m30));
+    hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4),
+                         _mm512_and_si512(_mm512_srlv_epi16(qh, counts(0, 2)), m30));
+  } else {
+    const __m512i m3 = _mm512_set1_epi8(3);
+    const __m512i qs = _mm512_broadcast_i64x4(load256(blk + (T == Q2_K ? 16 : 32) + 32 * h));
+    lo = _mm512_and_si512(_mm512_srlv_epi16(qs, counts(0, 2)), m3);
+    hi = _mm512_and_si512(_mm512_srlv_epi16(qs, counts(4, 6)), m3);
+    if constexpr (T == Q3_K) {  // the third bit: a byte mask of hmask's bits 4h + k, then 4 added where set
+      const __m512i four = _mm512_set1_epi8(4), hm = _mm512_broadcast_i64x4(load256(blk));
+      lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(hm, bits(4 * h, 4 * h + 1)), lo, four);
+      hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(hm, bits(4 * h + 2, 4 * h + 3)), hi, four);
+    }
+  }
+}
+
+template <int T, int NR, int R>
+CB_VNNI void dot_k16_512(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float* res,
+                         const uint8_t* pf) {
+  static_assert(scaled16(T));
+  constexpr int64_t BB = block_bytes(T);
+  constexpr int PAIRS = NR * R, I2_AT = PAIRS <= 4 ? 4 : 8;
   const bool pf_l2 = NR * nb * BB > L1_GROUP_BYTES;
-  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-  // top bits: values 0..31 of a half take bits 0-1 (<< 4), 32..63 bits 2-3 (<< 2), 64..95 bits 4-5
-  // (as they are), 96..127 bits 6-7 (>> 2), each then masked to bits 4-5
-  const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
-  const __m512i down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
   const __m512i ctrl_lo = _mm512_inserti64x4(_mm512_castsi256_si512(q6k_scale_ctrl(0)), q6k_scale_ctrl(1), 1);
   const __m512i ctrl_hi = _mm512_inserti64x4(_mm512_castsi256_si512(q6k_scale_ctrl(2)), q6k_scale_ctrl(3), 1);
   __m128 exact4 = _mm_setzero_ps();
@@ -134,15 +172,12 @@ CB_VNNI void dot_k6_512(const uint8_t* const* w, const Acts& a, int64_t r0, int6
     for (int i = 0; i < 16; ++i) ints[i] = _mm256_setzero_si256();
     for (int n = 0; n < NR; ++n) {
       const uint8_t* blk = w[n] + b * BB;
-      const __m128i sc = k16_scales<Q6_K>(blk);
+      const __m128i sc = k16_scales<T>(blk);
       __m512i acc[R];
       for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
       for (int h = 0; h < 2; ++h) {
-        const __m512i q = _mm512_loadu_si512(blk + 64 * h);
-        const __m512i qh = _mm512_broadcast_i64x4(load256(blk + 128 + 32 * h));
-        const __m512i lo = _mm512_or_si512(_mm512_and_si512(q, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, up), m30));
-        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4),
-                                           _mm512_and_si512(_mm512_srlv_epi16(qh, down), m30));
+        __m512i lo, hi;
+        k16_values512<T>(blk, h, lo, hi);
         const __m512i scv = _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(h == 0 ? sc : _mm_srli_si128(sc, 8)));
         const __m512i slo = _mm512_shuffle_epi8(scv, ctrl_lo), shi = _mm512_shuffle_epi8(scv, ctrl_hi);
         for (int r = 0; r < R; ++r) {
@@ -150,16 +185,26 @@ CB_VNNI void dot_k6_512(const uint8_t* const* w, const Acts& a, int64_t r0, int6
           acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_maddubs_epi16(hi, _mm512_loadu_si512(x[r] + 128 * h + 64)), shi);
         }
       }
-      const __m256i sc16 = all_scales16(sc);
-      const float d = k16_d<Q6_K>(blk);
-      for (int r = 0; r < R; ++r) {
-        const __m256i sum = _mm256_add_epi32(_mm512_castsi512_si256(acc[r]), _mm512_extracti64x4_epi64(acc[r], 1));
-        ints[n * R + r] =
-            _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs[r]), k16_offset_shift(Q6_K)));
-        dn[n * R + r] = d;
+      const float d = k16_d<T>(blk);
+      if constexpr (T == Q2_K) {  // w = d sc u - dmin m: m x (the sums per 16) meets dmin
+        const __m256i mn16 = all_scales16(q2k_mins(blk));
+        for (int r = 0; r < R; ++r) {
+          ints[n * R + r] = _mm256_add_epi32(_mm512_castsi512_si256(acc[r]), _mm512_extracti64x4_epi64(acc[r], 1));
+          ints[I2_AT + n * R + r] = _mm256_madd_epi16(mn16, bs[r]);
+          dn[n * R + r] = d;
+          dminn[n * R + r] = q2k_dmin(blk);
+        }
+      } else {  // w = d sc (u - offset): take offset sc x (the sums per 16) back out, in the same lanes
+        const __m256i sc16 = all_scales16(sc);
+        for (int r = 0; r < R; ++r) {
+          const __m256i sum = _mm256_add_epi32(_mm512_castsi512_si256(acc[r]), _mm512_extracti64x4_epi64(acc[r], 1));
+          ints[n * R + r] =
+              _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs[r]), k16_offset_shift(T)));
+          dn[n * R + r] = d;
+        }
       }
     }
-    exact_block<PAIRS, false>(ints, dn, dminn, dxs, exact4, exact8);
+    exact_block<PAIRS, has_min(T)>(ints, dn, dminn, dxs, exact4, exact8);
   }
   exact_result<PAIRS>(exact4, exact8, res);
 }
@@ -168,8 +213,8 @@ template <int T, int R>
 void rows_k_512(const uint8_t* first, int64_t stride, int64_t count, const uint8_t* end, const Acts& a, int64_t nb,
                  int64_t m0, float* y, int64_t ldy) {
   constexpr int NR = R <= 2 ? 4 : 2;
-  if constexpr (T == Q6_K)
-    rows_of<NR, R, dot_k6_512<NR, R>, dot_k6_512<1, R>>(first, stride, count, end, a, nb, m0, y, ldy);
+  if constexpr (scaled16(T))
+    rows_of<NR, R, dot_k16_512<T, NR, R>, dot_k16_512<T, 1, R>>(first, stride, count, end, a, nb, m0, y, ldy);
   else
     rows_of<NR, R, dot_k4_512<T, NR, R>, dot_k4_512<T, 1, R>>(first, stride, count, end, a, nb, m0, y, ldy);
 }
@@ -179,7 +224,7 @@ void rows_k_512(const uint8_t* first, int64_t stride, int64_t count, const uint8
 RowsFn rows_k_vnni(int64_t type, int64_t R) {
   RowsFn f = nullptr;
   if (R < 1 || R > MR || !cbserve::cpu_has_vnni()) return f;
-  cbserve::with_value<Q4_K, Q5_K, Q6_K>(type, [&](auto t) {
+  cbserve::with_value<Q2_K, Q3_K, Q4_K, Q5_K, Q6_K>(type, [&](auto t) {
     constexpr int T = decltype(t)::value;
     static const RowsFn by_r[MR + 1] = {nullptr, rows_k_512<T, 1>, rows_k_512<T, 2>, rows_k_512<T, 3>,
                                         rows_k_512<T, 4>};
