@@ -168,6 +168,32 @@ inline __m128i q3k_scales(const uint8_t* b) {
   return _mm_sub_epi8(v, _mm_set1_epi8(32));
 }
 
+// ... of two blocks at once, one a 128-bit lane, in vector steps (per row, the scalar bit moves
+// above cost a decode row as much as the rest of its block): the low four bits are bytes 0..7's
+// nibbles, the top two of scale j bits 2 (j / 4) .. 2 (j / 4) + 1 of byte 8 + j % 4, moved down
+// by one variable shift (scales 4g .. 4g + 3, one 32-bit lane, share the count 2g).
+inline __m256i q3k_scales2(const uint8_t* b0, const uint8_t* b1) {
+  const __m128i ctrl = _mm_setr_epi8(8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11);
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  // bytes 92..107 of each block (a load from byte 96 would pass the 110-byte block's end), moved down four
+  const __m256i q = _mm256_srli_si256(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(b1 + 92),
+                                                          reinterpret_cast<const __m128i*>(b0 + 92)), 4);
+  const __m256i lo4 = _mm256_unpacklo_epi64(_mm256_and_si256(q, m4), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+  const __m256i top = _mm256_shuffle_epi8(q, _mm256_broadcastsi128_si256(ctrl));
+  const __m256i hi2 = _mm256_and_si256(_mm256_srlv_epi32(top, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6)), _mm256_set1_epi8(3));
+  return _mm256_sub_epi8(_mm256_or_si256(lo4, _mm256_slli_epi16(hi2, 4)), _mm256_set1_epi8(32));
+}
+// ... of NR weight rows' block b.
+template <int NR>
+inline void q3k_scales_rows(const uint8_t* const* w, int64_t b, __m128i* sc) {
+  constexpr int64_t BB = block_bytes(Q3_K);
+  for (int n = 0; n < NR; n += 2) {
+    const __m256i two = q3k_scales2(w[n] + b * BB, w[n + 1 < NR ? n + 1 : n] + b * BB);
+    sc[n] = _mm256_castsi256_si128(two);
+    if (n + 1 < NR) sc[n + 1] = _mm256_extracti128_si256(two, 1);
+  }
+}
+
 // Q2_K's half n (128 values, 0..3): vector k holds qs bits 2k..2k+1.
 inline void q2k_values(__m256i u[4], const uint8_t* b, int n) {
   const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * n));

@@ -59,6 +59,8 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
         pairs[r] = pair_sums(s16);
       }
     }
+    __m128i scs[NR];
+    if constexpr (T == Q3_K) q3k_scales_rows<NR>(w, b, scs);
 #pragma GCC unroll 1
     for (int n = 0; n < NR; ++n) {
       const uint8_t* blk = w[n] + b * BB;
@@ -73,7 +75,7 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
       for (int r = 0; r < R; ++r) sumi[r] = i2[r] = _mm256_setzero_si256();
       float d, dmin = 0.f;
       if constexpr (scaled16(T)) {
-        const __m128i sc = k16_scales<T>(blk);
+        const __m128i sc = T == Q3_K ? scs[n] : k16_scales<T>(blk);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           __m256i u[4];

@@ -145,31 +145,6 @@ CB_VNNI inline void k16_values512(const uint8_t* blk, int h, __m512i& lo, __m512
   }
 }
 
-// Q3_K's 16 scales (q3k_scales' int8 values) of up to four weight rows' block b at once, one row
-// a 128-bit lane: the low four bits are bytes 0..7's nibbles, the top two of scale j bits
-// 2 (j / 4) .. 2 (j / 4) + 1 of byte 8 + j % 4, moved down by a 16-bit variable shift (two scales
-// a lane, the same count: each byte's bits come from itself). Scalar extraction a row costs as
-// much as the rest of the block at one activation row.
-template <int NR>
-CB_VNNI inline void q3k_scales_rows(const uint8_t* const* w, int64_t b, __m128i* sc) {
-  static_assert(NR <= 4);
-  constexpr int64_t BB = block_bytes(Q3_K);
-  // bytes 92..107 of each block (a load from byte 96 would pass the 110-byte block's end)
-  __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[0] + b * BB + 92)));
-  if constexpr (NR > 1) v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[1] + b * BB + 92)), 1);
-  if constexpr (NR > 2) v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[2] + b * BB + 92)), 2);
-  if constexpr (NR > 3) v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[3] + b * BB + 92)), 3);
-  const __m512i q = _mm512_bsrli_epi128(v, 4), m4 = _mm512_set1_epi8(0x0F);
-  const __m512i lo4 = _mm512_unpacklo_epi64(_mm512_and_si512(q, m4), _mm512_and_si512(_mm512_srli_epi16(q, 4), m4));
-  const __m512i top = _mm512_shuffle_epi8(
-      q, _mm512_broadcast_i32x4(_mm_setr_epi8(8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11)));
-  const __m512i hi2 = _mm512_and_si512(_mm512_srlv_epi16(top, _mm512_broadcast_i32x4(_mm_setr_epi16(0, 0, 2, 2, 4, 4, 6, 6))),
-                                       _mm512_set1_epi8(3));
-  alignas(64) __m128i out[4];
-  _mm512_store_si512(out, _mm512_sub_epi8(_mm512_or_si512(lo4, _mm512_slli_epi16(hi2, 4)), _mm512_set1_epi8(32)));
-  for (int n = 0; n < NR; ++n) sc[n] = out[n];
-}
-
 template <int T, int NR, int R>
 CB_VNNI void dot_k16_512(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float* res,
                          const uint8_t* pf) {
