@@ -28,6 +28,11 @@ CB_VNNI inline __m512i k4_scale_ctrl512(int c, int h) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(lanes(4 * c + h)), lanes(4 * c + 2 + h), 1);
 }
 
+// Bit a of every byte in the lower 256 bits, bit b in the upper.
+CB_VNNI inline __m512i bits(int a, int b) {
+  return _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << a)), _mm256_set1_epi8(static_cast<char>(1 << b)), 1);
+}
+
 // NR file rows w[n] against activation rows r0 .. r0 + R: res[n * R + r] (rows_of's DOT).
 template <int T, int NR, int R>
 CB_VNNI void dot_k4_512(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float* res,
@@ -70,12 +75,9 @@ CB_VNNI void dot_k4_512(const uint8_t* const* w, const Acts& a, int64_t r0, int6
       for (int c = 0; c < 2; ++c) {
         const __m512i q = _mm512_loadu_si512(blk + (T == Q4_K ? 16 : 48) + 64 * c);
         __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
-        if constexpr (T == Q5_K) {
-          const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(4 * c)),
-                                                   _mm256_set1_epi16(static_cast<int16_t>(4 * c + 2)), 1);
-          const __m512i bits = _mm512_srlv_epi16(qh, shift);
-          lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(bits, 4), m16));
-          hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(bits, 3), m16));
+        if constexpr (T == Q5_K) {  // a byte mask of each half's qh bit, then 16 added where set
+          lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, bits(4 * c, 4 * c + 2)), lo, m16);
+          hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, bits(4 * c + 1, 4 * c + 3)), hi, m16);
         }
         const __m512i slo = _mm512_shuffle_epi8(sm512, k4_scale_ctrl512(c, 0));
         const __m512i shi = _mm512_shuffle_epi8(sm512, k4_scale_ctrl512(c, 1));
@@ -114,11 +116,6 @@ CB_VNNI void dot_k4_512(const uint8_t* const* w, const Acts& a, int64_t r0, int6
 // The counts of a variable 16-bit shift: a in the lower 256 bits, b in the upper.
 CB_VNNI inline __m512i counts(int a, int b) {
   return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(a)), _mm256_set1_epi16(static_cast<int16_t>(b)), 1);
-}
-
-// Bit a of every byte in the lower 256 bits, bit b in the upper.
-CB_VNNI inline __m512i bits(int a, int b) {
-  return _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << a)), _mm256_set1_epi8(static_cast<char>(1 << b)), 1);
 }
 
 template <int T>
