@@ -424,8 +424,8 @@ TileFn tile_k_a8(int64_t type);    // kquant_k.cpp
 // The AVX512-VNNI panels those tiles use for more than MR activation rows (call only where
 // cbserve::cpu_has_vnni()).
 TileFn panels_b32_vnni(int64_t type);  // kquant_b32_vnni.cpp
-// ... and one activation row of the unsigned 32-value formats (Q4_0, Q4_1, Q5_0, Q5_1; nullptr for
-// the others), the same bits as kquant_b32.cpp's tile_row1.
+// ... and one activation row of a 32-value format (decode), the same bits as kquant_b32.cpp's
+// tile_row1.
 TileFn row1_b32_vnni(int64_t type);  // kquant_b32_vnni.cpp
 
 }  // namespace cbserve_kquant

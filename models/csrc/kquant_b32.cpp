@@ -263,13 +263,13 @@ void tile_panels(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M
   }
 }
 
-// VNNI (AVX512-VNNI CPUs): one activation row of an unsigned format runs on kquant_b32_vnni.cpp's
-// row1_b32, more than ROWS_MAX_M on its panels, the same arithmetic.
+// VNNI (AVX512-VNNI CPUs): one activation row runs on kquant_b32_vnni.cpp's row1_b32, more than
+// ROWS_MAX_M on its panels, the same arithmetic.
 template <int T, bool VNNI>
 void tile_b32(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, float* y, int64_t ldy) {
   switch (M <= ROWS_MAX_M ? M : 0) {
     case 1:
-      if constexpr (VNNI && !signed_values(T) && subs<T>() == 1) {
+      if constexpr (VNNI) {
         static const TileFn row1 = row1_b32_vnni(T);
         return row1(p, n0, n1, a, 1, y, ldy);
       }

@@ -142,27 +142,36 @@ CB_VNNI void panels_b32(const Part& p, int64_t n0, int64_t n1, const Acts& a, in
   }
 }
 
-// One activation row (decode) of the unsigned formats: kquant_b32.cpp's tile_row1 (its arithmetic and
-// prefetch, eight rows' block integers reduced across by sums8), each row's block integer by one
-// vpdpbusd (the unsigned values against the signed activations, no vpmaddubsw / vpmaddwd pair) and
-// the Q5 formats' fifth bits by one masked add (instead of bits32's shuffle, compare and mask): about
-// half tile_row1's instructions a block, where one row's decode is bound by them rather than DRAM.
+// One activation row (decode): kquant_b32.cpp's tile_row1 (its arithmetic and prefetch, eight
+// rows' block integers reduced across by sums8), each row's block integer by one vpdpbusd: the
+// unsigned values against the signed activations as they are (no vpmaddubsw / vpmaddwd pair), the
+// Q5 formats' fifth bits by one masked add (instead of bits32's shuffle, compare and mask), signed
+// values as w + 128 (IQ4: a table of w + 128 looked up; Q8_0: w XOR 0x80) with 128 sum(x) taken
+// from the eight sums, as the panels do (instead of a vpsignb per row, or two for Q8_0). About half
+// tile_row1's instructions a block, where one row's decode is bound by them rather than DRAM.
 template <int T>
-CB_VNNI inline __m256i values32_vnni(const uint8_t* blk) {
+CB_VNNI inline __m256i values32_vnni(const uint8_t* w, int64_t j) {
   if constexpr (T == Q5_0 || T == Q5_1) {
     constexpr int64_t QH = T == Q5_0 ? 2 : 4;
+    const uint8_t* blk = w + j * block_bytes(T);
     const __m256i nib = nibbles32(blk + QH + 4);
     const auto bits = static_cast<__mmask32>(static_cast<uint32_t>(cbserve::load_i32(blk + QH)));
     return _mm256_mask_add_epi8(nib, bits, nib, _mm256_set1_epi8(0x10));
+  } else if constexpr (T == IQ4_NL || T == IQ4_XS) {  // kvalues_iq4nl + 128
+    const uint8_t* q = T == IQ4_NL ? w + j * block_bytes(T) + 2 : w + j / 8 * block_bytes(T) + 8 + 16 * (j % 8);
+    const __m256i table = _mm256_broadcastsi128_si256(
+        _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59, -39, -15));
+    return _mm256_shuffle_epi8(table, nibbles32(q));
+  } else if constexpr (T == Q8_0) {
+    return _mm256_xor_si256(values32<T>(w + j * block_bytes(T)), _mm256_set1_epi8(static_cast<char>(0x80)));
   } else {
-    return values32<T>(blk);
+    return values32<T>(w + j * block_bytes(T));
   }
 }
 
 template <int T>
 CB_VNNI void row1_b32(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t, float* y, int64_t) {
-  static_assert(!signed_values(T) && subs<T>() == 1, "the unsigned 32-value formats");
-  constexpr int64_t BB = block_bytes(T), R8 = 8;
+  constexpr int64_t R8 = 8;
   const int64_t nb = row_blocks<T>(p);
   for (int64_t n = n0; n < n1; n += R8) {
     const int64_t rows = std::min(R8, n1 - n);
@@ -170,15 +179,23 @@ CB_VNNI void row1_b32(const Part& p, int64_t n0, int64_t n1, const Acts& a, int6
     panel_rows<R8>(p, n, rows, w);
     __m256 acc = _mm256_setzero_ps();
     const uint8_t* next = w[0] + R8 * p.row_bytes;
-    for (int64_t b = 0; b < nb; ++b) {
-      __m256 ws;
-      block_scales8<T>(w, b, &ws);
-      prefetch_share(next, R8 * p.row_bytes, b, nb);
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q32 + b * 32));
-      __m256i s[8];
-      for (int i = 0; i < 8; ++i) s[i] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), values32_vnni<T>(w[i] + b * BB), xv);
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums8(s)), _mm256_mul_ps(ws, _mm256_set1_ps(a.d32[b])), acc);
-      acc = _mm256_fmadd_ps(block_offsets8<T>(w, b, ws), _mm256_set1_ps(a.s32[b]), acc);
+    for (int64_t b0 = 0; b0 < nb; b0 += subs<T>()) {
+      __m256 scales[subs<T>()];
+      block_scales8<T>(w, b0, scales);
+#pragma GCC unroll 8
+      for (int j = 0; j < subs<T>(); ++j) {
+        const int64_t b = b0 + j;
+        prefetch_share(next, R8 * p.row_bytes, b, nb);
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q32 + b * 32));
+        __m256i s[8];
+        for (int i = 0; i < 8; ++i) s[i] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), values32_vnni<T>(w[i], b), xv);
+        __m256i isum = sums8(s);
+        if constexpr (signed_values(T)) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(128 * a.i32[b]));
+        const __m256 ws = scales[j];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ws, _mm256_set1_ps(a.d32[b])), acc);
+        if constexpr (!signed_values(T))
+          acc = _mm256_fmadd_ps(block_offsets8<T>(w, b, ws), _mm256_set1_ps(a.s32[b]), acc);
+      }
     }
     alignas(32) float v[8];
     _mm256_store_ps(v, acc);
@@ -190,7 +207,7 @@ CB_VNNI void row1_b32(const Part& p, int64_t n0, int64_t n1, const Acts& a, int6
 
 TileFn row1_b32_vnni(int64_t type) {
   TileFn f = nullptr;
-  cbserve::with_value<Q4_0, Q4_1, Q5_0, Q5_1>(type, [&](auto t) { f = row1_b32<decltype(t)::value>; });
+  cbserve::with_value<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS>(type, [&](auto t) { f = row1_b32<decltype(t)::value>; });
   return f;
 }
 
