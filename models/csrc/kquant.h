@@ -108,11 +108,10 @@ inline __m256i bits32(const uint8_t* p) {
 
 // IQ4_NL / IQ4_XS: 16 bytes of nibbles -> 32 signed values, each nibble an index into llama.cpp's
 // non-linear table (kvalues_iq4nl), looked up by one vpshufb.
-inline __m256i iq4_values(const uint8_t* p) {
-  const __m256i table = _mm256_broadcastsi128_si256(
-      _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
-  return _mm256_shuffle_epi8(table, nibbles32(p));
+inline __m256i iq4_table() {
+  return _mm256_broadcastsi128_si256(_mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
 }
+inline __m256i iq4_values(const uint8_t* p) { return _mm256_shuffle_epi8(iq4_table(), nibbles32(p)); }
 
 // IQ4_XS: sub-block j's (of 8) scale in units of d: six bits (four from scales_l, two from
 // scales_h) minus 32.

@@ -146,9 +146,9 @@ CB_VNNI void panels_b32(const Part& p, int64_t n0, int64_t n1, const Acts& a, in
 // rows' block integers reduced across by sums8), each row's block integer by one vpdpbusd: the
 // unsigned values against the signed activations as they are (no vpmaddubsw / vpmaddwd pair), the
 // Q5 formats' fifth bits by one masked add (instead of bits32's shuffle, compare and mask), signed
-// values as w + 128 (IQ4: a table of w + 128 looked up; Q8_0: w XOR 0x80) with 128 sum(x) taken
-// from the eight sums, as the panels do (instead of a vpsignb per row, or two for Q8_0). About half
-// tile_row1's instructions a block, where one row's decode is bound by them rather than DRAM.
+// values as w + 128 (w XOR 0x80) with 128 sum(x) taken from the eight sums, as the panels do
+// (instead of a vpsignb per row, or two for Q8_0). About half tile_row1's instructions a block,
+// where one row's decode is bound by them rather than DRAM.
 template <int T>
 CB_VNNI inline __m256i values32_vnni(const uint8_t* w, int64_t j) {
   if constexpr (T == Q5_0 || T == Q5_1) {
@@ -157,15 +157,13 @@ CB_VNNI inline __m256i values32_vnni(const uint8_t* w, int64_t j) {
     const __m256i nib = nibbles32(blk + QH + 4);
     const auto bits = static_cast<__mmask32>(static_cast<uint32_t>(cbserve::load_i32(blk + QH)));
     return _mm256_mask_add_epi8(nib, bits, nib, _mm256_set1_epi8(0x10));
-  } else if constexpr (T == IQ4_NL || T == IQ4_XS) {  // kvalues_iq4nl + 128
+  } else if constexpr (T == IQ4_NL || T == IQ4_XS) {  // looked up in the table + 128 (a constant)
     const uint8_t* q = T == IQ4_NL ? w + j * block_bytes(T) + 2 : w + j / 8 * block_bytes(T) + 8 + 16 * (j % 8);
-    const __m256i table = _mm256_broadcastsi128_si256(
-        _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59, -39, -15));
-    return _mm256_shuffle_epi8(table, nibbles32(q));
-  } else if constexpr (T == Q8_0) {
-    return _mm256_xor_si256(values32<T>(w + j * block_bytes(T)), _mm256_set1_epi8(static_cast<char>(0x80)));
+    return _mm256_shuffle_epi8(_mm256_xor_si256(iq4_table(), _mm256_set1_epi8(static_cast<char>(0x80))), nibbles32(q));
+  } else if constexpr (signed_values(T)) {
+    return _mm256_xor_si256(sub_values<T>(w, j), _mm256_set1_epi8(static_cast<char>(0x80)));
   } else {
-    return values32<T>(w + j * block_bytes(T));
+    return sub_values<T>(w, j);
   }
 }
 

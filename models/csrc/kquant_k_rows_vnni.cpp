@@ -28,6 +28,11 @@ CB_VNNI inline __m512i k4_scale_ctrl512(int c, int h) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(lanes(4 * c + h)), lanes(4 * c + 2 + h), 1);
 }
 
+// The counts of a variable 16-bit shift: a in the lower 256 bits, b in the upper.
+CB_VNNI inline __m512i counts(int a, int b) {
+  return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(a)), _mm256_set1_epi16(static_cast<int16_t>(b)), 1);
+}
+
 // Bit a of every byte in the lower 256 bits, bit b in the upper.
 CB_VNNI inline __m512i bits(int a, int b) {
   return _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << a)), _mm256_set1_epi8(static_cast<char>(1 << b)), 1);
@@ -113,11 +118,6 @@ CB_VNNI void dot_k4_512(const uint8_t* const* w, const Acts& a, int64_t r0, int6
 //   masked add of 4).
 // The offset (Q6_K 32, Q3_K 4) leaves through the activation sums per 16, and Q2_K's minimums
 // meet them, as in dot_k: the same whole-block integers.
-// The counts of a variable 16-bit shift: a in the lower 256 bits, b in the upper.
-CB_VNNI inline __m512i counts(int a, int b) {
-  return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(a)), _mm256_set1_epi16(static_cast<int16_t>(b)), 1);
-}
-
 template <int T>
 CB_VNNI inline void k16_values512(const uint8_t* blk, int h, __m512i& lo, __m512i& hi) {
   if constexpr (T == Q6_K) {
@@ -187,11 +187,12 @@ CB_VNNI void dot_k16_512(const uint8_t* const* w, const Acts& a, int64_t r0, int
       const float d = k16_d<T>(blk);
       if constexpr (T == Q2_K) {  // w = d sc u - dmin m: m x (the sums per 16) meets dmin
         const __m256i mn16 = all_scales16(q2k_mins(blk));
+        const float dmin = q2k_dmin(blk);
         for (int r = 0; r < R; ++r) {
           ints[n * R + r] = _mm256_add_epi32(_mm512_castsi512_si256(acc[r]), _mm512_extracti64x4_epi64(acc[r], 1));
           ints[I2_AT + n * R + r] = _mm256_madd_epi16(mn16, bs[r]);
           dn[n * R + r] = d;
-          dminn[n * R + r] = q2k_dmin(blk);
+          dminn[n * R + r] = dmin;
         }
       } else {  // w = d sc (u - offset): take offset sc x (the sums per 16) back out, in the same lanes
         const __m256i sc16 = all_scales16(sc);
