@@ -116,6 +116,34 @@ def _window_mask(qpos: torch.Tensor, length: int, window: int) -> torch.Tensor:
     return mask
 
 
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    softcap: float,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """Scaled dot-product attention (q (..., H, n, hd), k/v (..., KV, L, hd), bool masks: True
+    attends), with Gemma 2's soft-capped scores when `softcap` > 0, which torch's fused kernel
+    does not take: then scores, cap, mask and softmax are spelled out."""
+    if not softcap:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=True
+        )
+    rep = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    scores = q @ k.transpose(-1, -2) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if is_causal:
+        n, length = scores.shape[-2:]
+        attn_mask = torch.ones(n, length, dtype=torch.bool).tril(length - n)
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -124,13 +152,15 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention for a flat batch. q: (T, heads, hd); k, v: (T, kv_heads, hd). Returns (T, heads, hd).
 
     With a pool, the new K/V are written first and every query then reads its context from the
     pool (so a chunk sees earlier chunks and cached prefixes). Without one (the naive engine's full
     recompute), each prefill chunk attends causally over its own K/V. `window` > 0 is sliding-window
-    attention: the query at position p sees keys at positions in (p - window, p].
+    attention: the query at position p sees keys at positions in (p - window, p]. `softcap` > 0:
+    scores soft-capped (softcap * tanh(score / softcap)) before the softmax, as Gemma 2.
 
     Attention computes in float32 whatever the pool stores (a float16 pool is widened as read);
     int8 pools hold scaled rows only the cbserve kernel reads.
@@ -166,9 +196,7 @@ def paged_attention(
                 ]
             mask = meta.decode_mask  # (B, 1, 1, L)
         qd = q[:nd].unsqueeze(2)  # (B, heads, 1, hd)
-        o = F.scaled_dot_product_attention(
-            qd, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True
-        )  # (B, heads, 1, hd)
+        o = _sdpa(qd, keys, vals, scale, softcap, attn_mask=mask)  # (B, heads, 1, hd)
         out[:nd] = o.squeeze(2)
 
     for chunk in meta.prefills:
@@ -185,16 +213,10 @@ def paged_attention(
         vc = vc.transpose(0, 1).unsqueeze(0)  # (1, kv, L, hd)
         if window and chunk.context_len > window:
             mask = _window_mask(torch.arange(past, chunk.context_len), chunk.context_len, window)
-            o = F.scaled_dot_product_attention(
-                qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True
-            )
+            o = _sdpa(qc, kc, vc, scale, softcap, attn_mask=mask)
         elif past == 0:
-            o = F.scaled_dot_product_attention(
-                qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True
-            )
+            o = _sdpa(qc, kc, vc, scale, softcap, is_causal=True)
         else:
-            o = F.scaled_dot_product_attention(
-                qc, kc, vc, attn_mask=chunk.mask, scale=scale, enable_gqa=True
-            )
+            o = _sdpa(qc, kc, vc, scale, softcap, attn_mask=chunk.mask)
         out[s : s + n] = o[0].transpose(0, 1)
     return out.to(out_dtype)

@@ -229,6 +229,7 @@ def attention(
     scale: float,
     window: int = 0,
     interleaved: bool = False,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """RoPE, the K/V write and paged attention of one step's flat batch, in one op.
 
@@ -243,11 +244,13 @@ def attention(
     causally over its sequence. Pools: (num_blocks, block_size, KVH, row width) of float32,
     float16 or int8 (`models.config.KVLayout`). `window` > 0: a sliding window, a query at position
     p attends to the keys at positions (p - window, p] only (decode rows and chunks alike).
-    Returns (T, H * D) float32.
+    `softcap` > 0: each scaled score becomes softcap * tanh(score / softcap) before the softmax
+    (Gemma 2's attention logit soft-capping). Returns (T, H * D) float32.
     """
     return _attention(
         qkv, cos, sin, k_cache, v_cache, slots, num_decode, decode_tables, decode_lens,
         chunk_meta, chunk_tables, num_heads, num_kv_heads, head_dim, scale, window, interleaved,
+        softcap,
     )  # fmt: skip
 
 
@@ -315,6 +318,7 @@ def decoder_layers(
     scale: float,
     eps: float,
     final_norm: torch.Tensor,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """A decoder's layer stack and final norm in one op: per layer what `rms_norm`, the linears
     (`packed_linear` / `ggml_linear` by kind), `head_rms_norm` and `attention` compute one by one
@@ -326,7 +330,7 @@ def decoder_layers(
     return _decoder_layers(
         x, weights, layout, k_caches, v_caches, *rope, *local_rope, slots, num_decode,
         decode_tables, decode_lens, chunk_meta, chunk_tables, num_heads, num_kv_heads, head_dim,
-        scale, eps, final_norm,
+        scale, eps, final_norm, softcap,
     )  # fmt: skip
 
 

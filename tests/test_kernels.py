@@ -241,9 +241,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-def _check_fused_attention(pool_dtype, H, KVH, D, window=0):  # noqa: N803
+def _check_fused_attention(pool_dtype, H, KVH, D, window=0, softcap=0.0, ref_softcap=None):  # noqa: N803
     """Two decode rows, a chunk with a cached past and a fresh prompt, in one flat batch: the op
-    against RoPE in torch and `paged_attention` over the float32 pool holding the same values."""
+    against RoPE in torch and `paged_attention` over the float32 pool holding the same values
+    (soft-capped by `ref_softcap` if given, else as the op)."""
     torch.manual_seed(5)
     seqs = {  # name: (block table, tokens already in the pool, new tokens this step)
         "dec_a": ([3, 9, 1 + 20], 9, 1),
@@ -289,18 +290,22 @@ def _check_fused_attention(pool_dtype, H, KVH, D, window=0):  # noqa: N803
     v = qkv[:, (H + KVH) * D :].view(t, KVH, D)
     k, v = _rounded(k, pool_dtype), _rounded(v, pool_dtype)  # what the pool will hold of them
     lens = torch.tensor(positions) + 1  # each token's keys
-    # (the AVX-512 int8 kernels, which round the query, take the tokens that see every key)
+    # (the AVX-512 int8 kernels, which round the query, take the tokens that see every key
+    # when scores are not soft-capped)
     rounded = _query_as_the_kernel_reads_it(q, pool_dtype, D**-0.5)
-    q = torch.where(((window == 0) | (lens <= window))[:, None, None], rounded, q)
+    if not softcap:
+        q = torch.where(((window == 0) | (lens <= window))[:, None, None], rounded, q)
     ref_cache = (kpool.clone(), vpool.clone())
-    want = paged_attention(q, k, v, ref_cache, meta(), D**-0.5, window=window).reshape(t, H * D)
+    ref_cap = softcap if ref_softcap is None else ref_softcap
+    want = paged_attention(q, k, v, ref_cache, meta(), D**-0.5, window=window, softcap=ref_cap)
+    want = want.reshape(t, H * D)
 
     cache = (_to_pool(kpool, pool_dtype), _to_pool(vpool, pool_dtype))
     m = meta()
     got = ops.attention(
         qkv.clone(), cos, sin, cache[0], cache[1], m.slot_mapping, 2,
         m.decode_block_tables, m.decode_context_lens, m.chunk_meta(), m.chunk_tables(),
-        H, KVH, D, D**-0.5, window,
+        H, KVH, D, D**-0.5, window, softcap=softcap,
     )  # fmt: skip
     # With a float16 pool a chunk without a past attends over its own unrounded K/V (the kernel
     # never reads them back), the reference over rounded ones: float16 rounding apart.
@@ -443,6 +448,20 @@ def test_fused_attention_head_sizes_group_sizes_and_sliding_windows(pool_dtype, 
     _check_fused_attention(pool_dtype, *shape, window=window)
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.int8])
+@pytest.mark.parametrize(
+    "shape", [(4, 2, 64), (8, 4, 256), (8, 1, 64)], ids=lambda s: f"{s[0]}q{s[1]}kv{s[2]}"
+)
+@pytest.mark.parametrize("window", [0, 6])
+def test_fused_attention_soft_caps_scores_as_the_reference(pool_dtype, shape, window):
+    """Gemma 2's soft-capped scores (a cap of 1.5, which these random scores reach: uncapped,
+    the results differ) in decode rows and prefill chunks, head_dim 64 (whose AVX-512 kernels
+    have no cap and give way) and 256, against the reference."""
+    _check_fused_attention(pool_dtype, *shape, window=window, softcap=1.5)
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        _check_fused_attention(pool_dtype, *shape, window=window, softcap=1.5, ref_softcap=0.0)
+
+
 def test_int8_rounding_ties_extremes_and_denormals_in_pool_rows_and_queries():
     """The int8 pool's writer and the VNNI query quantizer round half to even, clamp to +-127 and
     keep zeros at 0 even where a denormal scale makes the inverse infinite; a chunk's attention
@@ -575,8 +594,9 @@ def test_slots_and_blocks_outside_the_pool_are_refused_not_written():
 @pytest.mark.parametrize("window", [0, 5])
 # query heads per kv head 3, 1, 2, 4, 5 and 8: each size of the tiles a long chunk goes in
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4), (4, 2), (8, 2), (10, 2), (8, 1)])
+@pytest.mark.parametrize("softcap", [0.0, 1.5], ids=["", "capped"])
 def test_a_tokens_attention_is_the_same_in_a_prefill_chunk_and_as_a_decode_row(
-    D, pool_dtype, window, heads
+    D, pool_dtype, window, heads, softcap
 ):  # noqa: N803
     """One kernel computes both: a prompt prefilled as one chunk, as chunks of 3, and token by
     token as decode rows gives bit-identical attention outputs (so chunking, preemption and
@@ -615,6 +635,8 @@ def test_a_tokens_attention_is_the_same_in_a_prefill_chunk_and_as_a_decode_row(
                     D,
                     D**-0.5,
                     window,
+                    False,
+                    softcap,
                 )  # fmt: skip
             )
         return torch.cat(outs)

@@ -13,6 +13,10 @@ namespace {
 // window of `window` keys ending at the query's own, as Gemma's local layers; 0: all of them).
 inline int64_t first_key(int64_t L, int64_t window) { return window > 0 ? std::max<int64_t>(0, L - window) : 0; }
 
+// A scaled score, soft-capped to (-softcap, softcap) as Gemma 2 does (softcap * tanh(v / softcap))
+// before the softmax; softcap <= 0: as it is.
+inline float capped(float v, float softcap) { return softcap > 0 ? softcap * std::tanh(v / softcap) : v; }
+
 // G query heads of one kv head (q: G * D floats, roped; out likewise) over keys [j0, L): scores,
 // softmax, weighted sum of values. The generic path: any head_dim (a multiple of 8), AVX2. Each K
 // and V row is loaded and widened once for all G heads; a key's score is one dot product summed
@@ -21,8 +25,8 @@ inline int64_t first_key(int64_t L, int64_t window) { return window > 0 ? std::m
 // j0) floats of scratch. Blocks are prefetched one ahead as the AVX-512 kernels do (prefetch_next).
 template <typename C, int G>
 void decode_group(const float* q, const C* kc, const C* vc, const int64_t* table, int64_t j0, int64_t L, int64_t bs,
-                  int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float* out, float* s,
-                  bool streamed) {
+                  int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float softcap, float* out,
+                  float* s, bool streamed) {
   const int64_t n = L - j0, nb = (L + bs - 1) / bs;
   const int64_t b0 = j0 / bs;
   prefetch_rows(vc + table[b0] * blk_stride, std::min(bs, L - b0 * bs), tok_stride, D);  // V's first block
@@ -51,7 +55,7 @@ void decode_group(const float* q, const C* kc, const C* vc, const int64_t* table
       }
       for (int g = 0; g < G; ++g) {
         for (int c = 1; c < NA; ++c) a[g][0] = _mm256_add_ps(a[g][0], a[g][c]);
-        const float v = hsum(a[g][0]) * scale;
+        const float v = capped(hsum(a[g][0]) * scale, softcap);
         s[g * n + (j - j0)] = v;
         mx[g] = std::max(mx[g], v);
       }
@@ -104,14 +108,14 @@ void decode_group(const float* q, const C* kc, const C* vc, const int64_t* table
 template <typename C>
 void decode_heads(const float* q, int64_t G, const C* kc, const C* vc, const int64_t* table, int64_t L,
                   int64_t window, int64_t bs, int64_t tok_stride, int64_t blk_stride, int64_t D, float scale,
-                  float* out, float* s, bool streamed) {
+                  float softcap, float* out, float* s, bool streamed) {
   const int64_t j0 = first_key(L, window);
-  if (j0 == 0 && D == 64 && G <= 8 && cpu_has_avx512())
+  if (j0 == 0 && D == 64 && G <= 8 && softcap <= 0 && cpu_has_avx512())
     return decode_group_avx512<C>(G, q, kc, vc, table, L, bs, tok_stride, blk_stride, scale, out, s, streamed);
   for (int64_t g0 = 0; g0 < G; g0 += 8) {
     with_count<8>(G - g0, [&](auto g) {
-      decode_group<C, g>(q + g0 * D, kc, vc, table, j0, L, bs, tok_stride, blk_stride, D, scale, out + g0 * D, s,
-                         streamed);
+      decode_group<C, g>(q + g0 * D, kc, vc, table, j0, L, bs, tok_stride, blk_stride, D, scale, softcap,
+                         out + g0 * D, s, streamed);
     });
   }
 }
@@ -185,8 +189,8 @@ void rope_and_write(float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, in
 // One key's scores for a prefill tile's R tokens x G heads (prefill_tile): decode_group's
 // arithmetic per (token, head); tokens below rlo (which do not see the key) skipped when Masked.
 template <typename C, int G, int R, int NA, bool Masked>
-inline void tile_scores(const float* q, int64_t q_stride, const C* kr, int64_t D, float scale, int rlo, float* s,
-                        int64_t n, float (&mx)[R][G]) {
+inline void tile_scores(const float* q, int64_t q_stride, const C* kr, int64_t D, float scale, float softcap,
+                        int rlo, float* s, int64_t n, float (&mx)[R][G]) {
   __m256 a[R][G][NA];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g)
@@ -206,7 +210,7 @@ inline void tile_scores(const float* q, int64_t q_stride, const C* kr, int64_t D
     if (Masked && r < rlo) continue;
     for (int g = 0; g < G; ++g) {
       for (int c = 1; c < NA; ++c) a[r][g][0] = _mm256_add_ps(a[r][g][0], a[r][g][c]);
-      const float v = hsum(a[r][g][0]) * scale;
+      const float v = capped(hsum(a[r][g][0]) * scale, softcap);
       s[(r * G + g) * n] = v;
       mx[r][g] = std::max(mx[r][g], v);
     }
@@ -221,8 +225,8 @@ inline void tile_scores(const float* q, int64_t q_stride, const C* kr, int64_t D
 // heads at + r * q_stride / out_stride. s: R * G * (L0 + R - 1) floats of scratch.
 template <typename C, int G, int R>
 void prefill_tile(const float* q, int64_t q_stride, const C* kc, const C* vc, const int64_t* table, int64_t L0,
-                  int64_t bs, int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float* out,
-                  int64_t out_stride, float* s) {
+                  int64_t bs, int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float softcap,
+                  float* out, int64_t out_stride, float* s) {
   constexpr int NA = G <= 2 ? 2 : 1;  // as decode_group
   const int64_t n = L0 + R - 1, nb = (n + bs - 1) / bs;
   float mx[R][G];
@@ -235,9 +239,9 @@ void prefill_tile(const float* q, int64_t q_stride, const C* kc, const C* vc, co
       // tokens r >= rlo see key j: all of them before L0 (the bulk, no tests in its loop)
       const int rlo = j < L0 ? 0 : static_cast<int>(j - L0 + 1);
       if (rlo == 0)
-        tile_scores<C, G, R, NA, false>(q, q_stride, kr, D, scale, 0, s + j, n, mx);
+        tile_scores<C, G, R, NA, false>(q, q_stride, kr, D, scale, softcap, 0, s + j, n, mx);
       else
-        tile_scores<C, G, R, NA, true>(q, q_stride, kr, D, scale, rlo, s + j, n, mx);
+        tile_scores<C, G, R, NA, true>(q, q_stride, kr, D, scale, softcap, rlo, s + j, n, mx);
     }
   }
   float inv[R][G];
@@ -305,7 +309,8 @@ constexpr int64_t kRowsForWholeRowItems = 8;
 template <typename C>
 void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t bs, int64_t num_decode,
             const at::Tensor& dec_tables_, const at::Tensor& dec_lens_, const at::Tensor& chunk_meta_,
-            const at::Tensor& chunk_tables_, int64_t H, int64_t KVH, int64_t D, float scale, int64_t window) {
+            const at::Tensor& chunk_tables_, int64_t H, int64_t KVH, int64_t D, float scale, int64_t window,
+            float softcap) {
   const int64_t width = (H + 2 * KVH) * D;
   const int64_t W = row_width<C>(D), tok_stride = KVH * W, blk_stride = bs * KVH * W;
   const int64_t G = H / KVH;
@@ -318,9 +323,9 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
     for (int64_t b = 0; b < num_decode; ++b) max_len = std::max(max_len, lp[b]);
     bool whole_rows = false;
     if constexpr (std::is_same_v<C, int8_t>) {
-      // (every key of every row: the whole-row kernel has no window)
+      // (every key of every row: the whole-row kernel has no window, nor a soft cap)
       whole_rows = D == 64 && G <= 8 && H <= 64 && num_decode >= kRowsForWholeRowItems && cpu_has_avx512() &&
-                   cpu_has_vnni() && (window <= 0 || max_len <= window);
+                   cpu_has_vnni() && (window <= 0 || max_len <= window) && softcap <= 0;
       if (whole_rows)
         decode_whole_rows_int8(qp, op, kbase, vbase, bs, num_decode, tp, lp, maxb, H, KVH, tok_stride, blk_stride,
                                scale);
@@ -336,7 +341,7 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
           const float* q = qp + b * width + kvh * G * D;
           float* o = op + b * H * D + kvh * G * D;
           decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, tp + b * maxb, L, window, bs, tok_stride,
-                          blk_stride, D, scale, o, s.data(), true);
+                          blk_stride, D, scale, softcap, o, s.data(), true);
         }
       });
     }
@@ -356,7 +361,8 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
     int64_t max_len = 1;
     for (int64_t c = 0; c < NC; ++c) max_len = std::max(max_len, mp[c * 3 + 2]);
     if constexpr (std::is_same_v<C, int8_t>) {
-      if (D == 64 && G <= 8 && cpu_has_avx512() && cpu_has_vnni() && (window <= 0 || max_len <= window)) {
+      if (D == 64 && G <= 8 && cpu_has_avx512() && cpu_has_vnni() && (window <= 0 || max_len <= window) &&
+          softcap <= 0) {
         prefill_groups_int8(qp, op, kbase, vbase, bs, mp, NC, ctp, cmaxb, H, KVH, tok_stride, blk_stride, scale,
                             max_len);
         return;
@@ -365,7 +371,8 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
     // Tokens whose keys all start at the first and whose decode_heads is decode_group (not the
     // AVX-512 head_dim-64 kernel) go R at a time (prefill_tile, the same results); the rest,
     // and a chunk's last tokens short of a tile, one at a time. Items: (first row, count).
-    const int R = (D == 64 && cpu_has_avx512()) || (window > 0 && max_len > window) ? 1 : tile_tokens(G);
+    const int R =
+        (D == 64 && softcap <= 0 && cpu_has_avx512()) || (window > 0 && max_len > window) ? 1 : tile_tokens(G);
     std::vector<int64_t> row, len, chunk, count;
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t start = mp[c * 3], n = mp[c * 3 + 1], L = mp[c * 3 + 2];
@@ -393,13 +400,13 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
         if (count[x] > 1) {
           with_tile(G, [&](auto g, auto rr) {
             prefill_tile<C, decltype(g)::value, decltype(rr)::value>(q, width, kbase + kvh * W, vbase + kvh * W, table,
-                                                                     L, bs, tok_stride, blk_stride, D, scale, o,
-                                                                     H * D, s.data());
+                                                                     L, bs, tok_stride, blk_stride, D, scale,
+                                                                     softcap, o, H * D, s.data());
           });
           continue;
         }
         decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, table, L, window, bs, tok_stride, blk_stride, D,
-                        scale, o, s.data(), false);
+                        scale, softcap, o, s.data(), false);
       }
     });
   }
@@ -410,7 +417,7 @@ void rope_write_attend(float* qkv, float* out, const at::Tensor& cos, const at::
                        const at::Tensor& vcache, const at::Tensor& slots, int64_t T, int64_t num_decode,
                        const at::Tensor& dec_tables, const at::Tensor& dec_lens, const at::Tensor& chunk_meta,
                        const at::Tensor& chunk_tables, int64_t H, int64_t KVH, int64_t D, float scale,
-                       int64_t window, bool interleaved) {
+                       int64_t window, bool interleaved, float softcap) {
   TORCH_CHECK(kcache.size(3) == row_width<C>(D) && vcache.sizes() == kcache.sizes(),
               "the KV pool's rows do not fit head_dim ", D);
   C* kc = kcache.data_ptr<C>();
@@ -418,7 +425,7 @@ void rope_write_attend(float* qkv, float* out, const at::Tensor& cos, const at::
   rope_and_write<C>(qkv, T, H, KVH, D, cos.size(1), cos.data_ptr<float>(), sin.data_ptr<float>(), interleaved,
                     slots.data_ptr<int64_t>(), kc, vc);
   attend<C>(qkv, out, kc, vc, kcache.size(1), num_decode, dec_tables, dec_lens, chunk_meta, chunk_tables, H, KVH, D,
-            scale, window);
+            scale, window, softcap);
 }
 
 // Every pool row the step writes or reads lies inside the pools: a bad slot or block id would
@@ -466,6 +473,7 @@ void check_pool_indices(const at::Tensor& slots, int64_t T, int64_t num_decode, 
 // chunk_meta: (C, 3) int64 rows [token_start, num_tokens, context_len]; chunk_tables (C, maxb).
 // window > 0: a query at position p attends to keys at positions (p - window, p] only.
 // interleaved: RoPE rotates adjacent pairs (GGML's order, `rope_pairs`), else the halves.
+// softcap > 0: each scaled score becomes softcap * tanh(score / softcap) before the softmax.
 // cos/sin: (T, R/2) for the first R <= D values of each q/k head (R < D: a partial rotary
 // embedding; the pairs are then (i, i + R/2), or (2i, 2i + 1) interleaved).
 // The pools: (num_blocks, block_size, KVH, row width) of float32, float16 or int8 (`row_width`).
@@ -473,7 +481,7 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos_, const at::Te
                      const at::Tensor& kcache, const at::Tensor& vcache, const at::Tensor& slots_,
                      int64_t num_decode, const at::Tensor& dec_tables, const at::Tensor& dec_lens,
                      const at::Tensor& chunk_meta, const at::Tensor& chunk_tables, int64_t H,
-                     int64_t KVH, int64_t D, double scale_, int64_t window, bool interleaved) {
+                     int64_t KVH, int64_t D, double scale_, int64_t window, bool interleaved, double softcap) {
   // qkv is roped in place (the schema declares it written): the caller's own buffer, so it must be
   // one block of memory rather than a view the op would have to copy.
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.is_contiguous(),
@@ -481,6 +489,7 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos_, const at::Te
   TORCH_CHECK(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: scores not capped)");
   TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "qkv must have (H + 2 KVH) * D columns");
   TORCH_CHECK(kcache.is_contiguous() && vcache.is_contiguous(), "the KV pools must be contiguous");
   TORCH_CHECK(kcache.dim() == 4 && kcache.scalar_type() == vcache.scalar_type(),
@@ -501,7 +510,7 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos_, const at::Te
     if constexpr (std::is_same_v<C, int8_t>)
       TORCH_CHECK(D % 32 == 0, "an int8 KV pool needs head_dim to be a multiple of 32");
     rope_write_attend<C>(qp, op, cos, sin, kcache, vcache, slots, T, num_decode, dec_tables, dec_lens, chunk_meta,
-                         chunk_tables, H, KVH, D, scale, window, interleaved);
+                         chunk_tables, H, KVH, D, scale, window, interleaved, static_cast<float>(softcap));
   });
   return out;
 }

@@ -49,7 +49,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, const Weights& weights, at::IntA
                           const at::Tensor& slots, int64_t num_decode, const at::Tensor& dec_tables,
                           const at::Tensor& dec_lens, const at::Tensor& chunk_meta,
                           const at::Tensor& chunk_tables, int64_t H, int64_t KVH, int64_t D, double scale,
-                          double eps, const at::Tensor& final_norm) {
+                          double eps, const at::Tensor& final_norm, double softcap) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == L, "decoder_layers: as many v caches as k caches");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * LAYER_TENSORS,
@@ -91,7 +91,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, const Weights& weights, at::IntA
       RECORD_FUNCTION("cbserve::attention", std::vector<c10::IValue>());
       o = attention(qkv, local ? local_cos : cos, local ? local_sin : sin, k_caches[l], v_caches[l], slots,
                     num_decode, dec_tables, dec_lens, chunk_meta, chunk_tables, H, KVH, D, scale, ints[WINDOW],
-                  ints[ROPE_INTERLEAVED] != 0);
+                  ints[ROPE_INTERLEAVED] != 0, softcap);
     }
     if (llama) {  // x + o_proj(o), x + down(act(gate_up(norm(x))))
       x = linear(O, o, x, NONE);

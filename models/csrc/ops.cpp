@@ -62,17 +62,19 @@ TORCH_LIBRARY(cbserve, m) {
   // paged attention of every token (decode rows, then prefill chunks); returns (T, H * D). window
   // > 0: a query at position p sees the keys at positions (p - window, p] only. interleaved: RoPE
   // rotates adjacent pairs (a llama-architecture GGUF's q/k rows as the file holds them), else halves.
+  // softcap > 0: scores are soft-capped, softcap * tanh(score / softcap), before the softmax (Gemma 2).
   m.def(
       "attention(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
       "Tensor slots, int num_decode, Tensor dec_tables, Tensor dec_lens, Tensor chunk_meta, "
-      "Tensor chunk_tables, int H, int KVH, int D, float scale, int window=0, bool interleaved=False) -> Tensor");
+      "Tensor chunk_tables, int H, int KVH, int D, float scale, int window=0, bool interleaved=False, "
+      "float softcap=0.) -> Tensor");
   // A decoder's whole layer stack (norms, projections, QK-norm, attention over the pools written in
   // place) then the final norm: what those ops compute one by one, in one call (layers.cpp).
   m.def(
       "decoder_layers(Tensor x, Tensor?[] weights, int[] layout, Tensor(a!)[] k_caches, "
       "Tensor(b!)[] v_caches, Tensor cos, Tensor sin, Tensor local_cos, Tensor local_sin, Tensor slots, "
       "int num_decode, Tensor dec_tables, Tensor dec_lens, Tensor chunk_meta, Tensor chunk_tables, "
-      "int H, int KVH, int D, float scale, float eps, Tensor final_norm) -> Tensor");
+      "int H, int KVH, int D, float scale, float eps, Tensor final_norm, float softcap=0.) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(cbserve, CPU, m) {
   m.impl("decoder_layers", &cbserve::decoder_layers);

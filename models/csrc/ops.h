@@ -16,7 +16,8 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
                      const at::Tensor& kcache, const at::Tensor& vcache, const at::Tensor& slots,
                      int64_t num_decode, const at::Tensor& dec_tables, const at::Tensor& dec_lens,
                      const at::Tensor& chunk_meta, const at::Tensor& chunk_tables, int64_t H,
-                     int64_t KVH, int64_t D, double scale, int64_t window, bool interleaved);
+                     int64_t KVH, int64_t D, double scale, int64_t window, bool interleaved,
+                     double softcap);
 
 // A decoder's layer stack over the paged pools (layers.cpp): `weights` LAYER_TENSORS a layer,
 // `layout` LAYER_INTS a layer, as that file lays them out.
@@ -26,7 +27,7 @@ at::Tensor decoder_layers(const at::Tensor& x, const c10::List<c10::optional<at:
                           const at::Tensor& local_sin, const at::Tensor& slots, int64_t num_decode,
                           const at::Tensor& dec_tables, const at::Tensor& dec_lens, const at::Tensor& chunk_meta,
                           const at::Tensor& chunk_tables, int64_t H, int64_t KVH, int64_t D, double scale,
-                          double eps, const at::Tensor& final_norm);
+                          double eps, const at::Tensor& final_norm, double softcap);
 
 // GGUF rows as the file holds them (kquant.cpp): `parts` lists each fused part's (ggml type,
 // rows, byte offset); kind GGML (float32 activations) or GGML_A8 (int8).
