@@ -99,6 +99,8 @@ class ModelConfig:
     rope_linear_factor: float = 1.0
     embedding_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # Gemma 2: attention scores (after the scale) = cap * tanh(scores / cap) before the softmax
+    attn_logit_softcapping: float | None = None
     # Mixture of experts (Qwen3-MoE): every layer's MLP is `num_experts` gated MLPs of
     # `moe_intermediate_size`, of which a router picks `num_experts_per_tok` per token (softmax
     # over all experts, then the top k; `norm_topk_prob`: their weights rescaled to sum to 1).

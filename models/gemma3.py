@@ -1,4 +1,7 @@
-"""Gemma 3 (text): the Llama decoder's attention and gated MLP inside Gemma's layer shape.
+"""Gemma 3 (text) and Gemma 2: the Llama decoder's attention and gated MLP inside Gemma's layer
+shape. Gemma 2 is the same layer without QK-norm, with a sliding window on every other layer and
+its attention scores soft-capped (`ModelConfig.attn_logit_softcapping`, which the attention
+kernel applies), its logits too (`final_logit_softcapping`, as Gemma 3 may).
 
 What differs from `models.llama` (everything else, the packed kernels included, is shared):
 four RMSNorms a layer (before and after attention, before and after the MLP, the "after" ones on

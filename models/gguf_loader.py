@@ -14,7 +14,7 @@ served from the saved copy without it (`models.hf_tokenizer`, `models.saved_toke
 
 Architectures: llama (Llama 1-3, Mistral, SmolLM2 convert to it), qwen2, qwen3, phi3 (Phi-3, 3.5,
 4-mini: LongRoPE's factors and partial rotary dimensions), smollm3 (NoPE every fourth layer, as
-llama.cpp fixes it), gemma3, qwen3moe (its stacked expert tensors read as one matrix an expert,
+llama.cpp fixes it), gemma2 (soft-capped attention scores and logits), gemma3, qwen3moe (its stacked expert tensors read as one matrix an expert,
 views of the file). What is refused, by name: others, other mixtures of experts, RoPE scaling
 other than llama.cpp's frequency factors (and linear scaling of Gemma 3's global layers), partial
 rotary dimensions of the permuted architectures, tensor types outside `SUPPORTED_TYPES`, and
@@ -103,6 +103,11 @@ _ARCH_BLOCK_NAMES = {
         "ffn_norm": "pre_feedforward_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
     },
+    "gemma2": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # A mixture of experts' stacked projections, (experts, rows, in) each: one Hugging Face tensor
@@ -117,6 +122,7 @@ GGUF_ARCHITECTURES = {
     "qwen3": "qwen3",
     "phi3": "phi3",
     "smollm3": "smollm3",
+    "gemma2": "gemma2",
     "gemma3": "gemma3_text",
     "qwen3moe": "qwen3_moe",
 }
@@ -161,11 +167,17 @@ class _Meta:
         return None if field is None else len(field.data)  # without decoding 49k strings
 
 
-def _gemma3_fields(meta: _Meta, hidden: int, n_heads: int, head_dim: int, n_layers: int) -> dict:
-    """Gemma 3's extras, as llama.cpp reads them: sliding windows on all but every sixth layer
-    (or per `attention.sliding_window_pattern`), RoPE base 10,000 on windowed layers, scales."""
-    window = int(meta.get("gemma3.attention.sliding_window", 0) or 0)
-    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+def _gemma_fields(
+    meta: _Meta, arch: str, hidden: int, n_heads: int, head_dim: int, n_layers: int
+) -> dict:
+    """Gemma 2's and 3's extras, as llama.cpp reads them: sliding windows on all but every sixth
+    layer (Gemma 3) or every other layer from the first (Gemma 2; its window 4,096 unless the file
+    says), or per `attention.sliding_window_pattern`; Gemma 3's QK-norm and RoPE base 10,000 on
+    windowed layers; Gemma 2's soft-capped attention scores; the scales."""
+    a = arch + "."
+    gemma2 = arch == "gemma2"
+    window = int(meta.get(a + "attention.sliding_window", 4096 if gemma2 else 0) or 0)
+    pattern = meta.get(a + "attention.sliding_window_pattern", 2 if gemma2 else 6)
     if isinstance(pattern, list):  # one flag per layer: windowed or not
         if len(pattern) != n_layers:
             raise ModelLoadError(
@@ -177,16 +189,19 @@ def _gemma3_fields(meta: _Meta, hidden: int, n_heads: int, head_dim: int, n_laye
         n = int(pattern)
         windowed = [n == 0 or i % n < n - 1 for i in range(n_layers)]
     # query_pre_attn_scalar is not in the file: llama.cpp's rule (head_dim; hidden / heads for
-    # the 62-layer 27B).
-    scale = (hidden // n_heads if n_layers == 62 else head_dim) ** -0.5
+    # the 27B models, 46 layers of Gemma 2, 62 of Gemma 3).
+    scale = (hidden // n_heads if n_layers == (46 if gemma2 else 62) else head_dim) ** -0.5
+    # (Gemma 2 rotates every layer with one base, unless the file gives its windowed ones another)
+    local_theta = meta.get(a + "rope.freq_base_swa", None if gemma2 else 10000.0)
     return dict(
         layer_windows=tuple(window if w and window else 0 for w in windowed),
-        rope_local_theta=float(meta.get("gemma3.rope.freq_base_swa", 10000.0)),
-        qk_norm=True,
+        rope_local_theta=None if local_theta is None else float(local_theta),
+        qk_norm=not gemma2,
         hidden_act="gelu_tanh",
         attention_scale=float(scale),
         embedding_scale=float(hidden) ** 0.5,
-        final_logit_softcapping=meta.get("gemma3.final_logit_softcapping") or None,
+        attn_logit_softcapping=meta.get(a + "attn_logit_softcapping") or None,
+        final_logit_softcapping=meta.get(a + "final_logit_softcapping") or None,
     )
 
 
@@ -268,8 +283,8 @@ def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
         )
     # q/k/v biases (Qwen2-style); any other bias is refused later by check_weight_names
     qkv_bias = any(n.endswith((".attn_q.bias", ".attn_qkv.bias")) for n in tensors)
-    if arch == "gemma3":
-        extra = _gemma3_fields(meta, hidden, n_heads, head_dim, n_layers)
+    if arch in ("gemma2", "gemma3"):
+        extra = _gemma_fields(meta, arch, hidden, n_heads, head_dim, n_layers)
     elif moe:
         extra = _moe_fields(meta)
     else:
@@ -429,7 +444,7 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         )
         # Gemma's converter stores norm weights as w + 1; Hugging Face's (and the model's
         # loader's) convention is w.
-        self._norm_shift = -1.0 if arch == "gemma3" else 0.0
+        self._norm_shift = -1.0 if arch in ("gemma2", "gemma3") else 0.0
         self._tensors: dict[str, Any] = {}
         for t in reader.tensors:
             if t.name in _ROPE_FACTOR_TENSORS:

@@ -158,6 +158,23 @@ def _gemma3_fields(cfg: dict, where: str, n_layers: int, head_dim: int) -> dict:
     )
 
 
+def _gemma2_fields(cfg: dict, where: str, n_layers: int, head_dim: int) -> dict:
+    """Gemma 2's extras: windows on every other layer from the first (or per `layer_types`), one
+    RoPE base, soft-capped attention scores and logits, attention and embedding scales."""
+    window = int(cfg.get("sliding_window") or 0)
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)
+    ]
+    return dict(
+        layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+        **_rope(cfg, where, head_dim),
+        attention_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+        embedding_scale=float(cfg["hidden_size"]) ** 0.5,
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping") or None,
+        final_logit_softcapping=cfg.get("final_logit_softcapping") or None,
+    )
+
+
 def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int, ...] | None:
     """Per-layer sliding windows of the Llama-decoder families (None: none anywhere)."""
     window = int(cfg.get("sliding_window") or 0)
@@ -217,7 +234,7 @@ def config_from_hf(cfg: dict, name: str, where: str) -> ModelConfig:
     if outer.get("quantization_config"):
         method = outer["quantization_config"].get("quant_method", "?")
         raise ModelLoadError(f"{where}: quantized checkpoints ({method}) are not supported")
-    gemma = model_type == "gemma3_text"
+    gemma = model_type in ("gemma2", "gemma3_text")
     act = cfg.get(
         "hidden_activation" if gemma else "hidden_act", "gelu_pytorch_tanh" if gemma else "silu"
     )
@@ -236,7 +253,9 @@ def config_from_hf(cfg: dict, name: str, where: str) -> ModelConfig:
         n_layers = int(cfg["num_hidden_layers"])
         head_dim = int(cfg.get("head_dim") or hidden // n_heads)
         max_pos = int(cfg.get("max_position_embeddings", 2048))
-        if gemma:
+        if model_type == "gemma2":
+            extra = _gemma2_fields(cfg, where, n_layers, head_dim)
+        elif gemma:
             extra = _gemma3_fields(cfg, where, n_layers, head_dim)
         else:
             extra = dict(

@@ -277,6 +277,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = config.attention_scale or self.hd**-0.5
         self.window = config.window(layer)
+        self.softcap = config.attn_logit_softcapping or 0.0
         # Windowed layers rotate with the local RoPE tables where the family has them; NoPE
         # layers take the local tables too, which rotate nothing.
         self.local_rope = (self.window > 0 and config.rope_local_theta is not None) or bool(
@@ -328,7 +329,7 @@ class Attention(nn.Module):
             return ops.attention(
                 qkv, rope.cos_half, rope.sin_half, *kv_cache, *meta.kernel_args(),
                 num_heads=self.n_heads, num_kv_heads=self.n_kv, head_dim=self.hd, scale=self.scale,
-                window=self.window, interleaved=self.rope_interleaved,
+                window=self.window, interleaved=self.rope_interleaved, softcap=self.softcap,
             )  # fmt: skip
         t = qkv.shape[0]
         # Rotate q and k in one go: they are adjacent columns of the fused projection.
@@ -340,7 +341,9 @@ class Attention(nn.Module):
         )
         q, k = qk.split([self.n_heads, self.n_kv], dim=1)  # (T, H, hd), (T, KV, hd)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.n_kv, self.hd)  # (T, KV, hd)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale, window=self.window)
+        o = paged_attention(
+            q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap
+        )
         return o.reshape(t, self.q_size)
 
 
@@ -445,6 +448,7 @@ class LlamaForCausalLM(nn.Module):
             x, weights, layout, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
             tables, local_tables, *meta.kernel_args(), c.num_heads, c.num_kv_heads, c.head_dim,
             self.layers[0].self_attn.scale, c.rms_norm_eps, self.norm.weight,
+            self.layers[0].self_attn.softcap,
         )  # fmt: skip
 
     @classmethod
@@ -593,7 +597,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _make_plan(self) -> tuple[list, list[int]] | None:
         """`_forward_planned`'s layer lists, or None unless every projection is packed and the
-        layers share what the one op takes once (eps, attention scale)."""
+        layers share what the one op takes once (eps, attention scale and soft cap)."""
 
         def args(m: nn.Module) -> tuple:
             p = m.packed
@@ -610,7 +614,8 @@ class LlamaForCausalLM(nn.Module):
                 return None
             norms = [getattr(layer, n) for n in layer.NORMS]
             qk_norms = [] if attn.q_norm is None else [attn.q_norm, attn.k_norm]
-            if attn.scale != self.layers[0].self_attn.scale or any(
+            first = self.layers[0].self_attn
+            if (attn.scale, attn.softcap) != (first.scale, first.softcap) or any(
                 n.eps != c.rms_norm_eps for n in norms + qk_norms
             ):
                 return None

@@ -1,4 +1,4 @@
-"""Gemma 3, Qwen3, Qwen3-MoE, Qwen2, Phi-3 (3.5, 4-mini), SmolLM3 and Llama 3 against transformers' own classes, on tiny random
+"""Gemma 3, Gemma 2, Qwen3, Qwen3-MoE, Qwen2, Phi-3 (3.5, 4-mini), SmolLM3 and Llama 3 against transformers' own classes, on tiny random
 configs (nothing downloaded): a random model of each is saved as a Hugging Face directory, and,
 written by the llama.cpp converter's rules, as a GGUF file; both load here and must give
 transformers' logits over a prompt, through a full forward and through the engine (chunked
@@ -68,6 +68,22 @@ def gemma3_config():
             },
         }
     )
+
+
+def gemma2_config():
+    from transformers import Gemma2Config
+
+    # 3 layers: windowed, global, windowed; soft caps low enough that this random model's scores
+    # and logits reach them (`test_gemma2_soft_caps_change_what_it_computes`)
+    return Gemma2Config(
+        **{**_base(head_dim=32, sliding_window=WINDOW), "num_hidden_layers": 3},
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=SCORE_CAP,
+        final_logit_softcapping=LOGIT_CAP,
+    )
+
+
+SCORE_CAP, LOGIT_CAP = 0.5, 2.0
 
 
 def qwen3_config():
@@ -162,6 +178,7 @@ def qwen3moe_config():
 
 CONFIGS = {
     "gemma3": gemma3_config,
+    "gemma2": gemma2_config,
     "qwen3": qwen3_config,
     "qwen2": qwen2_config,
     "phi3": phi3_config,
@@ -272,6 +289,7 @@ def _layers_op_by_op(model, x, positions, pools, meta) -> torch.Tensor:
         o = ops.attention(
             qkv, *(local if ints[8] else rope), kc, vc, *meta.kernel_args(), c.num_heads,
             c.num_kv_heads, c.head_dim, model.layers[0].self_attn.scale, ints[9],
+            softcap=model.layers[0].self_attn.softcap,
         )  # fmt: skip
         if w[2] is None:  # Llama's layer
             x = linear(1, o, x, ops.Act.NONE)
@@ -332,10 +350,47 @@ def test_gemma3_config_reads_windows_scales_and_rope_bases(checkpoint):
     assert c.tie_word_embeddings
 
 
+def test_gemma2_config_reads_windows_caps_and_scales(checkpoint):
+    name, path, _ = checkpoint
+    if name != "gemma2":
+        pytest.skip("Gemma 2 only")
+    c = load_model(str(path), use_kernels=False).config
+    assert c.layer_windows == (WINDOW, 0, WINDOW) and c.rope_local_theta is None
+    assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (SCORE_CAP, LOGIT_CAP)
+    assert c.attention_scale == pytest.approx(24**-0.5) and not c.qk_norm
+    assert c.embedding_scale == pytest.approx(8.0) and c.hidden_act == "gelu_tanh"
+
+
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
+def test_gemma2_soft_caps_change_what_it_computes(checkpoint, use_kernels, monkeypatch):
+    """Without either soft cap this random Gemma 2 is far from transformers (so the tests above
+    would catch a cap left out), in the full forward and in the engine's paged attention."""
+    from dataclasses import replace
+
+    name, path, ref = checkpoint
+    if name != "gemma2":
+        pytest.skip("Gemma 2 only")
+    if use_kernels and not kernels.available():
+        pytest.skip(kernels.unavailable_reason() or "no kernels")
+    ids = random_ids(40, VOCAB, seed=7)
+    want = hf_logits(ref, ids)
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        lm = load_model(str(path), use_kernels=use_kernels)
+        lm.model.config = replace(lm.model.config, **{field: None})
+        for layer in lm.model.layers:
+            layer.self_attn.softcap = lm.model.config.attn_logit_softcapping or 0.0
+        assert (our_logits(lm, ids) - want).abs().max().item() > 20 * ATOL, field
+        prompt = ids[:30]
+        _, rows = engine_logits(lm, prompt, 2)
+        expected = hf_logits(ref, prompt + [0])[len(prompt) - 1]
+        assert (rows[0] - expected).abs().max().item() > 20 * ATOL, field
+
+
 # -- GGUF files, written as llama.cpp's converter writes them ------------------------------------
 
 _GGUF_ARCH = {
     "gemma3": "gemma3",
+    "gemma2": "gemma2",
     "qwen3": "qwen3",
     "qwen2": "qwen2",
     "phi3": "phi3",
@@ -361,7 +416,7 @@ _GGUF_NAMES = {
 
 
 def _gguf_block_name(arch: str, hf: str) -> str:
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         special = {
             "post_attention_layernorm": "post_attention_norm",
             "pre_feedforward_layernorm": "ffn_norm",
@@ -414,6 +469,10 @@ def write_gguf_from_hf(path: Path, arch: str, ref, experts_q8_0: bool = False) -
         w.add_float32("gemma3.rope.freq_base_swa", rope["sliding_attention"]["rope_theta"])
     else:
         w.add_rope_freq_base(rope["rope_theta"])
+    if arch == "gemma2":
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if arch == "phi3" and cfg.sliding_window:
         w.add_sliding_window(cfg.sliding_window)
     if arch == "phi3":  # as llama.cpp's Phi-3 converter: rotated dims, LongRoPE's factors
@@ -438,7 +497,7 @@ def write_gguf_from_hf(path: Path, arch: str, ref, experts_q8_0: bool = False) -
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         arr = t.float().numpy()
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             arr = arr + 1  # llama.cpp's Gemma converter stores 1 + w
         if name.endswith("mlp.experts.gate_up_proj"):  # (experts, 2 ff, in): [gate; up]
             gate, up = np.split(arr, 2, axis=1)
@@ -478,7 +537,7 @@ def test_gguf_file_matches_transformers(checkpoint, use_kernels, tmp_path, monke
     path = write_gguf_from_hf(tmp_path / f"{name}.gguf", _GGUF_ARCH[name], ref)
     lm = load_model(str(path), use_kernels=use_kernels)
     short = _short(name, path, use_kernels)
-    if name == "gemma3":
+    if name in ("gemma2", "gemma3"):
         # A GGUF carries no query_pre_attn_scalar: llama.cpp (and so the loader) scale by
         # head_dim ** -0.5, so the reference runs with that scale here.
         attns = [layer.self_attn for layer in ref.model.layers]

@@ -41,7 +41,7 @@ TINY = dict(
 )  # fmt: skip
 PRESET = {"llama": "smollm2-360m", "qwen2": "qwen2.5-0.5b", "qwen3": "qwen3-0.6b",
           "qwen3moe": "qwen3-30b-a3b", "phi3": "phi-3-mini", "smollm3": "smollm3-3b",
-          "gemma3": "gemma-3-270m"}  # fmt: skip
+          "gemma2": "gemma-2-2b", "gemma3": "gemma-3-270m"}  # fmt: skip
 # a mixture of experts' tiny experts (rows of 256 for the K-quant blocks)
 TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
 
@@ -108,7 +108,7 @@ def test_each_architecture_multiplies_its_file_blocks_in_place(
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason() or "no kernels")
     # Gemma: five windowed layers and a global one; SmolLM3: a fourth layer, without RoPE
-    layers = {"gemma3": 6, "smollm3": 4}.get(arch, 2)
+    layers = {"gemma2": 3, "gemma3": 6, "smollm3": 4}.get(arch, 2)
     path = synth_model.write_synthetic(
         tmp_path / f"{arch}.gguf", PRESET[arch], "Q4_K_M", seed=4, tokenizer=smol_tokenizer,
         **tiny(arch, num_hidden_layers=layers, sliding_window=8),
@@ -235,6 +235,8 @@ def _hf_model(arch: str):
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, {"pad_token_id": 0}),
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM,
                     {"num_hidden_layers": 4, "pad_token_id": 0}),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM,
+                   {"head_dim": 32, "sliding_window": 16, "query_pre_attn_scalar": 32}),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
                    {"head_dim": 32, "sliding_window": 16, "query_pre_attn_scalar": 32}),
     }  # fmt: skip
@@ -300,17 +302,21 @@ def test_each_architecture_has_the_tensors_keys_and_layouts_of_llama_cpp(
     if arch == "phi3":
         assert tensors["blk.1.ffn_up.weight"].shape == (256, 64)  # gate and up, as HF fuses them
         assert reader.fields["phi3.rope.dimension_count"].contents() == 16
-    if arch == "gemma3":
-        # Gemma3RMSNorm scales by (1 + weight): the file stores weight + 1, as the converter does.
+    if arch in ("gemma2", "gemma3"):
+        # Gemma's RMSNorm scales by (1 + weight): the file stores weight + 1, as the converter does.
         for hf_name, gguf_name in (("post_feedforward_layernorm", "post_ffw_norm"),
                                    ("pre_feedforward_layernorm", "ffn_norm"),
                                    ("post_attention_layernorm", "post_attention_norm")):  # fmt: skip
             got = tensors[f"blk.1.{gguf_name}.weight"]
             np.testing.assert_array_equal(got, hf[f"model.layers.1.{hf_name}.weight"] + 1)
-        assert reader.fields["gemma3.attention.sliding_window"].contents() == 16
-        assert reader.fields["gemma3.attention.key_length"].contents() == 32
-        assert reader.fields["gemma3.rope.freq_base_swa"].contents() == 10000.0
+        assert reader.fields[f"{arch}.attention.sliding_window"].contents() == 16
+        assert reader.fields[f"{arch}.attention.key_length"].contents() == 32
         assert "output.weight" not in tensors
+    if arch == "gemma3":
+        assert reader.fields["gemma3.rope.freq_base_swa"].contents() == 10000.0
+    if arch == "gemma2":
+        assert reader.fields["gemma2.attn_logit_softcapping"].contents() == 50.0
+        assert reader.fields["gemma2.final_logit_softcapping"].contents() == 30.0
 
 
 def test_random_weights_are_initialised_like_a_real_model():
@@ -436,14 +442,20 @@ def test_each_architecture_loads_and_generates_in_llama_cpp(tmp_path, smol_token
     assert len(set(tokens)) >= 3, tokens
 
 
+GEMMA2_CAPS = (2.0, 1.0)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["phi-3.5-mini", "phi-4-mini", "smollm3-3b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize(
+    "preset", ["phi-3.5-mini", "phi-4-mini", "smollm3-3b", "qwen3-30b-a3b", "gemma-2-2b"]
+)
 def test_synthetic_files_generate_as_llama_cpp(tmp_path, smol_tokenizer, preset):
     """Greedy 16 tokens equal to llama-server's on each prompt. LongRoPE (and Phi-4-mini's
     partial rotary): served within the original context (4096; llama-server -c 4096) both take
     the short factors, beyond it (-c 8192) the long ones, and the two contexts' tokens differ.
     SmolLM3: its fourth layer without RoPE. Qwen3-MoE: each token's experts as llama.cpp routes
-    them (softmax, top k, renormalized)."""
+    them (softmax, top k, renormalized). Gemma 2: soft caps low enough to bend this model's
+    scores and logits, and a window the longer prompt passes."""
     from tests.test_models_real import engine_greedy
 
     llama_cpp_tool("llama-server")
@@ -452,6 +464,9 @@ def test_synthetic_files_generate_as_llama_cpp(tmp_path, smol_tokenizer, preset)
     # (a small vocabulary: a random model's top logits stand further apart than over 49k)
     if preset == "qwen3-30b-a3b":
         shape |= TINY_MOE
+    if preset == "gemma-2-2b":
+        shape |= dict(attn_logit_softcapping=GEMMA2_CAPS[0], final_logit_softcapping=GEMMA2_CAPS[1],
+                      sliding_window=16)  # fmt: skip
     arch, config = synth_model.make_config(preset, vocab_size=512, **shape)
     lazy = random_state_dict(arch, config, seed=3)
     state = {name: lazy[name] for name in lazy}

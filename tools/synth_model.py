@@ -10,15 +10,15 @@ Owns: the shape presets (`PRESETS`, Hugging Face config fields), the random weig
 `write_gguf(path, arch, config, state_dict, ...)`, which writes a Hugging Face-named state dict
 and config as llama.cpp's converter (convert_hf_to_gguf.py) would: its metadata keys, tensor names
 (gguf's own name map) and layouts (llama, smollm3: Q/K rows permuted for llama.cpp's RoPE;
-qwen2 / qwen3 / phi3 / gemma3 unpermuted; phi3's fused attn_qkv and ffn_up = gate+up as the
-checkpoint holds them; gemma3 norms stored as weight + 1; qwen3moe's experts, stacked as
+qwen2 / qwen3 / phi3 / gemma2 / gemma3 unpermuted; phi3's fused attn_qkv and ffn_up = gate+up as
+the checkpoint holds them; gemma2 / gemma3 norms stored as weight + 1; qwen3moe's experts, stacked as
 transformers holds them, as blk.N.ffn_{gate,up,down}_exps, its router ffn_gate_inp left float32),
 then quantized with `models.gguf_quantize` as `llama-quantize` mixes formats (weights pass
 through float16 first, as from an F16 file, so `synth F16` + `llama-quantize Q4_K_M` gives this
 tool's Q4_K_M bytes). Tests write transformers' own tiny random models with it.
 
 The tokenizer is real, copied from a GGUF the project fetches: Gemma 3 270M's (262,144 tokens)
-for gemma3, SmolLM2's (GPT-2 style BPE, 49,152 tokens) for llama, qwen2, qwen3, qwen3moe, phi3
+for gemma3 and gemma2 (whose 256,000-token vocabulary is its first tokens), SmolLM2's (GPT-2 style BPE, 49,152 tokens) for llama, qwen2, qwen3, qwen3moe, phi3
 and smollm3, whose own tokenizers no package ships. The vocabulary is the tokenizer's by default, so a Qwen- or
 Phi-shaped file has SmolLM2's 49,152 tokens and head rows, not 151,936 or 32,064; `--vocab N`
 sets it (`--vocab 128256` for Llama 3.2's head size): a smaller vocabulary keeps the first N
@@ -46,7 +46,7 @@ from models.gguf_loader import PERMUTED_ARCHITECTURES
 from models.gguf_quantize import FTYPES, mix_types, quantize
 
 Q = GGMLQuantizationType
-ARCHES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "smollm3", "gemma3")
+ARCHES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "smollm3", "gemma2", "gemma3")
 # Architectures whose converter permutes q/k rows for llama.cpp's RoPE pairs (as the loader
 # knows them).
 PERMUTED = PERMUTED_ARCHITECTURES
@@ -57,6 +57,7 @@ _GGUF_ARCH = {
     "qwen3moe": MODEL_ARCH.QWEN3MOE,
     "phi3": MODEL_ARCH.PHI3,
     "smollm3": MODEL_ARCH.SMOLLM3,
+    "gemma2": MODEL_ARCH.GEMMA2,
     "gemma3": MODEL_ARCH.GEMMA3,
 }
 # Which fetchable model's GGUF lends its tokenizer, per architecture.
@@ -67,6 +68,7 @@ TOKENIZER_FROM = {
     "qwen3moe": "smollm2-135m-instruct",
     "phi3": "smollm2-135m-instruct",
     "smollm3": "smollm2-135m-instruct",
+    "gemma2": "gemma-3-270m",
     "gemma3": "gemma-3-270m",
 }
 
@@ -167,6 +169,16 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
             norm_topk_prob=True, vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6,
             tie_word_embeddings=False, max_position_embeddings=40960,
+        ),
+    ),
+    "gemma-2-2b": (
+        "gemma2",
+        dict(
+            hidden_size=2304, num_hidden_layers=26, num_attention_heads=8,
+            num_key_value_heads=4, head_dim=256, intermediate_size=9216, vocab_size=256000,
+            rope_theta=10000.0, rms_norm_eps=1e-6, sliding_window=4096,
+            max_position_embeddings=8192, query_pre_attn_scalar=256,
+            attn_logit_softcapping=50.0, final_logit_softcapping=30.0, tie_word_embeddings=True,
         ),
     ),
     "gemma-3-270m": (
@@ -373,7 +385,7 @@ def hf_shapes(arch: str, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]
         if arch in ("qwen3", "qwen3moe", "gemma3"):
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        if arch == "gemma3":
+        if arch in ("gemma2", "gemma3"):
             shapes[p + "pre_feedforward_layernorm.weight"] = (d,)
             shapes[p + "post_feedforward_layernorm.weight"] = (d,)
     return shapes
@@ -405,7 +417,7 @@ class LazyStateDict(Mapping[str, np.ndarray]):
 
 def random_state_dict(arch: str, config: Mapping[str, Any], seed: int = 0) -> LazyStateDict:
     """Random HF-named weights: normal(0, 0.02) matrices and biases, norms 1 + normal(0, 0.02)
-    (gemma3's checkpoints store norm - 1: normal(0, 0.02)). Each tensor's values depend on the
+    (Gemma's checkpoints store norm - 1: normal(0, 0.02)). Each tensor's values depend on the
     seed and its name only."""
 
     def maker(name: str, shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
@@ -417,7 +429,7 @@ def random_state_dict(arch: str, config: Mapping[str, Any], seed: int = 0) -> La
                 # outweigh the embedding as a real model's do (else greedy repeats the input).
                 std = max(INIT_STD, 0.9 / math.sqrt(shape[-1]))
             x = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
-            if name.endswith("norm.weight") and arch != "gemma3":
+            if name.endswith("norm.weight") and arch not in ("gemma2", "gemma3"):
                 x += np.float32(1)
             return x
 
@@ -479,8 +491,13 @@ def _metadata(arch: str, config: Mapping[str, Any], vocab: int) -> list[tuple[st
             ("attention.sliding_window", int(config["sliding_window"])),
             ("rope.freq_base_swa", float(_rope(config, "sliding_attention")["rope_theta"])),
         ]
-        if config.get("final_logit_softcapping"):
-            keys.append(("final_logit_softcapping", float(config["final_logit_softcapping"])))
+    if arch == "gemma2":
+        keys += [
+            ("attention.sliding_window", int(config["sliding_window"])),
+            ("attn_logit_softcapping", float(config["attn_logit_softcapping"])),
+        ]
+    if arch in ("gemma2", "gemma3") and config.get("final_logit_softcapping"):
+        keys.append(("final_logit_softcapping", float(config["final_logit_softcapping"])))
     return keys
 
 
@@ -534,8 +551,8 @@ def _gguf_tensors(
                 x = _permute(x, n_head)
             elif arch in PERMUTED and hf_name.endswith("k_proj.weight"):
                 x = _permute(x, n_kv)
-            if arch == "gemma3" and hf_name.endswith("norm.weight"):
-                x = x + np.float32(1)  # Gemma3RMSNorm multiplies by (1 + weight)
+            if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
+                x = x + np.float32(1)  # Gemma's RMSNorm multiplies by (1 + weight)
             return np.ascontiguousarray(x)
 
         out[gguf_name] = (tuple(int(s) for s in shape), values)
