@@ -560,7 +560,8 @@ def test_gguf_unsupported_quantization_type_is_refused_by_name(model_dir):
 def test_gguf_unsupported_architecture_is_refused_by_name(model_dir):
     path = write_gguf(model_dir / "phi.gguf", [Q.F32], arch="phi2")
     with pytest.raises(
-        ModelLoadError, match="'phi2'.*supported: llama, qwen2, qwen3, phi3, smollm3, gemma3"
+        ModelLoadError,
+        match="'phi2'.*supported: llama, qwen2, qwen3, phi3, smollm3, gemma2, gemma3",
     ):
         load_model(str(path))
 
