@@ -14,8 +14,8 @@ served from the saved copy without it (`models.hf_tokenizer`, `models.saved_toke
 
 Architectures: llama (Llama 1-3, Mistral, SmolLM2 convert to it), qwen2, qwen3, phi3 (Phi-3, 3.5,
 4-mini: LongRoPE's factors and partial rotary dimensions), smollm3 (NoPE every fourth layer, as
-llama.cpp fixes it), gemma2 (soft-capped attention scores and logits), gemma3, qwen3moe (its stacked expert tensors read as one matrix an expert,
-views of the file). What is refused, by name: others, other mixtures of experts, RoPE scaling
+llama.cpp fixes it), gemma2 (soft-capped attention scores and logits), gemma3, qwen3moe (its
+stacked expert tensors read as one matrix an expert, views of the file). What is refused, by name: others, other mixtures of experts, RoPE scaling
 other than llama.cpp's frequency factors (and linear scaling of Gemma 3's global layers), partial
 rotary dimensions of the permuted architectures, tensor types outside `SUPPORTED_TYPES`, and
 tensors the decoder has no place for.
@@ -96,18 +96,17 @@ _ARCH_BLOCK_NAMES = {
     },
     # fused projections: [q; k; v] rows, and ffn_up holding [gate; up]
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-    "gemma3": {
-        "attn_q_norm": "self_attn.q_norm",
-        "attn_k_norm": "self_attn.k_norm",
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
+    # Gemma's four norms a layer
     "gemma2": {
         "post_attention_norm": "post_attention_layernorm",
         "ffn_norm": "pre_feedforward_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
     },
+}
+_ARCH_BLOCK_NAMES["gemma3"] = {
+    **_ARCH_BLOCK_NAMES["gemma2"],
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # A mixture of experts' stacked projections, (experts, rows, in) each: one Hugging Face tensor
@@ -128,6 +127,8 @@ GGUF_ARCHITECTURES = {
 }
 # Mixtures of experts: their MLP tensors are a router and the experts' stacked projections.
 MOE_ARCHITECTURES = ("qwen3moe",)
+# Gemma's layer shape (`_gemma_fields`), norm weights stored as w + 1 by its converter.
+GEMMA_LAYER_ARCHITECTURES = ("gemma2", "gemma3")
 # Architectures whose converter permutes q/k rows for GGML's RoPE pairs (`_unpermute`).
 PERMUTED_ARCHITECTURES = ("llama", "smollm3")
 # llama.cpp's SmolLM3: every fourth layer has no RoPE (a constant there, not a file key).
@@ -283,7 +284,7 @@ def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
         )
     # q/k/v biases (Qwen2-style); any other bias is refused later by check_weight_names
     qkv_bias = any(n.endswith((".attn_q.bias", ".attn_qkv.bias")) for n in tensors)
-    if arch in ("gemma2", "gemma3"):
+    if arch in GEMMA_LAYER_ARCHITECTURES:
         extra = _gemma_fields(meta, arch, hidden, n_heads, head_dim, n_layers)
     elif moe:
         extra = _moe_fields(meta)
@@ -444,7 +445,7 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         )
         # Gemma's converter stores norm weights as w + 1; Hugging Face's (and the model's
         # loader's) convention is w.
-        self._norm_shift = -1.0 if arch in ("gemma2", "gemma3") else 0.0
+        self._norm_shift = -1.0 if arch in GEMMA_LAYER_ARCHITECTURES else 0.0
         self._tensors: dict[str, Any] = {}
         for t in reader.tensors:
             if t.name in _ROPE_FACTOR_TENSORS:

@@ -121,10 +121,10 @@ def _longrope(cfg: dict, scaling: dict) -> dict[str, Any]:
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
-def _gemma3_fields(cfg: dict, where: str, n_layers: int, head_dim: int) -> dict:
-    """Gemma 3's extras: windows per layer type, local RoPE base, attention and embedding scales."""
-    if cfg.get("attn_logit_softcapping"):
-        raise ModelLoadError(f"{where}: attention logit soft-capping is not supported")
+def _gemma_fields(cfg: dict, where: str, n_layers: int, head_dim: int, gemma2: bool) -> dict:
+    """Gemma 2's and 3's extras: windows per layer type (without `layer_types`, on all but every
+    sixth layer for Gemma 3, every other layer from the first for Gemma 2), Gemma 3's QK-norm and
+    local RoPE base (Gemma 2: one base), soft caps, attention and embedding scales."""
     if cfg.get("use_bidirectional_attention"):
         raise ModelLoadError(
             f"{where}: bidirectional attention (embedding models) is not supported"
@@ -132,13 +132,18 @@ def _gemma3_fields(cfg: dict, where: str, n_layers: int, head_dim: int) -> dict:
     window = int(cfg.get("sliding_window") or 0)
     types = cfg.get("layer_types")
     if types is None:
-        pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
+        pattern = 2 if gemma2 else 6
+        pattern = int(
+            cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", pattern))
+        )
         types = [
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
             for i in range(n_layers)
         ]
     params = cfg.get("rope_parameters") or {}
-    if "full_attention" in params:  # transformers 5: RoPE per layer type
+    if gemma2:
+        rope, local_theta = _rope(cfg, where, head_dim), None
+    elif "full_attention" in params:  # transformers 5: RoPE per layer type
         rope = _rope(cfg, where, head_dim, params["full_attention"], 1_000_000.0)
         local = _rope(cfg, where, head_dim, params["sliding_attention"])
         if set(local) != {"rope_theta", "rotary_dim"}:
@@ -151,23 +156,7 @@ def _gemma3_fields(cfg: dict, where: str, n_layers: int, head_dim: int) -> dict:
         layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
         **rope,
         rope_local_theta=local_theta,
-        qk_norm=True,
-        attention_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
-        embedding_scale=float(cfg["hidden_size"]) ** 0.5,
-        final_logit_softcapping=cfg.get("final_logit_softcapping") or None,
-    )
-
-
-def _gemma2_fields(cfg: dict, where: str, n_layers: int, head_dim: int) -> dict:
-    """Gemma 2's extras: windows on every other layer from the first (or per `layer_types`), one
-    RoPE base, soft-capped attention scores and logits, attention and embedding scales."""
-    window = int(cfg.get("sliding_window") or 0)
-    types = cfg.get("layer_types") or [
-        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)
-    ]
-    return dict(
-        layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
-        **_rope(cfg, where, head_dim),
+        qk_norm=not gemma2,
         attention_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
         embedding_scale=float(cfg["hidden_size"]) ** 0.5,
         attn_logit_softcapping=cfg.get("attn_logit_softcapping") or None,
@@ -253,10 +242,8 @@ def config_from_hf(cfg: dict, name: str, where: str) -> ModelConfig:
         n_layers = int(cfg["num_hidden_layers"])
         head_dim = int(cfg.get("head_dim") or hidden // n_heads)
         max_pos = int(cfg.get("max_position_embeddings", 2048))
-        if model_type == "gemma2":
-            extra = _gemma2_fields(cfg, where, n_layers, head_dim)
-        elif gemma:
-            extra = _gemma3_fields(cfg, where, n_layers, head_dim)
+        if gemma:
+            extra = _gemma_fields(cfg, where, n_layers, head_dim, model_type == "gemma2")
         else:
             extra = dict(
                 **_rope(cfg, where, head_dim),

@@ -42,7 +42,7 @@ from gguf.constants import GGML_QUANT_SIZES, MODEL_ARCH, GGMLQuantizationType
 from gguf.tensor_mapping import get_tensor_name_map
 
 from models.fetch import model_path
-from models.gguf_loader import PERMUTED_ARCHITECTURES
+from models.gguf_loader import GEMMA_LAYER_ARCHITECTURES, PERMUTED_ARCHITECTURES
 from models.gguf_quantize import FTYPES, mix_types, quantize
 
 Q = GGMLQuantizationType
@@ -385,7 +385,7 @@ def hf_shapes(arch: str, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]
         if arch in ("qwen3", "qwen3moe", "gemma3"):
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        if arch in ("gemma2", "gemma3"):
+        if arch in GEMMA_LAYER_ARCHITECTURES:
             shapes[p + "pre_feedforward_layernorm.weight"] = (d,)
             shapes[p + "post_feedforward_layernorm.weight"] = (d,)
     return shapes
@@ -429,7 +429,7 @@ def random_state_dict(arch: str, config: Mapping[str, Any], seed: int = 0) -> La
                 # outweigh the embedding as a real model's do (else greedy repeats the input).
                 std = max(INIT_STD, 0.9 / math.sqrt(shape[-1]))
             x = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
-            if name.endswith("norm.weight") and arch not in ("gemma2", "gemma3"):
+            if name.endswith("norm.weight") and arch not in GEMMA_LAYER_ARCHITECTURES:
                 x += np.float32(1)
             return x
 
@@ -496,7 +496,7 @@ def _metadata(arch: str, config: Mapping[str, Any], vocab: int) -> list[tuple[st
             ("attention.sliding_window", int(config["sliding_window"])),
             ("attn_logit_softcapping", float(config["attn_logit_softcapping"])),
         ]
-    if arch in ("gemma2", "gemma3") and config.get("final_logit_softcapping"):
+    if arch in GEMMA_LAYER_ARCHITECTURES and config.get("final_logit_softcapping"):
         keys.append(("final_logit_softcapping", float(config["final_logit_softcapping"])))
     return keys
 
@@ -551,7 +551,7 @@ def _gguf_tensors(
                 x = _permute(x, n_head)
             elif arch in PERMUTED and hf_name.endswith("k_proj.weight"):
                 x = _permute(x, n_kv)
-            if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
+            if arch in GEMMA_LAYER_ARCHITECTURES and hf_name.endswith("norm.weight"):
                 x = x + np.float32(1)  # Gemma's RMSNorm multiplies by (1 + weight)
             return np.ascontiguousarray(x)
 

@@ -17,6 +17,10 @@ inline int64_t first_key(int64_t L, int64_t window) { return window > 0 ? std::m
 // before the softmax; softcap <= 0: as it is.
 inline float capped(float v, float softcap) { return softcap > 0 ? softcap * std::tanh(v / softcap) : v; }
 
+// The AVX-512 head_dim-64 kernels (decode_group_avx512, and over int8 pools with VNNI the whole
+// rows and prefill groups) take this attention: they have no soft cap.
+inline bool avx512_head64(int64_t D, float softcap) { return D == 64 && softcap <= 0 && cpu_has_avx512(); }
+
 // G query heads of one kv head (q: G * D floats, roped; out likewise) over keys [j0, L): scores,
 // softmax, weighted sum of values. The generic path: any head_dim (a multiple of 8), AVX2. Each K
 // and V row is loaded and widened once for all G heads; a key's score is one dot product summed
@@ -110,7 +114,7 @@ void decode_heads(const float* q, int64_t G, const C* kc, const C* vc, const int
                   int64_t window, int64_t bs, int64_t tok_stride, int64_t blk_stride, int64_t D, float scale,
                   float softcap, float* out, float* s, bool streamed) {
   const int64_t j0 = first_key(L, window);
-  if (j0 == 0 && D == 64 && G <= 8 && softcap <= 0 && cpu_has_avx512())
+  if (j0 == 0 && G <= 8 && avx512_head64(D, softcap))
     return decode_group_avx512<C>(G, q, kc, vc, table, L, bs, tok_stride, blk_stride, scale, out, s, streamed);
   for (int64_t g0 = 0; g0 < G; g0 += 8) {
     with_count<8>(G - g0, [&](auto g) {
@@ -323,9 +327,9 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
     for (int64_t b = 0; b < num_decode; ++b) max_len = std::max(max_len, lp[b]);
     bool whole_rows = false;
     if constexpr (std::is_same_v<C, int8_t>) {
-      // (every key of every row: the whole-row kernel has no window, nor a soft cap)
-      whole_rows = D == 64 && G <= 8 && H <= 64 && num_decode >= kRowsForWholeRowItems && cpu_has_avx512() &&
-                   cpu_has_vnni() && (window <= 0 || max_len <= window) && softcap <= 0;
+      // (every key of every row: the whole-row kernel has no window)
+      whole_rows = G <= 8 && H <= 64 && num_decode >= kRowsForWholeRowItems && avx512_head64(D, softcap) &&
+                   cpu_has_vnni() && (window <= 0 || max_len <= window);
       if (whole_rows)
         decode_whole_rows_int8(qp, op, kbase, vbase, bs, num_decode, tp, lp, maxb, H, KVH, tok_stride, blk_stride,
                                scale);
@@ -361,8 +365,7 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
     int64_t max_len = 1;
     for (int64_t c = 0; c < NC; ++c) max_len = std::max(max_len, mp[c * 3 + 2]);
     if constexpr (std::is_same_v<C, int8_t>) {
-      if (D == 64 && G <= 8 && cpu_has_avx512() && cpu_has_vnni() && (window <= 0 || max_len <= window) &&
-          softcap <= 0) {
+      if (G <= 8 && avx512_head64(D, softcap) && cpu_has_vnni() && (window <= 0 || max_len <= window)) {
         prefill_groups_int8(qp, op, kbase, vbase, bs, mp, NC, ctp, cmaxb, H, KVH, tok_stride, blk_stride, scale,
                             max_len);
         return;
@@ -371,8 +374,7 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
     // Tokens whose keys all start at the first and whose decode_heads is decode_group (not the
     // AVX-512 head_dim-64 kernel) go R at a time (prefill_tile, the same results); the rest,
     // and a chunk's last tokens short of a tile, one at a time. Items: (first row, count).
-    const int R =
-        (D == 64 && softcap <= 0 && cpu_has_avx512()) || (window > 0 && max_len > window) ? 1 : tile_tokens(G);
+    const int R = avx512_head64(D, softcap) || (window > 0 && max_len > window) ? 1 : tile_tokens(G);
     std::vector<int64_t> row, len, chunk, count;
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t start = mp[c * 3], n = mp[c * 3 + 1], L = mp[c * 3 + 2];
