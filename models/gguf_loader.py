@@ -42,6 +42,7 @@ from models.config import ModelConfig
 from models.gguf_reader import GGUFHeaderReader
 from models.hf_loader import check_weight_names
 from models.hf_tokenizer import end_ids, load_gguf_bpe_tokenizer
+from models.packing import pack_for_kernels
 from models.quant import GGML_BLOCKS, GGMLTensor, KernelOptions, gguf_rows
 from models.registry import model_class
 from models.spm_tokenizer import SPMTokenizer, read_gguf_tokenizer_metadata, uses_spm_tokenizer
@@ -425,7 +426,7 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
 
     `in_place`: the kernels will take the projections' own blocks (`blocks`), so a projection
     whose every fused part has them is not dequantized at all: its float tensor is a stride-0
-    stand-in (`models.llama` keeps it as such, no memory) that must not be read.
+    stand-in (`models.decoder` keeps it as such, no memory) that must not be read.
     """
 
     def __init__(
@@ -544,7 +545,7 @@ def load_gguf(
 ) -> LoadedModel:
     """Load a GGUF file of a supported architecture: weights, tokenizer, chat template, EOS ids.
 
-    `kernels`: how `LlamaForCausalLM.enable_kernels` packs the model, which then takes the
+    `kernels`: how `models.packing.pack_for_kernels` packs the model, which then takes the
     file's own quantized blocks as they are (None: the pure-torch float model)."""
     path = Path(path)
     if not path.is_file():
@@ -581,11 +582,11 @@ def load_gguf(
         raise ModelLoadError(f"{path.name}: {e}") from e
     model.eval().requires_grad_(False)
     if kernels is not None:
-        model.enable_kernels(kernels.quantization, weights.blocks, kernels.activations)
-        # Every stand-in for a weight left in the file must have been replaced by its blocks.
-        unread = [n for n, p in model.named_parameters() if p.dim() == 2 and p.stride() == (0, 0)]
-        if unread:
-            raise ModelLoadError(f"{path.name}: {unread[0]} was neither loaded nor packed")
+        # (every stand-in for a weight left in the file must be replaced by its blocks)
+        try:
+            model = pack_for_kernels(model, kernels, weights.blocks)
+        except ValueError as e:
+            raise ModelLoadError(f"{path.name}: {e}") from e
     _release_pages(reader)
     config.extra["load_seconds"] = round(time.perf_counter() - t0, 3)
     return LoadedModel(config.name, model, tok, config)
