@@ -21,7 +21,7 @@ from models.gguf_reader import is_gguf_file
 from models.hf_loader import load_hf_directory
 from models.packing import pack_for_kernels
 from models.quant import KernelOptions
-from models.tinygpt import build_tinygpt
+from models.registry import builtin
 
 SUPPORTED = (
     '"tinygpt", "smollm2-135m-instruct", "gemma-3-270m", a path to a GGUF file, or a Hugging '
@@ -163,9 +163,8 @@ def _load(name_or_path: str, kernels: KernelOptions | None) -> LoadedModel:
     """The model as its checkpoint holds it; a GGUF file's loader also packs its own blocks
     for the kernels when `kernels` is given."""
     key = str(name_or_path).strip()
-    if key.lower() == "tinygpt":
-        model, tok = build_tinygpt()
-        return LoadedModel("tinygpt", model, tok, model.config)
+    if (spec := builtin(key.lower())) is not None and spec.builtin is not None:
+        return spec.builtin()
     # Imported here, not with the package: `python -m models.fetch` runs that module as __main__,
     # and runpy warns when the package has already imported it under its own name.
     from models.fetch import find as find_fetchable
