@@ -70,7 +70,9 @@ SUPPORTED_TYPES = frozenset(
     }
 )
 
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# A layer's tensor: blk.N.<name>[.weight|.bias] (a name may hold dots, and a few tensors have no
+# suffix, as llama.cpp names them); the name maps to the Hugging Face one, the suffix stays.
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+?)(\.weight|\.bias)?")
 # A mixture of experts' stacked projections, (experts, rows, in) each: one Hugging Face tensor
 # per expert (`_ExpertSlice`).
 _EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
@@ -97,7 +99,7 @@ def _hf_name(gguf_name: str, path: Path, arch: str, names: GGUFTensorMap) -> str
     if m:
         hf = names.blocks.get(m.group(2))
         if hf is not None:
-            return f"model.layers.{m.group(1)}.{hf}.{m.group(3)}"
+            return f"model.layers.{m.group(1)}.{hf}{m.group(3) or ''}"
     raise ModelLoadError(f"{path.name}: tensor {gguf_name!r} has no place in a {arch} decoder")
 
 

@@ -62,8 +62,8 @@ class GGUFTensorMap:
     them.
 
     `blocks`: per-layer names, "attn_q" (of "blk.N.attn_q.weight") -> "self_attn.q_proj" (of
-    "model.layers.N.self_attn.q_proj.weight"); a tensor in neither `blocks` nor `globals` is
-    refused by name. `stacked_experts`: blk.N.ffn_{gate,up,down}_exps, (experts, rows, in) each,
+    "model.layers.N.self_attn.q_proj.weight"; the .weight / .bias suffix, where the file's name
+    has one, stays); a tensor in neither `blocks` nor `globals` is refused by name. `stacked_experts`: blk.N.ffn_{gate,up,down}_exps, (experts, rows, in) each,
     read as one Hugging Face tensor an expert (mlp.experts.E.{gate,up,down}_proj).
     `permuted_qk`: the converter permuted q/k rows for GGML's RoPE pairs (the loader undoes it,
     or keeps the file's order and rotates GGML's pairs: `ModelConfig.rope_interleaved`).
