@@ -3,7 +3,8 @@ shape. Gemma 2 is the same layer without QK-norm, with a sliding window on every
 its attention scores soft-capped (`ModelConfig.attn_logit_softcapping`, which the attention
 kernel applies), its logits too (`final_logit_softcapping`, as Gemma 3 may).
 
-What differs from `models.llama` (everything else, the packed kernels included, is shared):
+What differs from `models.llama` (everything else, the packed kernels included, is
+`models.decoder`'s):
 four RMSNorms a layer (before and after attention, before and after the MLP, the "after" ones on
 the branch before it joins the residual stream); GeGLU with tanh GELU; QK-norm, sliding windows
 on most layers with their own RoPE base, the attention scale 1/sqrt(query_pre_attn_scalar) and
@@ -15,13 +16,12 @@ their loader hands Hugging Face values here).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from models.config import ModelConfig
-from models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
+from models.decoder import MLP, Attention, DecoderForCausalLM, DecoderLayer, RMSNorm
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
     NORMS = (
         "input_layernorm",
         "post_attention_layernorm",
@@ -48,6 +48,6 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(h)
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
+class Gemma3ForCausalLM(DecoderForCausalLM):
     layer_class = Gemma3DecoderLayer
     hf_norm_offset = 1.0

@@ -1,24 +1,21 @@
 """Loading GGUF files (llama.cpp's format) into their `models.registry` class.
 
-Owns: reading each architecture's GGUF metadata (`{arch}.*` keys) into a `ModelConfig`,
-dequantizing tensors to the compute dtype with `gguf.quants.dequantize` (numpy), undoing llama.cpp's
-Q/K row permutation (only the "llama" and "smollm3" architectures have it: their converter
-interleaves the rotary halves; NEOX-style families such as Qwen2/3, Phi-3 and Gemma 3 are written as Hugging Face holds
-them), and mapping each architecture's GGUF tensor names to Hugging Face names (and values: Gemma's
-norms are stored as w + 1) for the model's `load_hf_weights`. With the kernels, tensors in a format they multiply in place
+Owns: a GGUF file's metadata read into a `ModelConfig` by its architecture's spec
+(`models.arch`), tensors dequantized to the compute dtype with `gguf.quants.dequantize` (numpy),
+llama.cpp's Q/K row permutation undone where the spec says the converter made it (its RoPE
+rotates adjacent pairs; NEOX-style families are written as Hugging Face holds them), and each
+GGUF tensor name mapped by the spec to its Hugging Face name (the converter's value changes
+undone, e.g. Gemma's norms stored as w + 1) for the model's `load_hf_weights`. With the kernels, tensors in a format they multiply in place
 are never dequantized: `GGUFWeights.blocks` hands the model the file's rows (`models.quant`), and
 the float "weight" it sees is a zero-memory stand-in. The tokenizer and chat template come from
 the same file: Gemma's SentencePiece vocabularies through `models.spm_tokenizer` (no derived
 merges table), every other one converted by transformers once, in a child process, and then
 served from the saved copy without it (`models.hf_tokenizer`, `models.saved_tokenizer`).
 
-Architectures: llama (Llama 1-3, Mistral, SmolLM2 convert to it), qwen2, qwen3, phi3 (Phi-3, 3.5,
-4-mini: LongRoPE's factors and partial rotary dimensions), smollm3 (NoPE every fourth layer, as
-llama.cpp fixes it), gemma2 (soft-capped attention scores and logits), gemma3, qwen3moe (its
-stacked expert tensors read as one matrix an expert, views of the file). What is refused, by name: others, other mixtures of experts, RoPE scaling
-other than llama.cpp's frequency factors (and linear scaling of Gemma 3's global layers), partial
-rotary dimensions of the permuted architectures, tensor types outside `SUPPORTED_TYPES`, and
-tensors the decoder has no place for.
+Architectures: those of `models.arch` with a `gguf_architecture`, each spec reading its own
+`{arch}.*` keys and naming its tensors. What is refused, by name: other architectures, tensor
+types outside `SUPPORTED_TYPES`, tensors the decoder has no place for, and what each spec's
+config reader refuses.
 """
 
 from __future__ import annotations
@@ -37,13 +34,16 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
+from models.arch.readers import ROPE_FACTOR_TENSORS, GGUFMeta
+from models.arch.spec import ArchSpec, GGUFTensorMap
 from models.base import LoadedModel, ModelLoadError
 from models.config import ModelConfig
 from models.gguf_reader import GGUFHeaderReader
 from models.hf_loader import check_weight_names
 from models.hf_tokenizer import end_ids, load_gguf_bpe_tokenizer
+from models.packing import pack_for_kernels
 from models.quant import GGML_BLOCKS, GGMLTensor, KernelOptions, gguf_rows
-from models.registry import model_class
+from models.registry import gguf_spec
 from models.spm_tokenizer import SPMTokenizer, read_gguf_tokenizer_metadata, uses_spm_tokenizer
 from models.tokenizer import Tokenizer
 
@@ -70,69 +70,12 @@ SUPPORTED_TYPES = frozenset(
     }
 )
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-# Per architecture, the block tensors whose names differ from the Llama ones above.
-_ARCH_BLOCK_NAMES = {
-    "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
-    "qwen3moe": {
-        "attn_q_norm": "self_attn.q_norm",
-        "attn_k_norm": "self_attn.k_norm",
-        "ffn_gate_inp": "mlp.gate",  # the router
-    },
-    # fused projections: [q; k; v] rows, and ffn_up holding [gate; up]
-    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-    # Gemma's four norms a layer
-    "gemma2": {
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
-}
-_ARCH_BLOCK_NAMES["gemma3"] = {
-    **_ARCH_BLOCK_NAMES["gemma2"],
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# A layer's tensor: blk.N.<name>[.weight|.bias] (a name may hold dots, and a few tensors have no
+# suffix, as llama.cpp names them); the name maps to the Hugging Face one, the suffix stays.
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+?)(\.weight|\.bias)?")
 # A mixture of experts' stacked projections, (experts, rows, in) each: one Hugging Face tensor
 # per expert (`_ExpertSlice`).
 _EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
-
-# llama.cpp's `general.architecture` -> the `models.registry` name. llama.cpp converts Llama 1-3,
-# Mistral and SmolLM to "llama".
-GGUF_ARCHITECTURES = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "phi3": "phi3",
-    "smollm3": "smollm3",
-    "gemma2": "gemma2",
-    "gemma3": "gemma3_text",
-    "qwen3moe": "qwen3_moe",
-}
-# Mixtures of experts: their MLP tensors are a router and the experts' stacked projections.
-MOE_ARCHITECTURES = ("qwen3moe",)
-# Gemma's layer shape (`_gemma_fields`), norm weights stored as w + 1 by its converter.
-GEMMA_LAYER_ARCHITECTURES = ("gemma2", "gemma3")
-# Architectures whose converter permutes q/k rows for GGML's RoPE pairs (`_unpermute`).
-PERMUTED_ARCHITECTURES = ("llama", "smollm3")
-# llama.cpp's SmolLM3: every fourth layer has no RoPE (a constant there, not a file key).
-_SMOLLM3_NOPE_EVERY = 4
 
 
 def _open(path: Path) -> GGUFReader:
@@ -144,231 +87,20 @@ def _open(path: Path) -> GGUFReader:
         raise ModelLoadError(f"{path} is not a readable GGUF file{hint}: {e}") from e
 
 
-class _Meta:
-    """Typed access to GGUF metadata with errors that name the file and the key."""
-
-    def __init__(self, reader: GGUFReader, path: Path) -> None:
-        self.reader, self.path = reader, path
-
-    def get(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
-
-    def require(self, key: str) -> Any:
-        value = self.get(key)
-        if value is None:
-            raise ModelLoadError(f"{self.path.name}: GGUF metadata has no {key}")
-        return value
-
-    def array_len(self, key: str) -> int | None:
-        n = getattr(self.reader, "array_lengths", {}).get(key)  # the tokenizer's, only counted
-        if n is not None:
-            return n
-        field = self.reader.fields.get(key)
-        return None if field is None else len(field.data)  # without decoding 49k strings
+def _config(meta: GGUFMeta, tensors: dict[str, Any], name: str, spec: ArchSpec) -> ModelConfig:
+    assert spec.gguf_config is not None
+    return ModelConfig(name=name, dtype=torch.float32, **spec.gguf_config(meta, tensors))
 
 
-def _gemma_fields(
-    meta: _Meta, arch: str, hidden: int, n_heads: int, head_dim: int, n_layers: int
-) -> dict:
-    """Gemma 2's and 3's extras, as llama.cpp reads them: sliding windows on all but every sixth
-    layer (Gemma 3) or every other layer from the first (Gemma 2; its window 4,096 unless the file
-    says), or per `attention.sliding_window_pattern`; Gemma 3's QK-norm and RoPE base 10,000 on
-    windowed layers; Gemma 2's soft-capped attention scores; the scales."""
-    a = arch + "."
-    gemma2 = arch == "gemma2"
-    window = int(meta.get(a + "attention.sliding_window", 4096 if gemma2 else 0) or 0)
-    pattern = meta.get(a + "attention.sliding_window_pattern", 2 if gemma2 else 6)
-    if isinstance(pattern, list):  # one flag per layer: windowed or not
-        if len(pattern) != n_layers:
-            raise ModelLoadError(
-                f"{meta.path.name}: sliding_window_pattern has {len(pattern)} entries for "
-                f"{n_layers} layers"
-            )
-        windowed = [bool(f) for f in pattern]
-    else:
-        n = int(pattern)
-        windowed = [n == 0 or i % n < n - 1 for i in range(n_layers)]
-    # query_pre_attn_scalar is not in the file: llama.cpp's rule (head_dim; hidden / heads for
-    # the 27B models, 46 layers of Gemma 2, 62 of Gemma 3).
-    scale = (hidden // n_heads if n_layers == (46 if gemma2 else 62) else head_dim) ** -0.5
-    # (Gemma 2 rotates every layer with one base, unless the file gives its windowed ones another)
-    local_theta = meta.get(a + "rope.freq_base_swa", None if gemma2 else 10000.0)
-    return dict(
-        layer_windows=tuple(window if w and window else 0 for w in windowed),
-        rope_local_theta=None if local_theta is None else float(local_theta),
-        qk_norm=not gemma2,
-        hidden_act="gelu_tanh",
-        attention_scale=float(scale),
-        embedding_scale=float(hidden) ** 0.5,
-        attn_logit_softcapping=meta.get(a + "attn_logit_softcapping") or None,
-        final_logit_softcapping=meta.get(a + "final_logit_softcapping") or None,
-    )
-
-
-def _moe_fields(meta: _Meta) -> dict:
-    """Qwen3-MoE's experts, as llama.cpp reads them: the router's top-k weights always
-    renormalized (its qwen3moe graph fixes that), no expert weight scale."""
-    a = "qwen3moe."
-    scale = float(meta.get(a + "expert_weights_scale") or 0.0)
-    if scale not in (0.0, 1.0):
-        raise ModelLoadError(f"{meta.path.name}: expert weight scale {scale} is not supported")
-    used = int(meta.require(a + "expert_used_count"))
-    size = meta.get(a + "expert_feed_forward_length")
-    if size is None:  # (llama.cpp's fallback for files without it)
-        size = int(meta.require(a + "feed_forward_length")) // used
-    return dict(
-        qk_norm=True,
-        num_experts=int(meta.require(a + "expert_count")),
-        num_experts_per_tok=used,
-        moe_intermediate_size=int(size),
-        norm_topk_prob=True,
-    )
-
-
-def _config(meta: _Meta, tensors: dict[str, Any], name: str) -> ModelConfig:
-    path = meta.path
-    arch = meta.require("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path.name}: GGUF architecture {arch!r} is not supported; supported: "
-            f"{', '.join(GGUF_ARCHITECTURES)} (the 'llama' one covers Llama 1/2/3, Mistral, "
-            "SmolLM and other checkpoints llama.cpp converts to it)"
-        )
-    a = f"{arch}."
-    moe = arch in MOE_ARCHITECTURES
-    if not moe and (meta.get(a + "expert_count") or 0) > 0:
-        raise ModelLoadError(
-            f"{path.name}: mixture-of-experts {arch} models are not supported (qwen3moe is)"
-        )
-    hidden = int(meta.require(a + "embedding_length"))
-    n_heads = int(meta.require(a + "attention.head_count"))
-    n_kv = int(meta.get(a + "attention.head_count_kv", n_heads))
-    n_layers = int(meta.require(a + "block_count"))
-    head_dim = int(meta.get(a + "attention.key_length", hidden // n_heads))
-    if int(meta.get(a + "attention.value_length", head_dim)) != head_dim:
-        raise ModelLoadError(f"{path.name}: different key and value head sizes are not supported")
-    rot = int(meta.get(a + "rope.dimension_count") or head_dim)
-    if rot != head_dim and (arch in PERMUTED_ARCHITECTURES or rot > head_dim or rot % 2):
-        # (llama's converter permutes whole heads for GGML's pairs, which a part of a head
-        # does not rotate as Hugging Face's halves do: no such checkpoint is known)
-        raise ModelLoadError(
-            f"{path.name}: partial rotary embeddings ({rot} of {head_dim} dims) are not supported"
-            + (f" for the {arch} architecture" if arch in PERMUTED_ARCHITECTURES else "")
-        )
-    scaling = meta.get(a + "rope.scaling.type")
-    factor = float(meta.get(a + "rope.scaling.factor", 1.0))
-    linear_factor = 1.0
-    if scaling not in (None, "none") and factor != 1.0:
-        if not (arch == "gemma3" and scaling == "linear"):
-            raise ModelLoadError(f"{path.name}: RoPE scaling {scaling!r} is not supported")
-        linear_factor = factor
-    # Llama 3.x carries its rope scaling as per-frequency divisors (llama.cpp's freq_factors),
-    # LongRoPE (Phi-3.5, Phi-4-mini) two sets of them, for short and long contexts.
-    freq_factors = _factors(tensors, "rope_freqs.weight")
-    long_factors = _factors(tensors, "rope_factors_long.weight")
-    if long_factors is not None:
-        freq_factors = _factors(tensors, "rope_factors_short.weight")
-        if freq_factors is None:
-            raise ModelLoadError(f"{path.name}: rope_factors_long without rope_factors_short")
-    embd = tensors.get("token_embd.weight")
-    if embd is None:
-        raise ModelLoadError(f"{path.name}: no token_embd.weight tensor")
-    vocab = int(embd.shape[1])  # GGUF shapes are innermost-first: (hidden, vocab)
-    # The vocabulary is the tokenizer's token list; an embedding padded beyond it is fine (the
-    # head scores ids the tokenizer never produces), one shorter than it is a broken file.
-    n_tokens = meta.array_len("tokenizer.ggml.tokens")
-    if n_tokens is not None and n_tokens > vocab:
-        raise ModelLoadError(
-            f"{path.name}: {n_tokens} tokenizer tokens but token_embd has only {vocab} rows"
-        )
-    # q/k/v biases (Qwen2-style); any other bias is refused later by check_weight_names
-    qkv_bias = any(n.endswith((".attn_q.bias", ".attn_qkv.bias")) for n in tensors)
-    if arch in GEMMA_LAYER_ARCHITECTURES:
-        extra = _gemma_fields(meta, arch, hidden, n_heads, head_dim, n_layers)
-    elif moe:
-        extra = _moe_fields(meta)
-    else:
-        extra = {"qk_norm": arch == "qwen3"}
-        window = int(meta.get(a + "attention.sliding_window", 0) or 0)
-        if arch == "phi3" and window:
-            extra["layer_windows"] = (window,) * n_layers  # as transformers' Phi-3
-        if arch == "smollm3":
-            extra["nope_layers"] = tuple(
-                (i + 1) % _SMOLLM3_NOPE_EVERY == 0 for i in range(n_layers)
-            )
-    return ModelConfig(
-        name=name,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_layers=n_layers,
-        num_heads=n_heads,
-        num_kv_heads=n_kv,
-        head_dim=head_dim,
-        intermediate_size=int(
-            meta.get(a + "feed_forward_length", 0)
-            if moe
-            else meta.require(a + "feed_forward_length")
-        ),
-        max_position_embeddings=int(meta.require(a + "context_length")),
-        rope_theta=float(meta.get(a + "rope.freq_base", 10000.0)),
-        rope_freq_factors=freq_factors,
-        rope_long_factors=long_factors,
-        # (llama.cpp's default for a file without the key: the training context)
-        rope_original_context=int(
-            meta.get(a + "rope.scaling.original_context_length")
-            or meta.require(a + "context_length")
-        )
-        if long_factors is not None
-        else None,
-        rope_attention_factor=float(meta.get(a + "rope.scaling.attn_factor") or 1.0),
-        rotary_dim=rot if rot != head_dim else None,
-        rope_linear_factor=linear_factor,
-        rms_norm_eps=float(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_word_embeddings="output.weight" not in tensors,
-        attention_bias=qkv_bias,
-        dtype=torch.float32,
-        **extra,
-    )
-
-
-_ROPE_FACTOR_TENSORS = (
-    "rope_freqs.weight",
-    "rope_factors_long.weight",
-    "rope_factors_short.weight",
-)
-
-
-def _factors(tensors: dict[str, Any], name: str) -> tuple[float, ...] | None:
-    """A RoPE frequency-factor tensor's values, None if the file has none."""
-    t = tensors.get(name)
-    if t is None:
-        return None
-    return tuple(float(x) for x in dequantize(t.data, t.tensor_type).reshape(-1))
-
-
-def _hf_name(gguf_name: str, path: Path, arch: str = "llama") -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+def _hf_name(gguf_name: str, path: Path, arch: str, names: GGUFTensorMap) -> str:
+    if gguf_name in names.globals:
+        return names.globals[gguf_name]
     m = _BLOCK_RE.fullmatch(gguf_name)
     if m:
-        names = _ARCH_BLOCK_NAMES.get(arch, {})
-        hf = names.get(m.group(2)) or _BLOCK_NAMES.get(m.group(2))
+        hf = names.blocks.get(m.group(2))
         if hf is not None:
-            return f"model.layers.{m.group(1)}.{hf}.{m.group(3)}"
+            return f"model.layers.{m.group(1)}.{hf}{m.group(3) or ''}"
     raise ModelLoadError(f"{path.name}: tensor {gguf_name!r} has no place in a {arch} decoder")
-
-
-_PROJECTION_RE = re.compile(
-    r"model\.layers\.(\d+)\.(self_attn|mlp|mlp\.experts\.\d+)\.(\w+_proj)\.weight"
-)
-_FUSED = {
-    "q_proj": ("q_proj", "k_proj", "v_proj"),
-    "k_proj": ("q_proj", "k_proj", "v_proj"),
-    "v_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_proj": ("gate_proj", "up_proj"),
-    "up_proj": ("gate_proj", "up_proj"),
-}
 
 
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -402,10 +134,10 @@ class _ExpertSlice:
         self.data = t.data[expert]
 
 
-def _expert_slices(t: Any, path: Path, arch: str) -> dict[str, _ExpertSlice]:
+def _expert_slices(t: Any, path: Path, arch: str, stacked: bool) -> dict[str, _ExpertSlice]:
     """A stacked expert tensor under its experts' Hugging Face names."""
     m = _EXPERTS_RE.fullmatch(t.name)
-    if m is None or arch not in MOE_ARCHITECTURES:
+    if m is None or not stacked:
         raise ModelLoadError(f"{path.name}: tensor {t.name!r} has no place in a {arch} decoder")
     layer, proj = m.groups()
     if len(t.shape) != 3 or t.data.shape[0] != int(t.shape[2]):
@@ -425,7 +157,7 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
 
     `in_place`: the kernels will take the projections' own blocks (`blocks`), so a projection
     whose every fused part has them is not dequantized at all: its float tensor is a stride-0
-    stand-in (`models.llama` keeps it as such, no memory) that must not be read.
+    stand-in (`models.decoder` keeps it as such, no memory) that must not be read.
     """
 
     def __init__(
@@ -434,21 +166,19 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         reader: GGUFReader,
         config: ModelConfig,
         dtype: torch.dtype,
-        arch: str = "llama",
+        spec: ArchSpec,
         in_place: bool = False,
     ) -> None:
+        assert spec.gguf_tensors is not None and spec.gguf_architecture is not None
         self.dtype = dtype
+        self._map = names = spec.gguf_tensors
+        arch = spec.gguf_architecture
         heads = (
-            {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
-            if arch in PERMUTED_ARCHITECTURES
-            else {}
+            {"q_proj": config.num_heads, "k_proj": config.num_kv_heads} if names.permuted_qk else {}
         )
-        # Gemma's converter stores norm weights as w + 1; Hugging Face's (and the model's
-        # loader's) convention is w.
-        self._norm_shift = -1.0 if arch in GEMMA_LAYER_ARCHITECTURES else 0.0
         self._tensors: dict[str, Any] = {}
         for t in reader.tensors:
-            if t.name in _ROPE_FACTOR_TENSORS:
+            if t.name in ROPE_FACTOR_TENSORS:
                 continue  # already in the config (rope_freq_factors, rope_long_factors)
             if t.tensor_type not in SUPPORTED_TYPES:
                 raise ModelLoadError(
@@ -456,9 +186,9 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
                     f"supported (supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
                 )
             if "_exps." in t.name:
-                self._tensors.update(_expert_slices(t, path, arch))
+                self._tensors.update(_expert_slices(t, path, arch, names.stacked_experts))
             else:
-                self._tensors[_hf_name(t.name, path, arch)] = t
+                self._tensors[_hf_name(t.name, path, arch, names)] = t
         self._unread = self._in_place_names() if in_place else frozenset()
         # When the kernels take every q/k projection's blocks, they take them in the file's
         # order, as views of its pages (reordered, they would be anonymous copies: about a tenth
@@ -485,11 +215,11 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         # multiplied by them
         groups: list[list[str]] = [["lm_head.weight"], ["model.embed_tokens.weight"]]
         for name in self._tensors:
-            m = _PROJECTION_RE.fullmatch(name)
-            if m is None:
+            m = self._map.projections.fullmatch(name)
+            if m is None or self._map.transform(name) is not None:
                 continue
             layer, block, proj = m.groups()
-            members = _FUSED.get(proj, (proj,))
+            members = self._map.fused.get(proj, (proj,))
             if proj == members[0]:  # (a fused group's parts are in one block)
                 groups.append([f"model.layers.{layer}.{block}.{p}.weight" for p in members])
         for group in groups:
@@ -502,8 +232,9 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
             n, k = (int(d) for d in reversed(self._tensors[name].shape.tolist()))
             return torch.zeros((), dtype=self.dtype).expand(n, k)
         value = _dequantize(self._tensors[name], self.dtype)
-        if self._norm_shift and name.endswith("norm.weight"):
-            value = value + self._norm_shift
+        transform = self._map.transform(name)
+        if transform is not None:  # the converter's change of the values, undone
+            value = transform.from_file(value)
         proj = name.split(".")[-2]
         if proj in self._heads:
             value = _unpermute(value, self._heads[proj])
@@ -514,7 +245,7 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         IQ4_NL, IQ4_XS), byte for byte, row-permuted like `self[name]` (q/k rows un-permuted
         unless `rope_interleaved`) but never dequantized; None for other formats or names."""
         t = self._tensors.get(name)
-        if t is None:
+        if t is None or self._map.transform(name) is not None:
             return None
         n, k = (int(d) for d in reversed(t.shape.tolist()))
         qt = gguf_rows(t.data, int(t.tensor_type), n, k)
@@ -544,22 +275,22 @@ def load_gguf(
 ) -> LoadedModel:
     """Load a GGUF file of a supported architecture: weights, tokenizer, chat template, EOS ids.
 
-    `kernels`: how `LlamaForCausalLM.enable_kernels` packs the model, which then takes the
+    `kernels`: how `models.packing.pack_for_kernels` packs the model, which then takes the
     file's own quantized blocks as they are (None: the pure-torch float model)."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"no such GGUF file: {path}")
     t0 = time.perf_counter()
     reader = _open(path)
-    meta = _Meta(reader, path)
+    meta = GGUFMeta(reader, path)
     tensors = {t.name: t for t in reader.tensors}
-    config = replace(_config(meta, tensors, name or path.stem), dtype=dtype)
-    gguf_arch = meta.require("general.architecture")
-    cls = model_class(GGUF_ARCHITECTURES[gguf_arch], path.name)
+    spec = gguf_spec(meta.arch, path.name)
+    config = replace(_config(meta, tensors, name or path.stem, spec), dtype=dtype)
+    cls = spec.model_class
 
     # Checked before the tokenizer is converted: an unusable file fails fast.
     in_place = kernels is not None and kernels.quantization == "auto"
-    weights = GGUFWeights(path, reader, config, dtype, arch=gguf_arch, in_place=in_place)
+    weights = GGUFWeights(path, reader, config, dtype, spec, in_place=in_place)
     check_weight_names(weights, config, path.name, cls)
     config = replace(config, rope_interleaved=weights.rope_interleaved)
 
@@ -581,11 +312,11 @@ def load_gguf(
         raise ModelLoadError(f"{path.name}: {e}") from e
     model.eval().requires_grad_(False)
     if kernels is not None:
-        model.enable_kernels(kernels.quantization, weights.blocks, kernels.activations)
-        # Every stand-in for a weight left in the file must have been replaced by its blocks.
-        unread = [n for n, p in model.named_parameters() if p.dim() == 2 and p.stride() == (0, 0)]
-        if unread:
-            raise ModelLoadError(f"{path.name}: {unread[0]} was neither loaded nor packed")
+        # (every stand-in for a weight left in the file must be replaced by its blocks)
+        try:
+            model = pack_for_kernels(model, kernels, weights.blocks)
+        except ValueError as e:
+            raise ModelLoadError(f"{path.name}: {e}") from e
     _release_pages(reader)
     config.extra["load_seconds"] = round(time.perf_counter() - t0, 3)
     return LoadedModel(config.name, model, tok, config)
@@ -609,10 +340,10 @@ def load_gguf_file_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer `load_gguf` gives a GGUF file, without its weights (models.fetch: prepare
     it once after a download)."""
     path = Path(path)
-    return _tokenizer(path, _Meta(_open(path), path))
+    return _tokenizer(path, GGUFMeta(_open(path), path))
 
 
-def _tokenizer(path: Path, meta: _Meta) -> Tokenizer:
+def _tokenizer(path: Path, meta: GGUFMeta) -> Tokenizer:
     """The file's tokenizer, its end-of-generation ids set from the file's declared ones."""
     declared = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     spm = {

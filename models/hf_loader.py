@@ -1,22 +1,18 @@
 """Loading Hugging Face model directories into their `models.registry` class.
 
-Owns: turning a `config.json` (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, Phi-3, SmolLM, Gemma 3 text
-and the text half of a multimodal Gemma 3; both the transformers 4 `rope_theta`/`rope_scaling`
-and the transformers 5 `rope_parameters` spellings) into a `ModelConfig`, reading
-`*.safetensors` weights (sharded or not), the EOS ids from config.json, generation_config.json and
-the tokenizer, and checking tensor names against what the model class takes
+Owns: turning a `config.json` into a `ModelConfig` through its architecture's spec
+(`models.arch`; a multimodal checkpoint's language model from its `text_config`), reading
+`*.safetensors` weights (sharded or not), the EOS ids from config.json, generation_config.json
+and the tokenizer, and checking tensor names against what the model class takes
 (`check_weight_names`), which both loaders use to refuse tensors the decoder would silently drop.
 
-Refused by name: other model types, biases other than Qwen2's q/k/v, activations other than SiLU
-(tanh GELU for Gemma), RoPE scaling other than "llama3" (and "linear" for Gemma 3), partial
-rotary dimensions, attention logit soft-capping, quantized checkpoints, and directories without
-safetensors.
+Refused by name: model types no spec reads, quantized checkpoints, directories without
+safetensors, and what each spec's config reader refuses.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
@@ -25,10 +21,11 @@ from typing import Any
 
 import torch
 
+from models.arch import specs
 from models.base import CausalLM, LoadedModel, ModelLoadError
-from models.config import ModelConfig, RopeScaling
+from models.config import ModelConfig
 from models.hf_tokenizer import HFTokenizer, end_token_ids, load_hf_tokenizer
-from models.registry import model_class
+from models.registry import hf_spec
 
 # Tensors some checkpoints carry that hold nothing the decoder needs (recomputed RoPE tables).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -58,159 +55,15 @@ def _read_json(path: Path) -> dict:
         raise ModelLoadError(f"cannot read {path}: {e}") from e
 
 
-def _rope(
-    cfg: dict,
-    where: str,
-    head_dim: int,
-    params: dict | None = None,
-    default_theta: float = 10000.0,
-) -> dict[str, Any]:
-    """The `ModelConfig` RoPE fields of the config, or of `params` (one layer type's entry of a
-    per-layer-type `rope_parameters`): base, Llama 3 / linear / LongRoPE scaling, rotated dims."""
-    # transformers 5 writes rope_parameters {rope_theta, rope_type, ...}; 4.x rope_theta + rope_scaling.
-    if params is None:
-        params = cfg.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
-    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-    rot = int(head_dim * partial)  # as transformers rounds it
-    fields: dict[str, Any] = dict(rope_theta=theta, rotary_dim=rot if rot != head_dim else None)
-    scaling = cfg.get("rope_scaling") or params
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if kind == "default":
-        return fields
-    if kind == "linear" and cfg.get("model_type") == "gemma3_text":
-        return {**fields, "rope_linear_factor": float(scaling["factor"])}
-    try:
-        if kind == "llama3":
-            scaling = RopeScaling(
-                factor=float(scaling["factor"]),
-                low_freq_factor=float(scaling["low_freq_factor"]),
-                high_freq_factor=float(scaling["high_freq_factor"]),
-                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-            )
-            return {**fields, "rope_scaling": scaling}
-        if kind in ("longrope", "su"):  # ("su": its name in Phi-3's first configs)
-            return {**fields, **_longrope(cfg, scaling)}
-    except KeyError as e:
-        raise ModelLoadError(f"{where}: {kind} rope scaling lacks {e}") from e
-    raise ModelLoadError(
-        f"{where}: RoPE scaling {kind!r} is not supported (only 'llama3', 'longrope', and "
-        "'linear' for Gemma 3)"
-    )
-
-
-def _longrope(cfg: dict, scaling: dict) -> dict[str, Any]:
-    """LongRoPE's fields (Phi-3.5, Phi-3 128k, Phi-4-mini), as transformers computes them: the
-    attention factor from max / original context unless the config gives it."""
-    original = int(
-        scaling.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
-    )
-    factor = float(scaling.get("factor") or int(cfg["max_position_embeddings"]) / original)
-    attention = scaling.get("attention_factor")
-    if attention is None:
-        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
-    return dict(
-        rope_freq_factors=tuple(float(x) for x in scaling["short_factor"]),
-        rope_long_factors=tuple(float(x) for x in scaling["long_factor"]),
-        rope_original_context=original,
-        rope_attention_factor=float(attention),
-    )
-
-
-# The activation each family's config names for its gated MLP, as `ModelConfig.hidden_act`.
-_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-
-
-def _gemma_fields(cfg: dict, where: str, n_layers: int, head_dim: int, gemma2: bool) -> dict:
-    """Gemma 2's and 3's extras: windows per layer type (without `layer_types`, on all but every
-    sixth layer for Gemma 3, every other layer from the first for Gemma 2), Gemma 3's QK-norm and
-    local RoPE base (Gemma 2: one base), soft caps, attention and embedding scales."""
-    if cfg.get("use_bidirectional_attention"):
-        raise ModelLoadError(
-            f"{where}: bidirectional attention (embedding models) is not supported"
-        )
-    window = int(cfg.get("sliding_window") or 0)
-    types = cfg.get("layer_types")
-    if types is None:
-        pattern = 2 if gemma2 else 6
-        pattern = int(
-            cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", pattern))
-        )
-        types = [
-            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-            for i in range(n_layers)
-        ]
-    params = cfg.get("rope_parameters") or {}
-    if gemma2:
-        rope, local_theta = _rope(cfg, where, head_dim), None
-    elif "full_attention" in params:  # transformers 5: RoPE per layer type
-        rope = _rope(cfg, where, head_dim, params["full_attention"], 1_000_000.0)
-        local = _rope(cfg, where, head_dim, params["sliding_attention"])
-        if set(local) != {"rope_theta", "rotary_dim"}:
-            raise ModelLoadError(f"{where}: RoPE scaling of sliding layers is not supported")
-        local_theta = local["rope_theta"]
-    else:
-        rope = _rope(cfg, where, head_dim, None, 1_000_000.0)
-        local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
-    return dict(
-        layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
-        **rope,
-        rope_local_theta=local_theta,
-        qk_norm=not gemma2,
-        attention_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
-        embedding_scale=float(cfg["hidden_size"]) ** 0.5,
-        attn_logit_softcapping=cfg.get("attn_logit_softcapping") or None,
-        final_logit_softcapping=cfg.get("final_logit_softcapping") or None,
-    )
-
-
-def _windows(cfg: dict, model_type: str, n_layers: int) -> tuple[int, ...] | None:
-    """Per-layer sliding windows of the Llama-decoder families (None: none anywhere)."""
-    window = int(cfg.get("sliding_window") or 0)
-    if not window:
-        return None
-    if model_type == "phi3":  # transformers' Phi-3 windows every layer
-        return (window,) * n_layers
-    types = cfg.get("layer_types")
-    if (
-        model_type in ("qwen2", "qwen3", "qwen3_moe", "smollm3")
-        and cfg.get("use_sliding_window")
-        and types
-    ):
-        return tuple(window if t == "sliding_attention" else 0 for t in types)
-    return None
-
-
-def _nope_layers(cfg: dict, n_layers: int) -> tuple[bool, ...]:
-    """SmolLM3's layers without RoPE: its `no_rope_layers` flags (1: the layer rotates), else
-    one every `no_rope_layer_interval` layers (4), as transformers fills them in."""
-    flags = cfg.get("no_rope_layers")
-    if flags is None:
-        every = int(cfg.get("no_rope_layer_interval") or 4)
-        flags = [int((i + 1) % every != 0) for i in range(n_layers)]
-    return tuple(not f for f in flags)
-
-
-def _moe_fields(cfg: dict, where: str, n_layers: int) -> dict:
-    """Qwen3-MoE's experts; refused unless every layer's MLP is sparse (as in every published
-    Qwen3-MoE: decoder_sparse_step 1, no mlp_only_layers)."""
-    step = int(cfg.get("decoder_sparse_step") or 1)
-    dense = set(cfg.get("mlp_only_layers") or [])
-    if step != 1 or dense & set(range(n_layers)):
-        raise ModelLoadError(f"{where}: dense MLP layers among the sparse ones are not supported")
-    return dict(
-        # (transformers 5 writes num_local_experts; the published configs num_experts)
-        num_experts=int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]),
-        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-    )
-
-
 def text_config(cfg: dict) -> dict:
-    """The decoder's config: a multimodal Gemma 3's `text_config` (model_type gemma3_text)."""
-    if cfg.get("model_type") == "gemma3":
-        return {"model_type": "gemma3_text", **(cfg.get("text_config") or {})}
+    """The decoder's config: a multimodal checkpoint's `text_config` under the model type of
+    the spec that wraps it (Gemma 3 image-text: gemma3_text), else the config itself."""
+    for spec in specs():
+        if cfg.get("model_type") in spec.hf_wrapper_types:
+            # (the outer config's tie_word_embeddings holds where the text config has none)
+            outer = {k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}
+            text = cfg.get("text_config") or {}
+            return {**outer, "model_type": spec.hf_model_types[0], **text}
     return cfg
 
 
@@ -218,69 +71,18 @@ def config_from_hf(cfg: dict, name: str, where: str) -> ModelConfig:
     """A `ModelConfig` from a parsed config.json, or `ModelLoadError` naming what is unsupported."""
     outer = cfg
     cfg = text_config(cfg)
-    model_type = cfg.get("model_type")
-    model_class(model_type, where)  # refuse an unknown architecture before reading its fields
+    spec = hf_spec(cfg.get("model_type"), where)  # refused before its fields are read
     if outer.get("quantization_config"):
         method = outer["quantization_config"].get("quant_method", "?")
         raise ModelLoadError(f"{where}: quantized checkpoints ({method}) are not supported")
-    gemma = model_type in ("gemma2", "gemma3_text")
-    act = cfg.get(
-        "hidden_activation" if gemma else "hidden_act", "gelu_pytorch_tanh" if gemma else "silu"
-    )
-    if act not in _ACTIVATIONS or (act == "silu") == gemma:
-        raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported for {model_type}")
-    if cfg.get("mlp_bias"):
-        raise ModelLoadError(f"{where}: MLP biases are not supported")
-    # Llama's attention_bias puts a bias on o_proj too, which this decoder lacks; Qwen2 always
-    # has q/k/v biases and never an o_proj one.
-    if model_type != "qwen2" and cfg.get("attention_bias"):
-        raise ModelLoadError(f"{where}: attention biases (on q/k/v/o) are not supported")
+    assert spec.hf_config is not None
     try:
-        hidden = int(cfg["hidden_size"])
-        n_heads = int(cfg["num_attention_heads"])
-        n_kv = int(cfg.get("num_key_value_heads") or n_heads)
-        n_layers = int(cfg["num_hidden_layers"])
-        head_dim = int(cfg.get("head_dim") or hidden // n_heads)
-        max_pos = int(cfg.get("max_position_embeddings", 2048))
-        if gemma:
-            extra = _gemma_fields(cfg, where, n_layers, head_dim, model_type == "gemma2")
-        else:
-            extra = dict(
-                **_rope(cfg, where, head_dim),
-                qk_norm=model_type in ("qwen3", "qwen3_moe"),
-                layer_windows=_windows(cfg, model_type, n_layers),
-            )
-            if model_type == "smollm3":
-                extra["nope_layers"] = _nope_layers(cfg, n_layers)
-            if model_type == "qwen3_moe":
-                extra.update(_moe_fields(cfg, where, n_layers))
-            # Mistral's sliding window equals full attention for contexts no longer than the
-            # window, so cap the context there instead of computing something else beyond it.
-            window = cfg.get("sliding_window")
-            if window and model_type == "mistral":
-                max_pos = min(max_pos, int(window))
-        return ModelConfig(
-            name=name,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            num_layers=n_layers,
-            num_heads=n_heads,
-            num_kv_heads=n_kv,
-            head_dim=head_dim,
-            intermediate_size=int(cfg["intermediate_size"]),
-            max_position_embeddings=max_pos,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(
-                cfg.get("tie_word_embeddings", outer.get("tie_word_embeddings", gemma))
-            ),
-            attention_bias=model_type == "qwen2",
-            hidden_act=_ACTIVATIONS[act],
-            dtype=torch.float32,
-            **extra,
-        )
+        return ModelConfig(name=name, dtype=torch.float32, **spec.hf_config(cfg, where))
     except KeyError as e:
         raise ModelLoadError(f"{where}: config.json lacks {e}") from e
     except (TypeError, ValueError) as e:
+        if isinstance(e, ModelLoadError):
+            raise
         raise ModelLoadError(f"{where}: bad value in config.json: {e}") from e
 
 
@@ -392,7 +194,7 @@ def load_hf_directory(path: str | Path, dtype: torch.dtype = torch.float32) -> L
     arch = text_config(cfg)["model_type"]
     if cfg.get("model_type") != arch:  # a multimodal checkpoint: its language model's tensors
         weights = LanguageModelWeights(weights)
-    cls = model_class(arch, str(directory))
+    cls = hf_spec(arch, str(directory)).model_class
     check_weight_names(weights, config, str(directory), cls)
     model = cls.without_weights(config)
     try:

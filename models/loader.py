@@ -12,7 +12,6 @@ import contextlib
 import ctypes
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -20,9 +19,9 @@ from models.base import LoadedModel, ModelLoadError
 from models.gguf_loader import load_gguf
 from models.gguf_reader import is_gguf_file
 from models.hf_loader import load_hf_directory
-from models.llama import Linear, Rotary
+from models.packing import pack_for_kernels
 from models.quant import KernelOptions
-from models.tinygpt import build_tinygpt
+from models.registry import builtin
 
 SUPPORTED = (
     '"tinygpt", "smollm2-135m-instruct", "gemma-3-270m", a path to a GGUF file, or a Hugging '
@@ -48,7 +47,7 @@ def load_model(
 
     Where the cbserve CPU kernels run (`models.kernels`: x86-64 with AVX2, a C++ compiler at
     first use; `CBSERVE_KERNELS=0` turns them off), a float32 model computes through them:
-    projections as packed weights per `quantization` (see `LlamaForCausalLM.enable_kernels`:
+    projections as packed weights per `quantization` (see `models.packing.pack_for_kernels`:
     "auto" keeps a GGUF file's own 4/8-bit blocks, "none" float weights, "q8_0"/"q4_1"
     quantize), attention over the paged pool in place. Elsewhere the pure-torch path computes
     the same model (dequantized weights), slower.
@@ -103,16 +102,16 @@ def load_model(
 
     options = KernelOptions(quantization, activations) if use_kernels else None
     lm = _load(name_or_path, options)
-    model: Any = lm.model
-    if options is not None and not getattr(model, "kernels", True):
+    if options is not None and not lm.model.kernels:
         # (a GGUF file's loader already did, with its blocks)
-        model.enable_kernels(quantization, activations=activations)
+        model = pack_for_kernels(lm.model, options)
+        lm = LoadedModel(lm.name, model, lm.tokenizer, lm.config)
     if wants_bf16:
         lm = _to_bfloat16(lm, dtype)  # type: ignore[arg-type]
     original = lm.config.rope_original_context
     if lm.config.rope_long and max_model_len is not None and max_model_len <= (original or 0):
         lm = _short_rope(lm)
-    layouts = model.packed_kinds() if use_kernels else set()
+    layouts = lm.model.packed_kinds() if use_kernels else set()
     quantized = bool(layouts - {F32})
     if kv_cache_dtype == "auto":
         # int8 where the projections already multiply int8 activations: it halves the bytes
@@ -133,7 +132,7 @@ def load_model(
         )
     if kv != lm.config.kv_dtype:
         config = dataclasses.replace(lm.config, kv_cache_dtype=kv)
-        model.config = config
+        lm.model.reconfigure(config)
         lm = LoadedModel(lm.name, lm.model, lm.tokenizer, config)
     _return_freed_memory()
     return lm
@@ -142,27 +141,14 @@ def load_model(
 def _to_bfloat16(lm: LoadedModel, dtype: torch.dtype) -> LoadedModel:
     if dtype == (lm.config.matmul_dtype or lm.config.dtype):
         return lm
-    # The Llama family's layout: decoder layers of `models.llama.Linear`, and an `lm_head`.
-    model: Any = lm.model
-    for layer in model.layers:
-        for module in layer.modules():
-            if isinstance(module, Linear):
-                module.to(dtype)
-    # The head gets its own bfloat16 copy: with tied embeddings the float32 table stays for the
-    # lookup (which reads a few rows), while every step reads the whole head.
-    head = model.lm_head
-    head.weight = torch.nn.Parameter(head.weight.detach().to(dtype), requires_grad=False)
-    config = dataclasses.replace(lm.config, matmul_dtype=dtype)
-    model.config = config
-    return LoadedModel(lm.name, lm.model, lm.tokenizer, config)
+    lm.model.cast_matmuls(dtype)
+    return LoadedModel(lm.name, lm.model, lm.tokenizer, lm.model.config)
 
 
 def _short_rope(lm: LoadedModel) -> LoadedModel:
     """The LongRoPE model with its short factors, its context its original one."""
     config = dataclasses.replace(lm.config, max_position_embeddings=lm.config.rope_original_context)
-    model: Any = lm.model  # the Llama family's: its RoPE tables come from `rotary`
-    model.config = config
-    model.rotary = Rotary(config)
+    lm.model.reconfigure(config)
     return LoadedModel(lm.name, lm.model, lm.tokenizer, config)
 
 
@@ -177,9 +163,8 @@ def _load(name_or_path: str, kernels: KernelOptions | None) -> LoadedModel:
     """The model as its checkpoint holds it; a GGUF file's loader also packs its own blocks
     for the kernels when `kernels` is given."""
     key = str(name_or_path).strip()
-    if key.lower() == "tinygpt":
-        model, tok = build_tinygpt()
-        return LoadedModel("tinygpt", model, tok, model.config)
+    if (spec := builtin(key.lower())) is not None and spec.builtin is not None:
+        return spec.builtin()
     # Imported here, not with the package: `python -m models.fetch` runs that module as __main__,
     # and runpy warns when the package has already imported it under its own name.
     from models.fetch import find as find_fetchable

@@ -2,7 +2,7 @@
 
 Owns: the sparse MLP (`SparseMoeBlock`: a router scoring every expert, the top k per token, each
 expert a gated MLP of `moe_intermediate_size`), its decoder class and what differs in its tensor
-names and packing. Attention, norms, RoPE and the engine are the Llama decoder's (`models.llama`).
+names and packing. Attention, norms and RoPE are the Llama layer's (`models.llama`).
 
 Tokens are grouped by expert: each expert that has tokens in the step multiplies just their rows
 (the kernels' packed projections, each expert's blocks where they lie in the file), so a step
@@ -14,28 +14,21 @@ batch's size): a row's result does not depend on the batch it is in.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
 
 from models import ops
 from models.config import ModelConfig
-from models.llama import (
-    MLP,
-    DecoderLayer,
-    Linear,
-    LlamaForCausalLM,
-    PackedLinear,
-    gated_mlp_names,
-    load_gated_mlp,
-    pack_gated_mlp,
-)
+from models.decoder import MLP, DecoderForCausalLM, HFLoader, Linear, PackedLinear
+from models.llama import LlamaDecoderLayer
 from models.ops import Act, Kind
 from models.quant import F32, pack, quantize
+
+if TYPE_CHECKING:
+    from models.packing import Packer
 
 
 class FusedExperts(NamedTuple):
@@ -129,16 +122,43 @@ class SparseMoeBlock(nn.Module):
             start += n
         return out if residual is None else residual + out
 
+    # -- its checkpoint tensors, under Hugging Face's names below `prefix` ("model.layers.N.mlp.")
 
-class MoeDecoderLayer(DecoderLayer):
+    @staticmethod
+    def hf_weight_names(config: ModelConfig, prefix: str) -> set[str]:
+        names = {f"{prefix}gate.weight"}
+        for e in range(config.num_experts):
+            names |= MLP.hf_weight_names(config, f"{prefix}experts.{e}.")
+        return names
+
+    def load(self, loader: HFLoader, src: str, dst: str) -> None:
+        loader.put(f"{dst}gate.weight", loader.take(f"{src}gate.weight"))
+        for e, expert in enumerate(self.experts):
+            expert.load(loader, f"{src}experts.{e}.", f"{dst}experts.{e}.")
+
+    def pack(self, packer: Packer, src: str) -> None:
+        if not isinstance(self.gate, PackedLinear):
+            # the router in float32 panels whatever the scheme: its scores pick the experts
+            self.gate = PackedLinear(pack(quantize(self.gate.weight.float(), F32)), None)
+        # the file's rows in every format (no panels of Q4_0/Q8_0 experts): one op takes them all
+        for e, expert in enumerate(self.experts):
+            expert.pack(packer, f"{src}experts.{e}.", rows=True)
+        self.fuse()
+
+
+class MoeDecoderLayer(LlamaDecoderLayer):
     """The Llama layer with a sparse MLP."""
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__(config, layer)
         self.mlp = SparseMoeBlock(config)
 
+    @classmethod
+    def mlp_weight_names(cls, config: ModelConfig, prefix: str) -> set[str]:
+        return SparseMoeBlock.hf_weight_names(config, f"{prefix}mlp.")
 
-class MoeForCausalLM(LlamaForCausalLM):
+
+class MoeForCausalLM(DecoderForCausalLM):
     """Qwen3-MoE: Qwen3's attention (QK-norm) with a sparse MLP in every layer."""
 
     layer_class = MoeDecoderLayer
@@ -147,27 +167,3 @@ class MoeForCausalLM(LlamaForCausalLM):
         c = self.config
         idle = (c.num_experts - c.num_experts_per_tok) * 3 * c.hidden_size * c.moe_intermediate_size
         return self.num_parameters() - c.num_layers * idle
-
-    @classmethod
-    def mlp_weight_names(cls, config: ModelConfig, prefix: str) -> set[str]:
-        names = {f"{prefix}mlp.gate.weight"}
-        for e in range(config.num_experts):
-            names |= gated_mlp_names(f"{prefix}mlp.experts.{e}.")
-        return names
-
-    def load_mlp(self, layer: int, put: Callable, take: Callable, fused: Callable) -> None:
-        src, dst = f"model.layers.{layer}.mlp.", f"layers.{layer}.mlp."
-        put(f"{dst}gate.weight", take(f"{src}gate.weight"))
-        for e in range(self.config.num_experts):
-            load_gated_mlp(f"{src}experts.{e}.", f"{dst}experts.{e}.", put, take, fused)
-
-    def pack_mlp(self, layer: int, packed: Callable) -> None:
-        mlp: SparseMoeBlock = self.layers[layer].mlp
-        if not isinstance(mlp.gate, PackedLinear):
-            # the router in float32 panels whatever the scheme: its scores pick the experts
-            mlp.gate = PackedLinear(pack(quantize(mlp.gate.weight.float(), F32)), None)
-        # the file's rows in every format (no panels of Q4_0/Q8_0 experts): one op takes them all
-        rows = partial(packed, rows=True)
-        for e, expert in enumerate(mlp.experts):
-            pack_gated_mlp(expert, f"model.layers.{layer}.mlp.experts.{e}.", rows)
-        mlp.fuse()

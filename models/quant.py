@@ -65,7 +65,7 @@ ACTIVATIONS = ("auto", "int8", "float32")  # --activation-dtype choices
 @dataclass(frozen=True)
 class KernelOptions:
     """How a model runs through the kernels: its weights' format (`SCHEMES`, see
-    `LlamaForCausalLM.enable_kernels`) and its projections' activations (`ACTIVATIONS`): int8
+    `models.packing.pack_for_kernels`) and its projections' activations (`ACTIVATIONS`): int8
     (quantized per row and 32 inputs, or 256 for the K formats, multiplied with integer dot
     products: AVX512-VNNI, or AVX2's vpmaddubsw on GGUF rows, as llama.cpp does for its quantized
     formats) or float32. "auto" is int8 for every quantized projection, on AVX512-VNNI and on

@@ -1,41 +1,64 @@
-"""The architectures this project can run: a name -> the class that implements it.
-
-Names are Hugging Face `model_type`s (config.json); the GGUF loader maps llama.cpp's
-`general.architecture` onto them. Mistral, Qwen2/2.5, Qwen3 and Phi-3 are configurations of the
-Llama decoder (Qwen2's q/k/v biases, Qwen3's QK-norm and Phi-3's fused projections are
-`ModelConfig` options and tensor names), and so is SmolLM3 (its NoPE layers); Gemma 3 has its
-own layer, which Gemma 2 shares (no QK-norm; its soft-capped attention scores are a
-`ModelConfig` option); Qwen3-MoE its sparse MLP (`models.moe`). A new family is one module with
-a class that implements `models.base.CausalLM`, plus one line here.
+"""The architectures this project can run, looked up by name: a Hugging Face `model_type`
+(config.json) or a llama.cpp `general.architecture` (GGUF) -> its `models.arch` spec and model
+class. Nothing here names a family: the specs do (`models.arch.specs`).
 """
 
 from __future__ import annotations
 
+from models.arch import specs
+from models.arch.spec import ArchSpec
 from models.base import CausalLM, ModelLoadError
-from models.gemma3 import Gemma3ForCausalLM
-from models.llama import LlamaForCausalLM
-from models.moe import MoeForCausalLM
 
-ARCHITECTURES: dict[str, type[CausalLM]] = {
-    "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
-    "qwen3": LlamaForCausalLM,
-    "phi3": LlamaForCausalLM,
-    "smollm3": LlamaForCausalLM,
-    "gemma2": Gemma3ForCausalLM,  # Gemma 3's layer without QK-norm, scores soft-capped
-    "gemma3_text": Gemma3ForCausalLM,
-    "qwen3_moe": MoeForCausalLM,
-}
+
+def hf_architectures() -> dict[str, ArchSpec]:
+    """Hugging Face model_type -> spec, for every model type the specs read."""
+    return {t: s for s in specs() for t in s.hf_model_types}
+
+
+def gguf_architectures() -> list[ArchSpec]:
+    """The specs that read GGUF files."""
+    return [s for s in specs() if s.gguf_architecture is not None]
+
+
+def builtin(name: str) -> ArchSpec | None:
+    """The spec of a built-in model loaded by `name` alone (tinygpt), if `name` is one."""
+    return next((s for s in specs() if s.builtin is not None and s.name == name), None)
+
+
+def _described() -> str:
+    return ", ".join(s.describes for s in specs() if s.hf_model_types or s.gguf_architecture)
+
+
+def hf_spec(model_type: str | None, where: str) -> ArchSpec:
+    """The spec for a config.json's model_type; `ModelLoadError` naming the supported ones if
+    none."""
+    spec = hf_architectures().get(model_type)  # type: ignore[arg-type]
+    if spec is None:
+        wrappers = [t for s in specs() for t in s.hf_wrapper_types]
+        raise ModelLoadError(
+            f"{where}: model_type {model_type!r} is not supported; supported: "
+            f"{', '.join([*hf_architectures(), *wrappers])} ({_described()})"
+        )
+    return spec
+
+
+def gguf_spec(architecture: str, where: str) -> ArchSpec:
+    """The spec for a GGUF file's general.architecture; `ModelLoadError` naming the supported
+    ones if none."""
+    for spec in gguf_architectures():
+        if spec.gguf_architecture == architecture:
+            return spec
+    raise ModelLoadError(
+        f"{where}: GGUF architecture {architecture!r} is not supported; supported: "
+        f"{', '.join(s.gguf_architecture for s in gguf_architectures())} ({_described()})"
+    )
 
 
 def model_class(architecture: str, where: str) -> type[CausalLM]:
-    """The class for an architecture name; `ModelLoadError` naming the supported ones if none."""
-    cls = ARCHITECTURES.get(architecture)
-    if cls is None:
-        raise ModelLoadError(
-            f"{where}: model_type {architecture!r} is not supported; supported: "
-            f"{', '.join(ARCHITECTURES)}, gemma3 (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, "
-            "Gemma 2, Gemma 3, SmolLM2/3, Qwen3-MoE)"
-        )
-    return cls
+    """The class for a Hugging Face model_type; `ModelLoadError` naming the supported ones if
+    none."""
+    return hf_spec(architecture, where).model_class
+
+
+# model_type -> class
+ARCHITECTURES: dict[str, type[CausalLM]] = {t: s.model_class for t, s in hf_architectures().items()}

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from models import kernels, load_model
+from models.decoder import PackedLinear
 from models.fetch import model_path
-from models.llama import PackedLinear
 from models.quant import GGML, GGML_A8, PanelEmbedding, gguf_rows
 from tests.test_synth_model import our_logits
 from tools import synth_model

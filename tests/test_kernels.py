@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from models import kernels, ops
 from models.attention import AttentionMetadata, PrefillChunk, paged_attention
-from models.llama import apply_rotary
+from models.decoder import apply_rotary
 from models.quant import (
     F32,
     Q4_1,

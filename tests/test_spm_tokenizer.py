@@ -21,7 +21,8 @@ import pytest
 from gguf import GGUFWriter
 
 from models import IncrementalDetokenizer
-from models.gguf_loader import _Meta, _open, load_gguf_file_tokenizer
+from models.arch.readers import GGUFMeta
+from models.gguf_loader import _open, load_gguf_file_tokenizer
 from models.gguf_reader import GGUFHeaderReader, transformers_reads_fast
 from models.spm_tokenizer import (
     SPMTokenizer,
@@ -177,7 +178,7 @@ def test_the_loaders_reader_counts_the_tokenizer_arrays_and_parses_the_rest(synt
     assert set(fast.fields) == set(full.fields) - arrays
     for key, field in fast.fields.items():
         assert field.contents() == full.fields[key].contents(), key
-    assert _Meta(fast, path).array_len("tokenizer.ggml.tokens") == ours.vocab_size
+    assert GGUFMeta(fast, path).array_len("tokenizer.ggml.tokens") == ours.vocab_size
     assert fast.data_offset == full.data_offset
 
 

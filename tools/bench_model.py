@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling import argmax_rows
-from models import AttentionMetadata, LlamaForCausalLM, PrefillChunk
+from models import AttentionMetadata, CausalLM, PrefillChunk
 from tools.conditions import conditions
 from tools.model_args import add_model_args, load_from_args
 
@@ -39,7 +39,7 @@ class Pool:
     bytes: int
 
     @classmethod
-    def create(cls, model: LlamaForCausalLM, seqs: int, max_len: int) -> Pool:
+    def create(cls, model: CausalLM, seqs: int, max_len: int) -> Pool:
         c = model.config
         per_seq = math.ceil(max_len / BLOCK)
         shape = (seqs * per_seq, BLOCK, c.num_kv_heads, c.kv_layout.row_width)
@@ -57,7 +57,7 @@ class Pool:
         return seq * self.per_seq * BLOCK + torch.arange(start, start + n)
 
 
-def prefill(model: LlamaForCausalLM, pool: Pool, seq: int, ids: list[int]) -> int:
+def prefill(model: CausalLM, pool: Pool, seq: int, ids: list[int]) -> int:
     """Write one prompt's K/V into the pool; returns the greedy next token."""
     n = len(ids)
     meta = AttentionMetadata(
@@ -71,9 +71,7 @@ def prefill(model: LlamaForCausalLM, pool: Pool, seq: int, ids: list[int]) -> in
     return int(model.compute_logits(hidden[-1:]).argmax(-1))
 
 
-def decode_step(
-    model: LlamaForCausalLM, pool: Pool, tokens: list[int], lens: list[int]
-) -> list[int]:
+def decode_step(model: CausalLM, pool: Pool, tokens: list[int], lens: list[int]) -> list[int]:
     """One token for each sequence i (context lens[i] before it); returns the greedy next tokens."""
     b = len(tokens)
     pos = torch.tensor(lens)
@@ -126,13 +124,13 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def weight_bytes(model: LlamaForCausalLM) -> int:
+def weight_bytes(model: torch.nn.Module) -> int:
     """Parameters (tied counted once) plus packed projection weights (`models.quant`)."""
     packed = sum(m.packed.nbytes() for m in model.modules() if hasattr(m, "packed"))
     return packed + sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def bench_prefill(model: LlamaForCausalLM, prompt_len: int, reps: int = 3) -> float:
+def bench_prefill(model: CausalLM, prompt_len: int, reps: int = 3) -> float:
     """Seconds to prefill one prompt of prompt_len tokens (best of reps, after a warm-up)."""
     ids = torch.randint(0, model.config.vocab_size, (prompt_len,)).tolist()
     pool = Pool.create(model, 1, prompt_len)
@@ -140,9 +138,7 @@ def bench_prefill(model: LlamaForCausalLM, prompt_len: int, reps: int = 3) -> fl
     return min(_timed(lambda: prefill(model, pool, 0, ids)) for _ in range(reps))
 
 
-def bench_decode(
-    model: LlamaForCausalLM, batch: int, context: int, steps: int
-) -> tuple[list[float], Pool]:
+def bench_decode(model: CausalLM, batch: int, context: int, steps: int) -> tuple[list[float], Pool]:
     """Per-step seconds of `steps` decode steps of `batch` sequences that start at `context`."""
     pool = Pool.create(model, batch, context + steps + 1)
     tokens = []
@@ -161,7 +157,7 @@ def bench_decode(
     return times, pool
 
 
-def profile_decode(model: LlamaForCausalLM, batch: int, context: int, rows: int = 15) -> str:
+def profile_decode(model: CausalLM, batch: int, context: int, rows: int = 15) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     pool = Pool.create(model, batch, context + 8)
@@ -202,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     load_s = time.perf_counter() - t0
     model, params = lm.model, lm.num_parameters()
     # A token multiplies its active parameters: a mixture of experts' chosen experts only.
-    active = getattr(model, "num_active_parameters", lm.num_parameters)()
+    active = model.num_active_parameters()
     flops_per_token = 2 * active
     wbytes = weight_bytes(model)
     print(f"Conditions: {conditions(lm)}")

@@ -29,9 +29,9 @@ def cpu_name() -> str:
 def conditions(lm: LoadedModel) -> str:
     c = lm.config
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    formats = getattr(lm.model, "weight_formats", dict)()
+    formats = lm.model.weight_formats()
     weights = "+".join(sorted(formats)) or str(c.matmul_dtype or c.dtype)
-    engine = "cbserve kernels" if getattr(lm.model, "kernels", False) else "pure torch"
+    engine = "cbserve kernels" if lm.model.kernels else "pure torch"
     return (
         f"model {lm.name} ({lm.num_parameters():,} params, {c.dtype}, weights {weights}, "
         f"KV {str(c.kv_dtype).removeprefix('torch.')}, {engine}, "

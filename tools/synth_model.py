@@ -38,160 +38,35 @@ from typing import Any
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
-from gguf.constants import GGML_QUANT_SIZES, MODEL_ARCH, GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGMLQuantizationType
 from gguf.tensor_mapping import get_tensor_name_map
 
+from models.arch import specs
+from models.arch.spec import ArchSpec
+from models.arch.synth import head_dim as _head_dim
+from models.arch.synth import rope_params as _rope
+from models.arch.synth import rotary_dims as _rotary_dims
 from models.fetch import model_path
-from models.gguf_loader import GEMMA_LAYER_ARCHITECTURES, PERMUTED_ARCHITECTURES
 from models.gguf_quantize import FTYPES, mix_types, quantize
 
 Q = GGMLQuantizationType
-ARCHES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "smollm3", "gemma2", "gemma3")
-# Architectures whose converter permutes q/k rows for llama.cpp's RoPE pairs (as the loader
-# knows them).
-PERMUTED = PERMUTED_ARCHITECTURES
-_GGUF_ARCH = {
-    "llama": MODEL_ARCH.LLAMA,
-    "qwen2": MODEL_ARCH.QWEN2,
-    "qwen3": MODEL_ARCH.QWEN3,
-    "qwen3moe": MODEL_ARCH.QWEN3MOE,
-    "phi3": MODEL_ARCH.PHI3,
-    "smollm3": MODEL_ARCH.SMOLLM3,
-    "gemma2": MODEL_ARCH.GEMMA2,
-    "gemma3": MODEL_ARCH.GEMMA3,
+# The architectures this tool writes, by their GGUF name: the specs with a synth part.
+SPECS: dict[str, ArchSpec] = {
+    s.gguf_architecture: s for s in specs() if s.synth is not None and s.gguf_architecture
 }
+ARCHES = tuple(SPECS)
+# Architectures whose converter permutes q/k rows for llama.cpp's RoPE pairs.
+PERMUTED = tuple(a for a, s in SPECS.items() if s.gguf_tensors and s.gguf_tensors.permuted_qk)
+_GGUF_ARCH = {name: arch for arch, name in MODEL_ARCH_NAMES.items()}
 # Which fetchable model's GGUF lends its tokenizer, per architecture.
-TOKENIZER_FROM = {
-    "llama": "smollm2-135m-instruct",
-    "qwen2": "smollm2-135m-instruct",
-    "qwen3": "smollm2-135m-instruct",
-    "qwen3moe": "smollm2-135m-instruct",
-    "phi3": "smollm2-135m-instruct",
-    "smollm3": "smollm2-135m-instruct",
-    "gemma2": "gemma-3-270m",
-    "gemma3": "gemma-3-270m",
-}
-
-_PHI3_MINI = dict(
-    hidden_size=3072, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-    intermediate_size=8192, vocab_size=32064, rope_theta=10000.0, rms_norm_eps=1e-5,
-    tie_word_embeddings=False, max_position_embeddings=4096,
-    original_max_position_embeddings=4096, sliding_window=2047,
-)  # fmt: skip
-
-# Hugging Face config fields of the published checkpoints' text models.
+TOKENIZER_FROM = {a: s.synth.tokenizer_from for a, s in SPECS.items() if s.synth}
+# Hugging Face config fields of the published checkpoints' text models: name -> (arch, fields).
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "smollm2-360m": (
-        "llama",
-        dict(
-            hidden_size=960, num_hidden_layers=32, num_attention_heads=15,
-            num_key_value_heads=5, intermediate_size=2560, vocab_size=49152,
-            rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-            max_position_embeddings=8192,
-        ),
-    ),
-    "llama-3.2-1b": (
-        "llama",
-        dict(
-            hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
-            num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
-            rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-            max_position_embeddings=131072,
-            rope_scaling=dict(
-                rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                original_max_position_embeddings=8192,
-            ),
-        ),
-    ),
-    "qwen2.5-0.5b": (
-        "qwen2",
-        dict(
-            hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-            num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
-            rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-            max_position_embeddings=32768,
-        ),
-    ),
-    "qwen3-0.6b": (
-        "qwen3",
-        dict(
-            hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
-            num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
-            rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-            max_position_embeddings=40960,
-        ),
-    ),
-    "phi-3-mini": ("phi3", _PHI3_MINI),
-    # LongRoPE (128k context): the factors are made to fit the rotated dims (`_longrope_factors`)
-    "phi-3.5-mini": (
-        "phi3",
-        dict(
-            _PHI3_MINI, max_position_embeddings=131072, sliding_window=262144,
-            rope_scaling=dict(rope_type="longrope"),
-        ),
-    ),
-    "phi-4-mini": (
-        "phi3",
-        dict(
-            hidden_size=3072, num_hidden_layers=32, num_attention_heads=24,
-            num_key_value_heads=8, intermediate_size=8192, vocab_size=200064,
-            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-            max_position_embeddings=131072, original_max_position_embeddings=4096,
-            sliding_window=262144,
-            rope_scaling=dict(rope_type="longrope", partial_rotary_factor=0.75),
-        ),
-    ),
-    # its NoPE layers (every fourth) are the architecture's, as llama.cpp fixes them
-    "smollm3-3b": (
-        "smollm3",
-        dict(
-            hidden_size=2048, num_hidden_layers=36, num_attention_heads=16,
-            num_key_value_heads=4, intermediate_size=11008, vocab_size=128256,
-            rope_theta=5000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-            max_position_embeddings=65536,
-        ),
-    ),
-    "gemma-3-1b": (
-        "gemma3",
-        dict(
-            hidden_size=1152, num_hidden_layers=26, num_attention_heads=4,
-            num_key_value_heads=1, head_dim=256, intermediate_size=6912, vocab_size=262144,
-            rope_theta=1000000.0, rope_local_base_freq=10000.0, rms_norm_eps=1e-6,
-            sliding_window=512, max_position_embeddings=32768, query_pre_attn_scalar=256,
-            tie_word_embeddings=True,
-        ),
-    ),
-    "qwen3-30b-a3b": (
-        "qwen3moe",
-        dict(
-            hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
-            num_key_value_heads=4, head_dim=128, intermediate_size=6144,
-            moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-            norm_topk_prob=True, vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6,
-            tie_word_embeddings=False, max_position_embeddings=40960,
-        ),
-    ),
-    "gemma-2-2b": (
-        "gemma2",
-        dict(
-            hidden_size=2304, num_hidden_layers=26, num_attention_heads=8,
-            num_key_value_heads=4, head_dim=256, intermediate_size=9216, vocab_size=256000,
-            rope_theta=10000.0, rms_norm_eps=1e-6, sliding_window=4096,
-            max_position_embeddings=8192, query_pre_attn_scalar=256,
-            attn_logit_softcapping=50.0, final_logit_softcapping=30.0, tie_word_embeddings=True,
-        ),
-    ),
-    "gemma-3-270m": (
-        "gemma3",
-        dict(
-            hidden_size=640, num_hidden_layers=18, num_attention_heads=4,
-            num_key_value_heads=1, head_dim=256, intermediate_size=2048, vocab_size=262144,
-            rope_theta=1000000.0, rope_local_base_freq=10000.0, rms_norm_eps=1e-6,
-            sliding_window=512, max_position_embeddings=32768, query_pre_attn_scalar=256,
-            tie_word_embeddings=True,
-        ),
-    ),
-}  # fmt: skip
+    name: (a, dict(fields))
+    for a, s in SPECS.items()
+    if s.synth
+    for name, fields in s.synth.presets.items()
+}
 
 # HF config field -> the command line flag that overrides it.
 OVERRIDES = (
@@ -317,83 +192,16 @@ def _longrope_factors(config: Mapping[str, Any]) -> dict[str, list[float]]:
     }
 
 
-def _rotary_dims(config: Mapping[str, Any]) -> int:
-    """Rotated dims of a head, as llama.cpp's Phi-3 converter computes them."""
-    partial = float(_rope(config).get("partial_rotary_factor", 1.0))
-    return int(partial * int(config["hidden_size"])) // int(config["num_attention_heads"])
-
-
-def _head_dim(config: Mapping[str, Any]) -> int:
-    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-
-
-def _rope(config: Mapping[str, Any], layer_kind: str = "full_attention") -> dict[str, Any]:
-    """RoPE parameters from either config spelling: transformers 5's `rope_parameters` (per layer
-    kind for Gemma 3) or the older `rope_theta` / `rope_scaling` / `rope_local_base_freq`."""
-    params = dict(config.get("rope_parameters") or {})
-    params = dict(params.get(layer_kind, params))
-    if config.get("rope_scaling"):
-        params.update(config["rope_scaling"])
-    if config.get("rope_theta") is not None:
-        params["rope_theta"] = config["rope_theta"]
-    if layer_kind == "sliding_attention" and config.get("rope_local_base_freq") is not None:
-        params["rope_theta"] = config["rope_local_base_freq"]
-    params.setdefault("rope_theta", 10000.0)
-    return params
-
-
 def hf_shapes(arch: str, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """The Hugging Face checkpoint's tensor names and shapes for `arch` and `config`."""
-    d = int(config["hidden_size"])
-    hd = _head_dim(config)
-    nq = int(config["num_attention_heads"]) * hd
-    nkv = int(config["num_key_value_heads"]) * hd
-    ffn = int(config["intermediate_size"])
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (int(config["vocab_size"]), d),
-        "model.norm.weight": (d,),
-    }
-    if not config.get("tie_word_embeddings", False):
-        shapes["lm_head.weight"] = (int(config["vocab_size"]), d)
-    for i in range(int(config["num_hidden_layers"])):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (d,)
-        shapes[p + "post_attention_layernorm.weight"] = (d,)
-        if arch == "phi3":
-            shapes[p + "self_attn.qkv_proj.weight"] = (nq + 2 * nkv, d)
-        else:
-            shapes[p + "self_attn.q_proj.weight"] = (nq, d)
-            shapes[p + "self_attn.k_proj.weight"] = (nkv, d)
-            shapes[p + "self_attn.v_proj.weight"] = (nkv, d)
-        shapes[p + "self_attn.o_proj.weight"] = (d, nq)
-        if arch == "qwen3moe":  # a router; the experts stacked as transformers holds them
-            n_experts, eff = n_experts_of(config), int(config["moe_intermediate_size"])
-            shapes[p + "mlp.gate.weight"] = (n_experts, d)
-            shapes[p + "mlp.experts.gate_up_proj"] = (n_experts, 2 * eff, d)
-            shapes[p + "mlp.experts.down_proj"] = (n_experts, d, eff)
-        elif arch == "phi3":
-            shapes[p + "mlp.gate_up_proj.weight"] = (2 * ffn, d)
-            shapes[p + "mlp.down_proj.weight"] = (d, ffn)
-        else:
-            shapes[p + "mlp.gate_proj.weight"] = (ffn, d)
-            shapes[p + "mlp.up_proj.weight"] = (ffn, d)
-            shapes[p + "mlp.down_proj.weight"] = (d, ffn)
-        if arch == "qwen2":
-            shapes[p + "self_attn.q_proj.bias"] = (nq,)
-            shapes[p + "self_attn.k_proj.bias"] = (nkv,)
-            shapes[p + "self_attn.v_proj.bias"] = (nkv,)
-        if arch in ("qwen3", "qwen3moe", "gemma3"):
-            shapes[p + "self_attn.q_norm.weight"] = (hd,)
-            shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        if arch in GEMMA_LAYER_ARCHITECTURES:
-            shapes[p + "pre_feedforward_layernorm.weight"] = (d,)
-            shapes[p + "post_feedforward_layernorm.weight"] = (d,)
-    return shapes
+    return _synth(arch).hf_shapes(config)
 
 
-def n_experts_of(config: Mapping[str, Any]) -> int:
-    """A mixture of experts' expert count (transformers 5 names it num_local_experts)."""
-    return int(config.get("num_experts") or config["num_local_experts"])
+def _synth(arch: str):
+    spec = SPECS.get(arch)
+    if spec is None or spec.synth is None:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHES}")
+    return spec.synth
 
 
 class LazyStateDict(Mapping[str, np.ndarray]):
@@ -417,8 +225,9 @@ class LazyStateDict(Mapping[str, np.ndarray]):
 
 def random_state_dict(arch: str, config: Mapping[str, Any], seed: int = 0) -> LazyStateDict:
     """Random HF-named weights: normal(0, 0.02) matrices and biases, norms 1 + normal(0, 0.02)
-    (Gemma's checkpoints store norm - 1: normal(0, 0.02)). Each tensor's values depend on the
+    (norms around 0 where the family's checkpoints store norm - 1, as Gemma's). Each tensor's values depend on the
     seed and its name only."""
+    norm_mean = _synth(arch).norm_mean
 
     def maker(name: str, shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
         def make() -> np.ndarray:
@@ -429,8 +238,8 @@ def random_state_dict(arch: str, config: Mapping[str, Any], seed: int = 0) -> La
                 # outweigh the embedding as a real model's do (else greedy repeats the input).
                 std = max(INIT_STD, 0.9 / math.sqrt(shape[-1]))
             x = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
-            if name.endswith("norm.weight") and arch not in GEMMA_LAYER_ARCHITECTURES:
-                x += np.float32(1)
+            if name.endswith("norm.weight") and norm_mean:
+                x += np.float32(norm_mean)
             return x
 
         return make
@@ -465,64 +274,7 @@ def _metadata(arch: str, config: Mapping[str, Any], vocab: int) -> list[tuple[st
     ]
     if config.get("head_dim") is not None:
         keys += [("attention.key_length", hd), ("attention.value_length", hd)]
-    if arch in PERMUTED:
-        keys += [("vocab_size", vocab), ("rope.dimension_count", hd)]
-    if arch == "phi3":
-        orig = int(
-            config.get("original_max_position_embeddings", config["max_position_embeddings"])
-        )
-        keys += [
-            ("rope.scaling.original_context_length", orig),
-            ("rope.dimension_count", _rotary_dims(config)),
-            ("attention.sliding_window", int(config.get("sliding_window") or 0)),
-        ]
-        scale = int(config["max_position_embeddings"]) / orig
-        if _rope(config).get("rope_type") == "longrope":
-            factor = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
-            keys.append(("rope.scaling.attn_factor", factor))
-    if arch == "qwen3moe":
-        keys += [
-            ("expert_count", n_experts_of(config)),
-            ("expert_used_count", int(config["num_experts_per_tok"])),
-            ("expert_feed_forward_length", int(config["moe_intermediate_size"])),
-        ]
-    if arch == "gemma3":
-        keys += [
-            ("attention.sliding_window", int(config["sliding_window"])),
-            ("rope.freq_base_swa", float(_rope(config, "sliding_attention")["rope_theta"])),
-        ]
-    if arch == "gemma2":
-        keys += [
-            ("attention.sliding_window", int(config["sliding_window"])),
-            ("attn_logit_softcapping", float(config["attn_logit_softcapping"])),
-        ]
-    if arch in GEMMA_LAYER_ARCHITECTURES and config.get("final_logit_softcapping"):
-        keys.append(("final_logit_softcapping", float(config["final_logit_softcapping"])))
-    return keys
-
-
-def _rope_freqs(config: Mapping[str, Any]) -> np.ndarray | None:
-    """Llama 3's RoPE scaling as the per-frequency factors llama.cpp's converter writes."""
-    rs = _rope(config)
-    if str(rs.get("rope_type", rs.get("type", ""))).lower() != "llama3":
-        return None
-    dim = _head_dim(config)
-    base = float(rs["rope_theta"])
-    factor = float(rs.get("factor", 8.0))
-    low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
-    old = float(rs.get("original_max_position_embeddings", 8192))
-    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
-    out = []
-    for f in freqs:
-        wavelen = 2 * math.pi / float(f)
-        if wavelen < old / high:
-            out.append(1.0)
-        elif wavelen > old / low:
-            out.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.asarray(out, dtype=np.float32)
+    return keys + _synth(arch).metadata(config)
 
 
 def _gguf_tensors(
@@ -531,6 +283,8 @@ def _gguf_tensors(
     """GGUF name -> (shape, a function giving its float32 values in the file's layout)."""
     n_layers = int(config["num_hidden_layers"])
     names = get_tensor_name_map(_GGUF_ARCH[arch], n_layers)
+    tensor_map = SPECS[arch].gguf_tensors
+    assert tensor_map is not None
     n_head = int(config["num_attention_heads"])
     n_kv = int(config["num_key_value_heads"])
     out: dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]] = {}
@@ -547,22 +301,18 @@ def _gguf_tensors(
 
         def values(hf_name: str = hf_name) -> np.ndarray:
             x = _float32(state_dict[hf_name])
-            if arch in PERMUTED and hf_name.endswith("q_proj.weight"):
+            if tensor_map.permuted_qk and hf_name.endswith("q_proj.weight"):
                 x = _permute(x, n_head)
-            elif arch in PERMUTED and hf_name.endswith("k_proj.weight"):
+            elif tensor_map.permuted_qk and hf_name.endswith("k_proj.weight"):
                 x = _permute(x, n_kv)
-            if arch in GEMMA_LAYER_ARCHITECTURES and hf_name.endswith("norm.weight"):
-                x = x + np.float32(1)  # Gemma's RMSNorm multiplies by (1 + weight)
+            transform = tensor_map.transform(hf_name)
+            if transform is not None:  # e.g. Gemma's norms: weight + 1
+                x = transform.to_file(x)
             return np.ascontiguousarray(x)
 
         out[gguf_name] = (tuple(int(s) for s in shape), values)
-    if arch in PERMUTED and (freqs := _rope_freqs(config)) is not None:
-        out["rope_freqs.weight"] = (freqs.shape, lambda: freqs)
-    rope = _rope(config)
-    if arch == "phi3" and rope.get("rope_type") == "longrope":
-        for kind in ("long", "short"):
-            factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
-            out[f"rope_factors_{kind}.weight"] = (factors.shape, lambda f=factors: f)
+    for name, values in _synth(arch).tensors(config).items():  # (RoPE factor tables)
+        out[name] = (values.shape, lambda v=values: v)
     return out
 
 

@@ -1,16 +1,18 @@
 """TinyGPT: the reference configuration of the continuous-batching chapter's measurements (random
-weights, seed 0), the model its workload and figures were taken with.
+weights, seed 0), the model its workload and figures were taken with; built in, loaded by name.
 
 5,838,080 parameters: vocab 260 (bytes + BOS/EOS/PAD), 6 layers, d_model 256, 8 query heads,
 2 KV heads, head_dim 32, SwiGLU hidden 1024, RoPE theta 10000, RMSNorm eps 1e-5, untied head,
-context 2048, fp32. Its outputs are gibberish; it exists so that tests and benchmarks exercise
-the whole serving path in milliseconds.
+context 2048, fp32, the Llama decoder. Its outputs are gibberish; it exists so that tests and
+benchmarks exercise the whole serving path in milliseconds.
 """
 
 from __future__ import annotations
 
 import torch
 
+from models.arch.spec import ArchSpec
+from models.base import LoadedModel
 from models.config import ModelConfig
 from models.llama import LlamaForCausalLM
 from models.tokenizer import ByteTokenizer
@@ -42,3 +44,18 @@ def build_tinygpt() -> tuple[LlamaForCausalLM, ByteTokenizer]:
         model = LlamaForCausalLM(TINYGPT_CONFIG)
     model.eval().requires_grad_(False)
     return model, ByteTokenizer(TINYGPT_CONFIG.vocab_size)
+
+
+def load_tinygpt() -> LoadedModel:
+    model, tok = build_tinygpt()
+    return LoadedModel("tinygpt", model, tok, model.config)
+
+
+SPECS = (
+    ArchSpec(
+        name="tinygpt",
+        model_class=LlamaForCausalLM,
+        describes="the built-in reference model",
+        builtin=load_tinygpt,
+    ),
+)
