@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from server.tools import ToolPlan, call_schema
+from server.tools import ToolPlan, call_schema, tool_defs
 from tests.conftest import LiveServer, run_server
 
 WEATHER = {
@@ -322,6 +322,7 @@ def test_a_call_s_arguments_take_only_the_properties_its_schema_lists():
     params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     tool = {"type": "function", "function": {"name": "f", "parameters": params}}
     plan = ToolPlan((tool,), "named", "f", False, "hermes", True, None)
-    args = call_schema(plan, "f")["properties"]["arguments"]
+    ref = call_schema(plan, "f")["properties"]["arguments"]["$ref"]
+    args = tool_defs(plan, ["f"])[ref.removeprefix("#/$defs/")]
     assert args["additionalProperties"] is False and "additionalProperties" not in params
     assert args["properties"] == params["properties"] and args["required"] == ["city"]
