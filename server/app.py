@@ -27,6 +27,7 @@ from models import Tokenizer
 from server.client import EngineClient
 from server.embeddings import EmbeddingRequest, create_embeddings
 from server.errors import APIError, add_error_handlers, error_body
+from server.grammar_worker import CheckBudget
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.openapi import install_openapi
 from server.options import add_cors
@@ -38,7 +39,7 @@ from server.protocol import (
     TokenizeRequest,
 )
 from server.responses_api import ResponsesRequest, create_response
-from server.serving import OpenAIServing
+from server.serving import DEFAULT_RESPONSE_BUDGET, OpenAIServing
 from server.web import web_routes
 
 log = logging.getLogger("server.app")
@@ -76,6 +77,11 @@ class ServerSettings:
     # A streamed response whose client reads nothing for this long is aborted; None: never.
     stall_timeout: float | None = 60.0
     web_ui: bool = True  # the page at / (server.web); `--no-web-ui` turns it off
+    # Entries one response may carry (server.serving: logprobs over every choice, embedded
+    # input tokens); a request over it is a 400 before it runs.
+    response_budget: int = DEFAULT_RESPONSE_BUDGET
+    # What checking one new grammar may take, out of process (server.grammar_worker).
+    grammar_budget: CheckBudget = CheckBudget()
 
 
 def create_app(
@@ -99,6 +105,8 @@ def create_app(
         chat_template=settings.chat_template,
         tool_call_parser=settings.tool_call_parser,
         reasoning_parser=settings.reasoning_parser,
+        response_budget=settings.response_budget,
+        grammar_budget=settings.grammar_budget,
     )
 
     @asynccontextmanager
@@ -114,7 +122,10 @@ def create_app(
         try:
             yield
         finally:
-            await engine_client.stop(timeout=settings.shutdown_timeout)
+            try:
+                await engine_client.stop(timeout=settings.shutdown_timeout)
+            finally:
+                serving.close()
 
     app = FastAPI(title="cbserve", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
@@ -216,7 +227,7 @@ def _routes() -> APIRouter:
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest, serving: ServingDep) -> Response:
-        return JSONResponse(serving.tokenize(body))
+        return JSONResponse(await serving.tokenize(body))
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, serving: ServingDep) -> Response:
