@@ -191,7 +191,7 @@ def grammar_text(spec: StructuredSpec) -> str:
 
 # What a Rust panic or a backtrace looks like: never shown to a client.
 _INTERNALS = re.compile(
-    r"panicked at|stack backtrace|RUST_BACKTRACE|\.rs:\d+|^\s*\d+: 0x[0-9a-f]+", re.M
+    r"panic|backtrace|RUST_BACKTRACE|<unknown>|\.rs:\d+|^\s*\d+: 0x[0-9a-f]+", re.M | re.I
 )
 _DUMPS = re.compile(r"<(state|grammar)>.*?(</\1>|$)|<non-verbose/>", re.S)
 

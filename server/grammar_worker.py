@@ -12,9 +12,9 @@ first compiled, and its first masks computed, in a process of its own that may d
   are cached per spec (a digest of it); identical checks in flight share one job; a check whose
   client goes away is cancelled (its job killed). If the worker itself dies it is started again.
 - The worker builds the token trie once and forks a child per check (a zygote): the child sets
-  an address-space limit (`RLIMIT_AS`), runs the check in a thread whose stack is half what the
-  server's threads get (so what passes here has room to spare in the server), and writes its
-  verdict to a pipe. A child that dies (stack overflow, out of memory) or runs past its time is
+  an address-space limit (`RLIMIT_AS`) and a lower CPU priority (nice 10), runs the check in a
+  thread whose stack is half what the server's threads get (so what passes here has room to
+  spare in the server), and writes its verdict to a pipe. A child that dies (stack overflow, out of memory) or runs past its time is
   that spec's 400; the worker and the server go on, and there is nothing to rebuild.
 
 What passes is compiled again in the server (`engine.structured.GrammarCompiler`, within
@@ -376,6 +376,9 @@ def _child(tok: Any, spec: StructuredSpec, budget: CheckBudget, out_fd: int) -> 
         # A native abort's message ("memory allocation of N bytes failed") is no server log line.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
+        # Below the server in the CPU's favour: a check running its budget out must not take a
+        # core from the engine's step (other streams' token gaps).
+        os.nice(10)
         limit = _vm_size() + budget.memory_mib * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         cpu = int(budget.seconds) + 2  # a backstop to the parent's wall-clock kill

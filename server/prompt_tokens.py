@@ -58,16 +58,29 @@ class PromptTokenizer:
 
     def check_size(self, text: str, param: str) -> None:
         """400 (context_length_exceeded) for a text that cannot fit the context."""
-        size = len(text.encode("utf-8", "surrogatepass"))
+        # Characters never outnumber UTF-8 bytes: most oversized texts need no encoding.
+        size, unit = len(text), "characters"
+        if size <= self.max_bytes:
+            size, unit = len(text.encode("utf-8", "surrogatepass")), "bytes"
         if size > self.max_bytes:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {self.max_model_len} tokens; the "
-                f"{param} has {size} bytes of text, more than {self.max_model_len} tokens can "
-                "hold. Please reduce the prompt.",
-                param=param,
-                code="context_length_exceeded",
-            )
+            raise self._too_big(param, size, unit)
+
+    def check_parts(self, parts: list[str], param: str) -> None:
+        """`check_size` for a text made of `parts` and more (a chat's messages before the
+        template renders them): refused when the parts alone are too long."""
+        size = sum(len(p) for p in parts)
+        if size > self.max_bytes:
+            raise self._too_big(param, size, "characters")
+
+    def _too_big(self, param: str, size: int, unit: str) -> APIError:
+        return APIError(
+            400,
+            f"This model's maximum context length is {self.max_model_len} tokens; {param} "
+            f"holds {size} {unit} of text, more than {self.max_model_len} tokens can hold. "
+            "Please reduce the prompt.",
+            param=param,
+            code="context_length_exceeded",
+        )
 
     def encode_now(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids, blocking (call it off the loop: `run`)."""

@@ -180,6 +180,8 @@ class OpenAIServing:
         arrival = time.monotonic()
         model = self._check_model(req.model)
         plan = plan_tools(req, self.tool_call_parser, self.chat_template.source)
+        # The messages alone may be more than the context holds: no template, no tokenizer.
+        self.prompts.check_parts([m.text() for m in req.messages], "messages")
         for tool_params in parameter_specs(req):  # whatever tool_choice says
             await self._check_grammar(tool_params, http, code="invalid_tools")
         text, ids = await self.prompts.run(self._chat_prompt, req, plan)
