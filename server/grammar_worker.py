@@ -101,8 +101,8 @@ def _frames(buf: bytearray) -> list[Any]:
 
 
 class GrammarWorker:
-    """Verdicts on specs from a worker process (see the module docstring). Thread-safe;
-    `check` is awaited on an event loop, `check_sync` blocks (a worker thread)."""
+    """Verdicts on specs from a worker process (see the module docstring). Thread-safe; `check`
+    is awaited on an event loop."""
 
     def __init__(
         self,
@@ -146,11 +146,6 @@ class GrammarWorker:
                 proc.kill()
                 proc.wait()
 
-    def known(self, spec: StructuredSpec) -> bool:
-        """A spec that passed a check (kept in the verdict cache)."""
-        with self._lock:
-            return self._verdicts.get(_digest(spec), "") is None
-
     async def check(self, spec: StructuredSpec) -> str | None:
         """The spec's llguidance grammar text when it passes (None when it passed before: the
         caller converts it again), or `InvalidRequestError` naming the spec's field. Cancelling
@@ -164,13 +159,6 @@ class GrammarWorker:
             self._leave(job)
             raise
         return _result(spec, result)
-
-    def check_sync(self, spec: StructuredSpec, timeout: float | None = None) -> str | None:
-        """`check`, blocking."""
-        job = self._submit(spec)
-        if isinstance(job, str | type(None)):
-            return _verdict(spec, job)
-        return _result(spec, job.future.result(timeout))
 
     # -- internals
 

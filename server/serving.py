@@ -156,7 +156,9 @@ class OpenAIServing:
         if (top_n := prompt_logprobs_wanted(req)) is not None:  # server.echo
             params = [replace(p, prompt_logprobs=top_n) for p in params]
         self._check_lengths(prompts, req.n, params[0].max_tokens)
-        self._check_budget(prompts, params, echo=req.echo)
+        # echo's logprobs and vLLM's prompt_logprobs are two renderings of one computation
+        shown = (req.prompt_logprobs is not None) + (req.echo and req.logprobs is not None)
+        self._check_budget(prompts, params, prompt_renderings=shown)
         gen, requests = await self._generation(
             gen_id, http, arrival, model, prompts, texts, req, params, req.logprobs, req.echo
         )
@@ -273,28 +275,29 @@ class OpenAIServing:
             raise APIError(400, str(e), param=e.param, code=code) from e
 
     def _check_budget(
-        self, prompts: list[list[int]], params: Sequence[SamplingParams], echo: bool = False
+        self,
+        prompts: list[list[int]],
+        params: Sequence[SamplingParams],
+        prompt_renderings: int = 1,
     ) -> None:
         """400 (response_too_large) for a request whose logprobs could exceed the response
-        budget: every choice's prompt logprobs (vLLM's prompt_logprobs, and echo's), and its
+        budget: every choice's prompt logprobs (shown `prompt_renderings` times), and its
         generated tokens' logprobs up to max_tokens, each with its top alternatives."""
-        entries = 0
+        prompt = generated = 0
         for ids in prompts:
             for p in params:
                 if p.prompt_logprobs is not None:
-                    # echo + logprobs and prompt_logprobs are two renderings of one computation
-                    shown = (p.prompt_logprobs + 1) * (2 if echo and p.logprobs is not None else 1)
-                    entries += shown * len(ids)
+                    prompt += (p.prompt_logprobs + 1) * len(ids) * prompt_renderings
                 if p.logprobs is not None:
-                    entries += (p.logprobs + 1) * p.max_tokens
-        if entries > self.response_budget:
+                    generated += (p.logprobs + 1) * p.max_tokens
+        if prompt + generated > self.response_budget:
             raise APIError(
                 400,
-                f"this request asks for up to {entries} logprob entries (prompt tokens and "
-                f"max_tokens, each with its top alternatives, over every choice), more than the "
-                f"server's response budget of {self.response_budget}; ask for fewer choices, "
-                "alternatives or tokens",
-                param="n" if len(params) > 1 else "logprobs",
+                f"this request asks for up to {prompt + generated} logprob entries (prompt "
+                "tokens and max_tokens, each with its top alternatives, over every choice), more "
+                f"than the server's response budget of {self.response_budget}; ask for fewer "
+                "choices, alternatives or tokens",
+                param="prompt_logprobs" if prompt > generated else "logprobs",
                 code="response_too_large",
             )
 
@@ -459,6 +462,8 @@ class OpenAIServing:
                 self._observe(gen, c, out)
                 if c.update(out):  # a stop string: end it in the engine now
                     self.client.abort(c.request_id)
+                if c.finished and self.metrics is not None:
+                    self.metrics.finished.labels(c.finish_reason).inc()
                 if out.error is not None:  # its grammar could not go on: no normal end
                     gen.status = "grammar_error"
                     raise APIError(
@@ -467,8 +472,6 @@ class OpenAIServing:
                         param=gen.grammar_param,
                         code=_grammar_code(gen.grammar_param),
                     )
-                if c.finished and self.metrics is not None:
-                    self.metrics.finished.labels(c.finish_reason).inc()
                 yield c, c.take_delta(), out.logprobs or [], len(out.token_ids)
         except EngineDeadError:
             gen.status = "engine_error"
