@@ -55,6 +55,39 @@ def parser_limits() -> Any:
 
 # -- JSON Schema ------------------------------------------------------------------------------------
 
+# JSON nesting (objects and arrays) one schema may have. llguidance reads a schema with a nesting
+# limit of 128 and the server wraps a tool's parameters a few levels deep; walking deeper
+# schemas here would also run out of Python's recursion.
+MAX_SCHEMA_DEPTH = 100
+
+
+def json_depth(value: Any) -> int:
+    """How deeply `value` nests objects and arrays (a scalar: 0), without recursion."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def check_schema_depth(schema: Any, param: str) -> None:
+    """`InvalidRequestError` for a schema nested deeper than `MAX_SCHEMA_DEPTH`."""
+    if json_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise InvalidRequestError(
+            f"the JSON schema nests too deeply (more than {MAX_SCHEMA_DEPTH} levels of objects "
+            "and arrays)",
+            param,
+        )
+
+
 # Keywords whose value is a subschema or a list of them (items is either, by draft), or a map of
 # names to subschemas.
 _SUBSCHEMA = (
@@ -142,10 +175,9 @@ class StructuredSpec:
                 raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}", param) from e
         if not isinstance(schema, dict | bool):
             raise InvalidRequestError("a JSON schema must be an object", param)
+        check_schema_depth(schema, param)
         try:
             text = json.dumps(closed_objects(schema), allow_nan=False)
-        except RecursionError as e:  # far deeper than a grammar compiles (llguidance stops at 128)
-            raise InvalidRequestError("the JSON schema nests too deeply", param) from e
         except ValueError as e:  # NaN or infinity: not JSON
             raise InvalidRequestError(
                 "the JSON schema holds a number JSON cannot carry", param

@@ -6,11 +6,15 @@ Two halves, split by where they run:
   `StructuredSpec` (a JSON schema, "any JSON object", a regex, a list of choices, a Lark/GBNF
   grammar) into a compiled grammar with llguidance, caches it by spec, and hands out one fresh
   `GrammarConstraint` (an `llguidance.LLMatcher`, copied from the cached one) per choice. A bad
-  spec raises `InvalidRequestError` there, before anything reaches the engine.
+  spec raises `InvalidRequestError` there, before anything reaches the engine. The spec's text
+  and the parser limits are `engine.grammar`'s; an untrusted spec is checked out of process
+  before it gets here (`server.grammar_worker`).
 - On the step path (the sampler and the engine): a `Request` carries its constraint; each step
   `apply_constraints` asks every constrained row for its allowed-token bitmask and sets the rest
   of that row's logits to -inf (other rows are not touched), and `EngineBase._append_token` feeds
-  the sampled token back (`accept`), ending the request when the grammar is complete.
+  the sampled token back (`accept`), ending the request when the grammar is complete, or with
+  the constraint's `error` when its mask reached a dead end or one of the parser limits (each
+  mask's work is bounded by them, so a hostile grammar cannot stall the step).
 
 Why llguidance (not xgrammar): one 3 MB abi3 wheel with no dependencies, where xgrammar pulls in
 triton and apache-tvm-ffi; it builds its token trie from our own tokenizers (a `tokenizers`

@@ -16,6 +16,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict
 def _valid_unicode(value: str) -> str:
     """JSON may carry a lone surrogate escape ("\\ud800"): valid JSON, but not text. It cannot be
     encoded to UTF-8, so it would fail in the tokenizer, the log, or the error body echoing it."""
+    if value.isascii():  # the common case, and a 4 MB prompt's check in a tenth of the time
+        return value
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -52,6 +54,8 @@ def _valid_json(value: Any) -> Any:
 
 
 def _check_text(text: str, where: str, what: str) -> None:
+    if text.isascii():
+        return
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:

@@ -60,7 +60,7 @@ class PromptTokenizer:
         """400 (context_length_exceeded) for a text that cannot fit the context."""
         # Characters never outnumber UTF-8 bytes: most oversized texts need no encoding.
         size, unit = len(text), "characters"
-        if size <= self.max_bytes:
+        if size <= self.max_bytes and not text.isascii():
             size, unit = len(text.encode("utf-8", "surrogatepass")), "bytes"
         if size > self.max_bytes:
             raise self._too_big(param, size, unit)

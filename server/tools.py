@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine.errors import InvalidRequestError
-from engine.grammar import StructuredSpec, closed_objects, rebase_refs
+from engine.grammar import StructuredSpec, check_schema_depth, closed_objects, rebase_refs
 from server.errors import APIError
 
 ToolFormat = Literal["hermes", "llama3", "mistral"]
@@ -152,6 +152,10 @@ def _check_parameters(params: dict[str, Any] | None, param: str) -> dict[str, An
             param=param,
             code="invalid_tools",
         )
+    try:
+        check_schema_depth(params, param)
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), param=param, code="invalid_tools") from e
     return params
 
 

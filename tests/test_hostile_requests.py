@@ -128,6 +128,26 @@ def test_a_tool_whose_parameters_overflow_the_compiler_is_a_400_under_every_tool
     still_serves(live)
 
 
+def deeply_nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"x": schema}, "required": ["x"]}
+    return schema
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "none"])
+def test_a_schema_nested_too_deeply_to_walk_is_a_400_as_a_tool_and_as_a_format(live, tool_choice):
+    # 400 levels of objects: 800 of JSON, within what the body parser takes.
+    params = deeply_nested(400)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    r = post(live, CHAT, {"messages": ASK, "tools": tools, "tool_choice": tool_choice})
+    assert r.status_code == 400, r.text
+    assert error_of(r)["param"] == "tools[0].function.parameters"
+    assert "nests too deeply" in error_of(r)["message"]
+    r = post(live, CHAT, {"messages": ASK, "guided_json": params})
+    assert r.status_code == 400 and "nests too deeply" in error_of(r)["message"]
+
+
 def test_a_grammar_whose_compile_runs_away_is_a_400_at_its_budget_and_its_check_is_gone(live):
     r = post(live, CHAT, {"messages": ASK, "max_tokens": 4, "guided_json": RUNAWAY})
     assert r.status_code == 400, r.text
