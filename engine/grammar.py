@@ -239,17 +239,20 @@ def client_message(text: str, limit: int = 300) -> str:
     return text or "rejected"
 
 
-def constraint_error(matcher: Any) -> str:
-    """An `llguidance.LLMatcher`'s error state in a client's words: the grammar matches nothing
-    from here (a dead end: every way on was ruled out), or it needs more than the server's limits
-    allow, or what llguidance says."""
+def constraint_error(matcher: Any, what: str = "grammar") -> str:
+    """An `llguidance.LLMatcher`'s error state in a client's words (`what`: "grammar", "JSON
+    schema", ...): it matches nothing from here (a dead end: every way on was ruled out), or it
+    needs more than the server's limits allow, or what llguidance says."""
     reason = matcher.stop_reason()
     text = matcher.get_error()
     if reason in ("NoExtension", "NoExtensionBias") or "NoExtension" in text:
-        return "the grammar allows no further output here (no text can complete it)"
+        return f"the {what} allows no further output here (no text can complete it)"
     if reason in ("LexerTooComplex", "ParserTooComplex") or _LIMIT_HIT.search(text):
-        return "the grammar is too complex to match within the server's limits"
-    return f"the grammar failed: {client_message(text)}"
+        return (
+            f"the {what} needs more work per token than the server's parser limits allow (a "
+            "rule or $ref that only ever expands into itself does this)"
+        )
+    return f"the {what} failed: {client_message(text)}"
 
 
 _LIMIT_HIT = re.compile(r"too many|fuel|too complex|TooComplex|limit", re.I)

@@ -330,7 +330,7 @@ def check_spec(tok: Any, spec: StructuredSpec) -> tuple[str, str]:
                 continue
         # The mask or the token put the matcher in its error state.
         if not _dead_end(m):  # a limit hit, or llguidance failing otherwise
-            return "invalid", f"the {spec.what} is too complex: {constraint_error(m)}"
+            return "invalid", constraint_error(m, spec.what)
         if first_mask_failed:
             return "invalid", f"invalid {spec.what}: no text can match it"
         break  # a dead end down this one path; the model may take others

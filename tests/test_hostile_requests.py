@@ -208,6 +208,23 @@ def test_a_grammar_no_text_can_match_is_a_400(live):
     assert "no text can match it" in error_of(r)["message"]
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("guided_grammar", 'start: "b" start'),  # "b", then it can only expand into itself
+        (
+            "guided_json",  # every object must hold another: no finite instance
+            {"type": "object", "properties": {"c": {"$ref": "#"}}, "required": ["c"]},
+        ),
+    ],
+)
+def test_a_grammar_that_only_expands_into_itself_is_a_400_not_a_runaway(live, field, value):
+    r = post(live, CHAT, {"messages": ASK, "max_tokens": 8, field: value})
+    assert r.status_code == 400, r.text
+    assert "only ever expands into itself" in error_of(r)["message"]
+    still_serves(live)
+
+
 DEAD_END = 'start: "x" b\nb: b "y"'  # "x" is allowed, then nothing can complete it
 
 
