@@ -319,21 +319,17 @@ def check_spec(tok: Any, spec: StructuredSpec) -> tuple[str, str]:
     eos = set(tok.eos_tokens)
     for step in range(WALK_STEPS):
         mask = m.compute_bitmask()
-        first_mask_failed = step == 0 and m.is_error()
-        if not m.is_error():
-            if m.is_stopped():
-                break  # complete: only the end may follow
-            token = _pick(mask, eos, step)
-            if token is None or m.consume_token(token):
-                if token is None:
-                    break  # only the end may follow
-                continue
-        # The mask or the token put the matcher in its error state.
-        if not _dead_end(m):  # a limit hit, or llguidance failing otherwise
+        if m.is_error():  # from the mask itself
+            if not _dead_end(m):  # a limit hit, or llguidance failing otherwise
+                return "invalid", constraint_error(m, spec.what)
+            if step == 0:
+                return "invalid", f"invalid {spec.what}: no text can match it"
+            break  # a dead end down this one path; the model may take others
+        token = None if m.is_stopped() else _pick(mask, eos, step)
+        if token is None:
+            break  # complete: only the end may follow
+        if not m.consume_token(token) and not _dead_end(m):
             return "invalid", constraint_error(m, spec.what)
-        if first_mask_failed:
-            return "invalid", f"invalid {spec.what}: no text can match it"
-        break  # a dead end down this one path; the model may take others
     return "ok", grammar
 
 
