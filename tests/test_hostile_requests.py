@@ -1,6 +1,7 @@
-"""Requests that used to crash or exhaust the server, against a real one (TinyGPT on loopback):
-each is a clear OpenAI-shaped 4xx (or an error event once a stream has begun), never a dead
-process, a 5xx, a cut connection or runaway memory, and the server serves the next request.
+"""Requests that would crash or exhaust a server without its limits, against a real one (TinyGPT
+on loopback): each is a clear OpenAI-shaped 4xx (or an error event once a stream has begun),
+never a dead process, a 5xx, a cut connection or runaway memory, and the server serves the next
+request.
 
 - Grammars: a $ref chain through thousands of definitions (a stack overflow in llguidance's
   native code), the same chain as a tool's parameters, a Lark grammar of chained rules, an allOf

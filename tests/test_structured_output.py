@@ -478,7 +478,7 @@ def test_a_grammar_that_reaches_a_dead_end_ends_its_request_with_an_error_not_st
     tiny_lm, compiler
 ):
     """'x' is allowed first, then nothing can complete the grammar: the engine ends the request
-    with finish_reason "error" and the reason, where it once ended it as a normal stop."""
+    with finish_reason "error" and the reason, not as a normal stop."""
     dead_end = compiler.constraint(StructuredSpec("grammar", 'start: "x" b\nb: b "y"'))
     fine = compiler.constraint(StructuredSpec("regex", "ab"))
     requests = [
