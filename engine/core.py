@@ -152,10 +152,18 @@ class EngineBase:
         p = state.params
         grammar_done = False
         if state.constraint is not None:
-            # Advance the grammar; once it is complete (or, never with the mask applied, rejects
-            # the token) the request ends here, without waiting for the model to pick EOS.
-            grammar_done = not state.constraint.accept(token) or state.constraint.is_finished
-        if grammar_done or (token in state.stop_ids and state.num_output_tokens >= p.min_tokens):
+            # Advance the grammar; once it is complete the request ends here, without waiting
+            # for the model to pick EOS. A grammar that cannot go on (its mask found a dead end
+            # or hit a limit; or, never with the mask applied, it rejects the token) ends the
+            # request with its error: that is no normal end.
+            accepted = state.constraint.accept(token)
+            state.error = state.constraint.error
+            if state.error is None and not accepted:
+                state.error = "the grammar rejected the sampled token"
+            grammar_done = state.constraint.is_finished
+        if state.error is not None:
+            state.status = RequestStatus.FINISHED_ERROR
+        elif grammar_done or (token in state.stop_ids and state.num_output_tokens >= p.min_tokens):
             state.status = RequestStatus.FINISHED_STOPPED
         elif state.num_output_tokens >= p.max_tokens or state.num_tokens >= self.max_model_len:
             state.status = RequestStatus.FINISHED_LENGTH

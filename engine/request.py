@@ -150,6 +150,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    # The request's grammar could not go on (a dead end, a limit hit): `RequestState.error`.
+    FINISHED_ERROR = 6
 
     @property
     def finished(self) -> bool:
@@ -161,6 +163,7 @@ FINISH_REASONS: dict[RequestStatus, str] = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -193,6 +196,8 @@ class StepOutput:
     # the first). The pooled, L2-normalised embedding of an embedding request's prompt.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     embedding: list[float] | None = None
+    # With finish_reason "error": what went wrong, in the client's terms (its grammar's state).
+    error: str | None = None
 
 
 class RequestState:
@@ -215,6 +220,7 @@ class RequestState:
         "paused",
         "constraint",
         "prompt_out",
+        "error",
     )
 
     def __init__(self, request: Request, eos_token_ids: tuple[int, ...]) -> None:
@@ -244,6 +250,7 @@ class RequestState:
         # The reader is behind (backpressure): not scheduled until resumed.
         self.paused = False
         self.constraint = request.constraint
+        self.error: str | None = None  # why it ended with FINISHED_ERROR
         # Prompt logprobs / embedding being computed (engine.prompt_outputs), or None.
         self.prompt_out = None
         if self.params.prompt_logprobs is not None or request.pooling is not None:
@@ -295,6 +302,7 @@ class RequestState:
             first_scheduled_time=self.first_scheduled_time,
             prompt_logprobs=prompt_logprobs,
             embedding=embedding,
+            error=self.error,
         )
 
     def __repr__(self) -> str:

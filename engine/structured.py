@@ -6,11 +6,15 @@ Two halves, split by where they run:
   `StructuredSpec` (a JSON schema, "any JSON object", a regex, a list of choices, a Lark/GBNF
   grammar) into a compiled grammar with llguidance, caches it by spec, and hands out one fresh
   `GrammarConstraint` (an `llguidance.LLMatcher`, copied from the cached one) per choice. A bad
-  spec raises `InvalidRequestError` there, before anything reaches the engine.
+  spec raises `InvalidRequestError` there, before anything reaches the engine. The spec's text
+  and the parser limits are `engine.grammar`'s; an untrusted spec is checked out of process
+  before it gets here (`server.grammar_worker`).
 - On the step path (the sampler and the engine): a `Request` carries its constraint; each step
   `apply_constraints` asks every constrained row for its allowed-token bitmask and sets the rest
   of that row's logits to -inf (other rows are not touched), and `EngineBase._append_token` feeds
-  the sampled token back (`accept`), ending the request when the grammar is complete.
+  the sampled token back (`accept`), ending the request when the grammar is complete, or with
+  the constraint's `error` when its mask reached a dead end or one of the parser limits (each
+  mask's work is bounded by them, so a hostile grammar cannot stall the step).
 
 Why llguidance (not xgrammar): one 3 MB abi3 wheel with no dependencies, where xgrammar pulls in
 triton and apache-tvm-ffi; it builds its token trie from our own tokenizers (a `tokenizers`
@@ -24,97 +28,28 @@ llama.cpp's server use it as a backend too.
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.grammar import (  # noqa: F401 (StructuredSpec, closed_objects: this module's names too)
+    StructuredSpec,
+    Vocabulary,
+    client_message,
+    closed_objects,
+    constraint_error,
+    grammar_text,
+    parser_limits,
+    vocabulary,
+)
 
 if TYPE_CHECKING:
     from engine.request import RequestState
     from models.tokenizer import Tokenizer
-
-SpecKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
-
-# JSON as models write it (json.dumps' separators, no free whitespace): a small model given
-# "any whitespace" tends to emit newlines forever instead of closing the object.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-# Keywords whose value is a subschema or a list of them (items is either, by draft), or a map of
-# names to subschemas.
-_SUBSCHEMA = (
-    "additionalProperties", "items", "additionalItems", "unevaluatedItems", "contains",
-    "propertyNames", "not", "if", "then", "else", "anyOf", "oneOf", "allOf", "prefixItems",
-)  # fmt: skip
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-# An object schema with one of these says itself what other properties may hold (or takes part in
-# an intersection that does): it is left as it is.
-_OPEN_BY_OTHER_MEANS = (
-    "additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref",
-)  # fmt: skip
-
-
-def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
-    """A copy of `schema` in which every object schema that lists its properties and says nothing
-    of others allows no others (`"additionalProperties": false`), as llama.cpp's and vLLM's
-    (xgrammar's strict mode) grammars read such a schema. JSON Schema itself would allow any
-    other property, and a small model given that room writes made-up keys, repeats them, and runs
-    out of tokens before it closes the object. A schema that wants other properties says so
-    (`"additionalProperties": true` or a schema); members of an allOf are left open (closing one
-    would forbid the properties another lists)."""
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
-        elif key in _SUBSCHEMA and isinstance(value, list):
-            out[key] = [closed_objects(sub, in_all_of=key == "allOf") for sub in value]
-        elif key in _SUBSCHEMA:
-            out[key] = closed_objects(value)  # a non-schema value comes back as it is
-        else:
-            out[key] = value
-    props = schema.get("properties")
-    if (
-        not in_all_of
-        and isinstance(props, dict)
-        and props
-        and not any(key in schema for key in _OPEN_BY_OTHER_MEANS)
-    ):
-        out["additionalProperties"] = False
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class StructuredSpec:
-    """What a request's output must match. `value`: the schema (JSON text, in the client's key
-    order: properties are generated in that order), the
-    regex, the choices (a JSON list), or the grammar text; unused for json_object."""
-
-    kind: SpecKind
-    value: str = ""
-    param: str = "response_format"  # the request field named in a 400
-
-    @classmethod
-    def json_schema(cls, schema: Any, param: str = "response_format") -> StructuredSpec:
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as e:
-                raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}", param) from e
-        if not isinstance(schema, dict | bool):
-            raise InvalidRequestError("a JSON schema must be an object", param)
-        try:
-            text = json.dumps(closed_objects(schema))
-        except RecursionError as e:  # far deeper than a grammar compiles (llguidance stops at 128)
-            raise InvalidRequestError("the JSON schema nests too deeply", param) from e
-        return cls("json_schema", text, param)
 
 
 class TokenConstraint(Protocol):
@@ -131,6 +66,12 @@ class TokenConstraint(Protocol):
     @property
     def is_finished(self) -> bool:
         """The grammar is complete: nothing but end-of-sequence may follow."""
+        ...
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar cannot go on (a dead end, a limit hit), for the client; None while
+        it can. A request whose constraint has an error ends with it, not with `stop`."""
         ...
 
 
@@ -202,81 +143,34 @@ class GrammarConstraint:
         return self.matcher.is_stopped()
 
     @property
-    def error(self) -> str:
-        return self.matcher.get_error()
+    def error(self) -> str | None:
+        if not self.matcher.is_error():
+            return None
+        return constraint_error(self.matcher)
 
 
 def _ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> Any:
-    """llguidance's view of one of our tokenizers."""
-    import llguidance
-
-    eos = list(tokenizer.eos_token_ids)
-    hf = getattr(tokenizer, "hf", None)
-    if hf is not None:  # models.hf_tokenizer.HFTokenizer: a fast transformers tokenizer
-        import llguidance.hf
-
-        return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
-    if tokenizer.token_bytes(0) is None:
-        # a vocabulary without bytes of its own: llguidance reads the Rust tokenizer itself
-        # (models.saved_tokenizer.SavedTokenizer), a second copy of it in memory
-        serialized = getattr(tokenizer, "serialized", None)
-        if serialized is None:
-            raise InvalidRequestError(
-                "structured output needs a tokenizer whose tokens have known bytes",
-                "response_format",
-            )
-        return llguidance.LLTokenizer(serialized(), n_vocab=vocab_size, eos_token=eos)
-    # Tokens with bytes of their own (byte-level BPE, TinyGPT's bytes, SentencePiece pieces):
-    # llguidance keeps only these and its trie, and calls back to encode. Ids without bytes are
-    # special, which llguidance spells as a 0xFF byte before the token's name.
-    tokens: list[bytes] = []
-    specials: list[int] = []
-    names: set[bytes] = set()
-    for i in range(vocab_size):
-        piece = tokenizer.token_bytes(i)
-        if not piece:
-            specials.append(i)
-            piece = _special_name(tokenizer, i, names)
-        tokens.append(piece)
-
-    class _Vocab:
-        eos_token_id = eos[0]
-        bos_token_id = tokenizer.bos_token_id
-        special_token_ids = specials
-
-        def __init__(self) -> None:
-            self.tokens = tokens
-
-        def __call__(self, text: str | bytes) -> list[int]:
-            if isinstance(text, bytes):
-                text = text.decode("utf-8", errors="replace")
-            return tokenizer.encode(text, add_special_tokens=False)
-
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab()), eos_token=eos)
-
-
-def _special_name(tokenizer: Tokenizer, token_id: int, taken: set[bytes]) -> bytes:
-    """A special token as llguidance names it: 0xFF and its text (so a Lark grammar can name
-    `<|im_end|>`), or `<special_N>` for one without text of its own or whose text is taken."""
-    try:
-        text = tokenizer.decode([token_id], skip_special_tokens=False).encode()
-    except (IndexError, OverflowError, TypeError, ValueError):
-        text = b""
-    if not text or text in taken:
-        text = b"<special_%d>" % token_id
-    taken.add(text)
-    return b"\xff" + text
+    """llguidance's view of one of our tokenizers (its forced tokens split as the model's own
+    tokenizer splits text)."""
+    return vocabulary(tokenizer, vocab_size).ll_tokenizer(
+        lambda text: tokenizer.encode(text, add_special_tokens=False)
+    )
 
 
 class GrammarCompiler:
     """Compiles specs for one tokenizer and caches the result (a template matcher per spec, an
     LRU of `cache_size`). Thread-safe; meant to run in a worker thread, not on the event loop or
     the engine's step thread (the tokenizer's trie takes 1-4 s to build, once: `prepare` starts
-    that at server startup; a new schema about a millisecond; a cached one microseconds)."""
+    that at server startup; a new schema about a millisecond; a cached one microseconds).
 
-    def __init__(self, tokenizer: Tokenizer, cache_size: int = 256) -> None:
+    Every grammar is compiled and matched within `engine.grammar.PARSER_LIMITS`. A cached
+    template shares its lazily built lexer states with the constraints copied from it (each is at
+    most `max_lexer_states`), which is why the cache is small."""
+
+    def __init__(self, tokenizer: Tokenizer, cache_size: int = 64) -> None:
         self.tokenizer = tokenizer
         self.cache_size = cache_size
+        self._vocab: Vocabulary | None = None
         self._ll_tok: Any = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()  # the cache and counters
@@ -307,15 +201,30 @@ class GrammarCompiler:
             _ = self.ll_tokenizer
 
     @property
+    def vocabulary(self) -> Vocabulary:
+        """The tokenizer as plain data (what a grammar check worker builds its trie from)."""
+        with self._build_lock:
+            if self._vocab is None:
+                self._vocab = vocabulary(self.tokenizer, self.tokenizer.vocab_size)
+            return self._vocab
+
+    @property
     def ll_tokenizer(self) -> Any:
         with self._build_lock:
             if self._ll_tok is None:
                 self._ll_tok = _ll_tokenizer(self.tokenizer, self.tokenizer.vocab_size)
             return self._ll_tok
 
-    def constraint(self, spec: StructuredSpec) -> GrammarConstraint:
-        """A fresh constraint for one choice. `InvalidRequestError` (param: the request field)
-        for a schema, regex or grammar llguidance rejects."""
+    def cached(self, spec: StructuredSpec) -> bool:
+        """`spec` is compiled already (a constraint for it costs a copy)."""
+        with self._lock:
+            return (spec.kind, spec.value) in self._cache
+
+    def constraint(self, spec: StructuredSpec, grammar: str | None = None) -> GrammarConstraint:
+        """A fresh constraint for one choice. `grammar`: the spec's llguidance grammar when it
+        is already known (a check worker converted it), else converted here.
+        `InvalidRequestError` (param: the request field) for a schema, regex or grammar
+        llguidance rejects, or that exceeds the parser's limits."""
         key = (spec.kind, spec.value)
         with self._lock:
             template = self._cache.get(key)
@@ -323,7 +232,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 self.hits += 1
         if template is None:
-            template = self._compile(spec)
+            template = self._compile(spec, grammar)
             with self._lock:
                 self.misses += 1
                 self._cache[key] = template
@@ -331,33 +240,16 @@ class GrammarCompiler:
                     self._cache.popitem(last=False)
         return GrammarConstraint(template.deep_copy(), self.ll_tokenizer.vocab_size)
 
-    def _compile(self, spec: StructuredSpec) -> Any:
+    def _compile(self, spec: StructuredSpec, grammar: str | None) -> Any:
         import llguidance
 
-        M = llguidance.LLMatcher
-        try:
-            if spec.kind == "json_schema":
-                grammar = M.grammar_from_json_schema(spec.value, overrides=JSON_OPTIONS)
-            elif spec.kind == "json_object":
-                grammar = M.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
-            elif spec.kind == "regex":
-                grammar = M.grammar_from_regex(spec.value)
-            elif spec.kind == "choice":
-                choices = json.loads(spec.value)
-                grammar = M.grammar_from_lark(
-                    "start: " + " | ".join(json.dumps(c) for c in choices)
-                )
-            else:
-                grammar = llguidance.grammar_from("grammar", spec.value)  # Lark or GBNF
-        except ValueError as e:
-            raise InvalidRequestError(
-                f"invalid {spec.kind.replace('_', ' ')}: {e}", spec.param
-            ) from e
-        matcher = M(self.ll_tokenizer, grammar, log_level=0)
+        if grammar is None:
+            grammar = grammar_text(spec)
+        matcher = llguidance.LLMatcher(
+            self.ll_tokenizer, grammar, log_level=0, limits=parser_limits()
+        )
         if matcher.is_error():
-            # llguidance's message spans lines (with a caret under the fault): keep it, capped.
-            message = " ".join(matcher.get_error().split())[:500] or "rejected"
             raise InvalidRequestError(
-                f"invalid {spec.kind.replace('_', ' ')}: {message}", spec.param
+                f"invalid {spec.what}: {client_message(matcher.get_error())}", spec.param
             )
         return matcher

@@ -10,14 +10,17 @@ elsewhere.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,6 +30,7 @@ from models import Tokenizer
 from server.client import EngineClient
 from server.embeddings import EmbeddingRequest, create_embeddings
 from server.errors import APIError, add_error_handlers, error_body
+from server.grammar_worker import CheckBudget
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.openapi import install_openapi
 from server.options import add_cors
@@ -38,7 +42,7 @@ from server.protocol import (
     TokenizeRequest,
 )
 from server.responses_api import ResponsesRequest, create_response
-from server.serving import OpenAIServing
+from server.serving import DEFAULT_RESPONSE_BUDGET, OpenAIServing
 from server.web import web_routes
 
 log = logging.getLogger("server.app")
@@ -76,6 +80,11 @@ class ServerSettings:
     # A streamed response whose client reads nothing for this long is aborted; None: never.
     stall_timeout: float | None = 60.0
     web_ui: bool = True  # the page at / (server.web); `--no-web-ui` turns it off
+    # Entries one response may carry (server.serving: logprobs over every choice, embedded
+    # input tokens); a request over it is a 400 before it runs.
+    response_budget: int = DEFAULT_RESPONSE_BUDGET
+    # What checking one new grammar may take, out of process (server.grammar_worker).
+    grammar_budget: CheckBudget = CheckBudget()
 
 
 def create_app(
@@ -99,6 +108,8 @@ def create_app(
         chat_template=settings.chat_template,
         tool_call_parser=settings.tool_call_parser,
         reasoning_parser=settings.reasoning_parser,
+        response_budget=settings.response_budget,
+        grammar_budget=settings.grammar_budget,
     )
 
     @asynccontextmanager
@@ -114,7 +125,10 @@ def create_app(
         try:
             yield
         finally:
-            await engine_client.stop(timeout=settings.shutdown_timeout)
+            try:
+                await engine_client.stop(timeout=settings.shutdown_timeout)
+            finally:
+                serving.close()
 
     app = FastAPI(title="cbserve", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
@@ -159,8 +173,44 @@ MetricsDep = Annotated[ServerMetrics, Depends(get_metrics)]
 ServingDep = Annotated[OpenAIServing, Depends(get_serving)]
 
 
+# A JSON body at least this large is parsed in its turn (`_PacedRequest`).
+LARGE_BODY = 256 * 1024
+
+
+class _PacedRequest(Request):
+    """A request whose large JSON body waits its turn to be parsed. Parsing holds the event loop
+    (and the GIL: no thread would help) for ~10 ms a megabyte; eight clients sending 4 MB
+    bodies would queue eight parses ahead of a /health probe. One at a time, everything else
+    the loop has to do runs between two of them."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            if len(body) >= LARGE_BODY:
+                state = self.scope["app"].state
+                if getattr(state, "parse_turn", None) is None:
+                    state.parse_turn = asyncio.Lock()  # made in the app's own loop
+                async with state.parse_turn:
+                    self._json = json.loads(body)
+            else:
+                self._json = json.loads(body)
+        return self._json
+
+
+class _Route(APIRoute):
+    """Routes whose bodies are parsed by `_PacedRequest` (FastAPI's custom request hook)."""
+
+    def get_route_handler(self) -> Any:
+        handler = super().get_route_handler()
+
+        async def paced(request: Request) -> Response:
+            return await handler(_PacedRequest(request.scope, request.receive))
+
+        return paced
+
+
 def _routes() -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=_Route)
 
     @router.get("/health")
     async def health(client: EngineDep) -> Response:
@@ -216,7 +266,7 @@ def _routes() -> APIRouter:
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest, serving: ServingDep) -> Response:
-        return JSONResponse(serving.tokenize(body))
+        return JSONResponse(await serving.tokenize(body))
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, serving: ServingDep) -> Response:

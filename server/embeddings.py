@@ -95,14 +95,19 @@ async def create_embeddings(
     serving: OpenAIServing, req: EmbeddingRequest, http: HTTPRequest
 ) -> Response:
     model = serving._check_model(req.model)
-    tokenizer, limit = serving.tokenizer, serving.card.max_model_len
-    prompts: list[list[int]] = []
-    for i, item in enumerate(req.inputs):
+    limit = serving.card.max_model_len
+    for item in req.inputs:  # cheap checks of every input before any is tokenized
         if isinstance(item, str):
-            ids = tokenizer.encode(item, add_special_tokens=True)
+            serving.prompts.check_size(item, "input")
         else:
             check_token_ids(item, serving.vocab_size, "input")
-            ids = list(item)
+    prompts: list[list[int]] = await serving.prompts.run(
+        lambda: [
+            serving.prompts.encode_now(item, True) if isinstance(item, str) else list(item)
+            for item in req.inputs
+        ]
+    )
+    for i, ids in enumerate(prompts):
         if not ids:
             raise APIError(400, f"input[{i}] is empty (it encodes to no tokens)", param="input")
         if len(ids) > limit:
@@ -113,7 +118,15 @@ async def create_embeddings(
                 param="input",
                 code="context_length_exceeded",
             )
-        prompts.append(ids)
+    total = sum(len(ids) for ids in prompts)
+    if total > serving.response_budget:
+        raise APIError(
+            400,
+            f"the inputs have {total} tokens in all, more than the server's budget of "
+            f"{serving.response_budget} for one request; send fewer or shorter inputs",
+            param="input",
+            code="response_too_large",
+        )
     pooling = Pooling(serving.card.embedding_pooling)
     gen_id = f"embd-{uuid.uuid4().hex}"
     arrival = time.monotonic()

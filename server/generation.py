@@ -133,6 +133,7 @@ class Generation:
     include_usage: bool = False
     echo: bool = False
     logprobs: int | None = None  # top-N, None when not requested
+    grammar_param: str | None = None  # the field whose grammar constrains the choices, if any
     by_request: dict[str, Choice] = field(init=False)
     stream: OutputStream | None = None
     status: str = "ok"

@@ -53,13 +53,18 @@ UNSTATED_RULE_CODES = {
     # could say that, but as alternatives that multiply with the rules in `_cross_field_rules`
     # past what schemathesis' generator can handle).
     "invalid_structured_output": "a grammar, regex or JSON schema (response_format, "
-    "structured_outputs, guided_*) that does not parse or compile, or more than one of them",
+    "structured_outputs, guided_*) that does not parse or compile, that exceeds the server's "
+    "limits on compiling and matching a grammar, or that no text can complete (a dead end "
+    "reached mid-generation fails the request the same way), or more than one of them",
     # Tool calling (server.tools): rules between fields and inside a tool's JSON Schema.
     "invalid_tools": "a tool's parameters schema that does not compile or is not an object, two "
     "tools with one name, tool_choice naming a function not among the tools or given without "
     "tools (or with response_format), a tool message that answers no earlier call",
     "invalid_chat_template_kwargs": "chat_template_kwargs setting messages, tools, "
     "add_generation_prompt or chat_template",
+    # What one request may make the server compute and send (server.serving, --response-budget)
+    "response_too_large": "logprobs (prompt and generated, with their top alternatives, over "
+    "every choice) or embedded input tokens beyond the server's response budget",
 }
 _REASONS = {
     400: "Invalid request: a bad field value, malformed JSON or bad Unicode. Rules this document "

@@ -1,5 +1,6 @@
-"""The server options of issue 25 (chat template, tool and reasoning parsers, CORS, several API
-keys): their flags, what they become in `ServerSettings`, and the CORS middleware.
+"""Server options both command lines share (chat template, tool and reasoning parsers, CORS,
+several API keys, what one request may cost): their flags, what they become in
+`ServerSettings`, and the CORS middleware.
 
 Owns `add_options` (the flags, added to `python -m server`'s parser, so `python -m server.ray`
 has them too), `settings_fields` (flags -> `ServerSettings` fields, files read here so a bad
@@ -55,6 +56,33 @@ def add_options(s: argparse._ArgumentGroup) -> None:
         help="return <think>...</think> as reasoning_content: qwen3 (when the output opens "
         "with <think>) or deepseek_r1 (the output starts inside it)",
     )
+    # What one request may cost (server.serving, server.grammar_worker).
+    s.add_argument(
+        "--response-budget",
+        type=int,
+        default=512 * 1024,
+        metavar="ENTRIES",
+        help="most entries one response may carry: logprobs (a token's own and each top "
+        "alternative, prompt and generated, over every choice) or embedded input tokens; a "
+        "request that could exceed it is a 400 before it runs (default: %(default)s, about "
+        "35 MB of JSON logprobs)",
+    )
+    s.add_argument(
+        "--grammar-check-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long compiling a new JSON schema, regex or grammar (its first masks "
+        "included) may take, checked in a separate process before the server compiles it; "
+        "longer is a 400 (default: %(default)s)",
+    )
+    s.add_argument(
+        "--grammar-check-memory",
+        type=int,
+        default=1024,
+        metavar="MIB",
+        help="how much memory that check may use; more is a 400 (default: %(default)s)",
+    )
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
@@ -74,13 +102,22 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 def settings_fields(args: argparse.Namespace) -> dict[str, Any]:
     """`ServerSettings` fields for these flags. ValueError/OSError: a bad flag (the CLI says so)."""
     from server.chat_template import load_chat_template
+    from server.grammar_worker import CheckBudget
 
+    if args.response_budget < 1:
+        raise ValueError("--response-budget must be at least 1")
+    if args.grammar_check_timeout <= 0 or args.grammar_check_memory < 64:
+        raise ValueError("--grammar-check-timeout must be > 0 and --grammar-check-memory >= 64")
     return {
         "api_keys": api_keys(args),
         "allowed_origins": tuple(args.allowed_origins or ()),
         "chat_template": load_chat_template(args.chat_template) if args.chat_template else None,
         "tool_call_parser": args.tool_call_parser,
         "reasoning_parser": args.reasoning_parser,
+        "response_budget": args.response_budget,
+        "grammar_budget": CheckBudget(
+            seconds=args.grammar_check_timeout, memory_mib=args.grammar_check_memory
+        ),
     }
 
 

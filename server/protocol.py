@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from server.body import Text, _Body
+from server.body import JSONObject, Text, _Body
 from server.tool_protocol import ToolCallParam, ToolChoice, Tools
 
 # Limits a single HTTP request may ask for. They bound the work one call can queue and the size
@@ -80,7 +80,7 @@ class JsonSchemaFormat(_Body):
     name: Text | None = None
     description: Text | None = None
     # `schema` would shadow a BaseModel attribute: stored as schema_, spelled "schema" on the wire.
-    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    schema_: JSONObject | bool | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
@@ -101,7 +101,7 @@ class StructuredOutputsParam(_Body):
     """vLLM's `structured_outputs` (its newer spelling of the guided_* fields): one of these."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
-    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    json_: JSONObject | Text | None = Field(None, alias="json")
     regex: Text | None = None
     choice: list[Text] | None = Field(None, min_length=1)
     grammar: Text | None = None
@@ -150,7 +150,7 @@ class SamplingFields(_Body):
     # Structured output (server.structured): OpenAI's response_format, or vLLM's spellings.
     response_format: ResponseFormatParam | None = None
     structured_outputs: StructuredOutputsParam | None = None
-    guided_json: dict[str, Any] | Text | None = None
+    guided_json: JSONObject | Text | None = None
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = Field(None, min_length=1)
     guided_grammar: Text | None = None
@@ -270,7 +270,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: Tools | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
     parallel_tool_calls: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JSONObject | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

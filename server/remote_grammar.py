@@ -5,8 +5,9 @@ Owns `GrammarToCompile`, the picklable stand-in a `Request` carries instead of a
 grammar (an `llguidance.LLMatcher` does not pickle, and compiling on the ingress would only be
 thrown away), and `compile_pending`, which a replica runs on a call's requests before they
 reach its engine (in a worker thread: the first compile builds the tokenizer's trie). The
-ingress still compiles the spec once itself (cached), so a bad schema, regex or grammar is a
-400 before anything is sent.
+ingress checks the spec in its grammar check worker and compiles it once itself (cached), so a
+bad schema, regex or grammar, or one that would crash or exhaust a process, is a 400 there
+before anything is sent; a replica compiles within the same parser limits.
 
 An engine client says where grammars are compiled with its `grammar_placement` attribute:
 "local" (the default: the in-process driver), "replica" (`RayEngineClient`), or None where a
@@ -42,6 +43,10 @@ class GrammarToCompile:
     def is_finished(self) -> bool:
         raise RuntimeError("a grammar reached the engine uncompiled (compile_pending not run)")
 
+    @property
+    def error(self) -> str | None:
+        raise RuntimeError("a grammar reached the engine uncompiled (compile_pending not run)")
+
 
 def has_pending(requests: Sequence[Request]) -> bool:
     return any(isinstance(r.constraint, GrammarToCompile) for r in requests)
@@ -59,10 +64,12 @@ def compile_pending(requests: Sequence[Request], compiler: GrammarCompiler) -> l
 
 
 async def grammar_constraints(
-    structured: Any, client: Any, spec: StructuredSpec, count: int
+    structured: Any, client: Any, spec: StructuredSpec, count: int, http: Any = None
 ) -> list[Any]:
     """`count` constraints for `spec` as `client` takes them: compiled here by `structured`
-    (`server.structured.StructuredOutputs`), or checked here and sent as specs."""
+    (`server.structured.StructuredOutputs`: checked out of process first), or checked and
+    compiled here and sent as specs (a replica compiles only specs that passed here). `http`:
+    the client's request, whose disconnect cancels a check."""
     placement = getattr(client, "grammar_placement", "local")
     if placement is None:
         raise InvalidRequestError(
@@ -71,6 +78,6 @@ async def grammar_constraints(
             spec.param,
         )
     if placement == "replica":
-        await structured.constraints(spec, 1)  # a bad spec is a 400 here, not on the replica
+        await structured.constraints(spec, 1, http)  # a bad spec is a 400 here, not there
         return [GrammarToCompile(spec) for _ in range(count)]
-    return await structured.constraints(spec, count)
+    return await structured.constraints(spec, count, http)

@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
+from server.body import JSONObject
 from server.errors import APIError, api_error
 from server.generation import Generation
 from server.protocol import (
@@ -66,7 +67,7 @@ class FunctionTool(_Body):
     type: Literal["function"]
     name: FunctionName
     description: Text | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JSONObject | None = None
     strict: bool | None = None
 
 
@@ -79,7 +80,7 @@ class TextFormat(_Body):
     model_config = _Body.model_config | {"populate_by_name": True}
     type: Literal["text", "json_object", "json_schema"]
     name: Text | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: JSONObject | None = Field(None, alias="schema")
     strict: bool | None = None
     description: Text | None = None
 
@@ -104,7 +105,7 @@ class ResponsesRequest(_Body):
     # Stateless: only store false (or absent) and no previous_response_id (server.openapi says so)
     store: bool | None = None
     previous_response_id: Text | None = None
-    metadata: dict[str, Text] | None = None
+    metadata: Annotated[dict[Text, Text], Field(max_length=16)] | None = None
     user: Text | None = None
 
 
@@ -206,10 +207,13 @@ async def create_response(serving: Any, req: ResponsesRequest, http: HTTPRequest
 
 
 async def _events(serving: Any, gen: Generation, builder: ResponsesBuilder) -> AsyncIterator[str]:
-    for event in builder.start():
-        yield event
-    reason = None
+    """The Responses event stream. Whatever fails once it has started (the grammar reaching a
+    dead end, the engine stopping, a bug) ends it cleanly: an `error` event and
+    `response.failed`, never a cut connection."""
     try:
+        for event in builder.start():
+            yield event
+        reason = None
         async for c, delta, _, _ in serving._updates(gen):
             for event in builder.feed(delta, c.finished):
                 yield event
@@ -218,7 +222,5 @@ async def _events(serving: Any, gen: Generation, builder: ResponsesBuilder) -> A
         for event in builder.finish(reason):
             yield event
     except Exception as e:
-        body = api_error(e, gen.id).body()["error"]
-        yield builder._event(
-            "error", code=body["code"], message=body["message"], param=body["param"]
-        )
+        for event in builder.fail(api_error(e, gen.id)):
+            yield event

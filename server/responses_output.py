@@ -7,7 +7,8 @@ grown and closed with OpenAI's events (`response.output_item.added`,
 `response.content_part.added`, `response.output_text.delta`, `response.reasoning_text.delta`,
 `response.function_call_arguments.delta`, their `.done`s), numbered by `sequence_number`, and
 the Response object itself (`response.created` ... `response.completed` or
-`response.incomplete`). The request side is `server.responses_api`'s.
+`response.incomplete`; a failure once streaming has begun: `error`, then `response.failed`).
+The request side is `server.responses_api`'s.
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ class ResponsesBuilder:
         self.calls: dict[int, dict[str, Any]] = {}  # tool-call index -> its item
         self.status = "in_progress"
         self.incomplete: dict[str, str] | None = None
+        self.error: dict[str, str] | None = None  # a failed response's {code, message}
 
     def _event(self, kind: str, **fields: Any) -> str:
-        body = {"type": kind, "sequence_number": self.seq, **fields}
-        self.seq += 1
-        return f"event: {kind}\ndata: {dumps(body)}\n\n"
+        data = dumps({"type": kind, "sequence_number": self.seq, **fields})
+        self.seq += 1  # after: an event that cannot be sent takes no number
+        return f"event: {kind}\ndata: {data}\n\n"
 
     def response(self) -> dict[str, Any]:
         r = self.req
@@ -58,7 +60,7 @@ class ResponsesBuilder:
             "object": "response",
             "created_at": self.gen.created,
             "status": self.status,
-            "error": None,
+            "error": self.error,
             "incomplete_details": self.incomplete,
             "instructions": r.instructions,
             "max_output_tokens": r.max_output_tokens,
@@ -137,6 +139,22 @@ class ResponsesBuilder:
             self.status = "completed"
         kind = "response.completed" if self.status == "completed" else "response.incomplete"
         events.append(self._event(kind, response=self.response()))
+        return events
+
+    def fail(self, err: Any) -> list[str]:
+        """The end of a stream that failed after it started (`err`: a `server.errors.APIError`):
+        an `error` event, then `response.failed` carrying it."""
+        body = err.body()["error"]
+        self.status = "failed"
+        self.error = {"code": body["code"] or body["type"], "message": body["message"]}
+        events = [
+            self._event("error", code=body["code"], message=body["message"], param=body["param"])
+        ]
+        try:
+            events.append(self._event("response.failed", response=self.response()))
+        except (TypeError, ValueError):  # the response itself cannot be sent: its bare bones
+            bare = {"id": self.id, "object": "response", "status": "failed", "error": self.error}
+            events.append(self._event("response.failed", response=bare))
         return events
 
     def _reasoning(self, text: str) -> list[str]:

@@ -37,7 +37,9 @@ from server.client import EngineClient
 from server.echo import prompt_logprobs_wanted
 from server.errors import APIError
 from server.generation import Choice, Generation
+from server.grammar_worker import CheckBudget
 from server.metrics import ServerMetrics
+from server.prompt_tokens import PromptTokenizer
 from server.protocol import (
     MAX_CHOICES,
     ChatCompletionRequest,
@@ -70,9 +72,14 @@ from server.sampling_params import (
 )
 from server.structured import StructuredOutputs, structured_spec
 from server.tenancy import ClientSlots, client_identity
-from server.tools import ToolPlan, plan_tools, tool_structured_spec
+from server.tools import ToolPlan, parameter_specs, plan_tools, tool_structured_spec
 
 log = logging.getLogger("server.requests")
+
+# The default of `--response-budget`: entries one response may carry (a logprob: a token's own or
+# one of its top alternatives, prompt and generated, over every choice; an embedded input
+# token). About 35 MB of JSON logprobs; a request over it is refused before it runs.
+DEFAULT_RESPONSE_BUDGET = 512 * 1024
 
 
 class OpenAIServing:
@@ -89,6 +96,8 @@ class OpenAIServing:
         chat_template: str | None = None,
         tool_call_parser: str = "auto",
         reasoning_parser: str | None = None,
+        response_budget: int = DEFAULT_RESPONSE_BUDGET,
+        grammar_budget: CheckBudget | None = None,
     ) -> None:
         self.client = client
         # issue 25: the chat template (or --chat-template), --tool-call-parser, --reasoning-parser
@@ -105,8 +114,16 @@ class OpenAIServing:
         self.log_prompts = log_prompts
         self.vocab_size = tokenizer.vocab_size
         self.defaults = card.default_sampling_params
-        self.structured = StructuredOutputs(tokenizer)
+        self.structured = StructuredOutputs(tokenizer, budget=grammar_budget)
         self.token_text = TokenText(tokenizer)
+        # Prompts to ids off the event loop, bounded by the context first (server.prompt_tokens)
+        self.prompts = PromptTokenizer(tokenizer, card.max_model_len)
+        self.response_budget = response_budget
+
+    def close(self) -> None:
+        """Stop the helpers (grammar check worker, tokenizer threads): the app's shutdown."""
+        self.structured.close()
+        self.prompts.close()
 
     # -- public entry points -------------------------------------------------------------------------
 
@@ -118,20 +135,16 @@ class OpenAIServing:
         model = self._check_model(req.model)
         if req.suffix is not None:
             raise APIError(400, "suffix is not supported", param="suffix")
-        prompts: list[list[int]] = []
-        texts: list[str] = []
-        for p in req.prompts:
+        for p in req.prompts:  # cheap checks of every prompt before any is tokenized
             if isinstance(p, str):
-                prompts.append(self.tokenizer.encode(p, add_special_tokens=True))
-                texts.append(p)
+                self.prompts.check_size(p, "prompt")
             else:
                 check_token_ids(p, self.vocab_size, "prompt")
-                prompts.append(list(p))
-                texts.append(self.tokenizer.decode(list(p)) if req.echo else "")
-            if not prompts[-1]:
-                raise APIError(
-                    400, "prompt must not be empty (it encodes to no tokens)", param="prompt"
-                )
+        prompts, texts = await self.prompts.run(self._completion_prompts, req)
+        if not all(prompts):
+            raise APIError(
+                400, "prompt must not be empty (it encodes to no tokens)", param="prompt"
+            )
         gen_id = self._new_id("cmpl", http, texts)
         if req.max_tokens == 0 and not req.echo:  # the document's cross-field rule
             raise APIError(
@@ -143,6 +156,9 @@ class OpenAIServing:
         if (top_n := prompt_logprobs_wanted(req)) is not None:  # server.echo
             params = [replace(p, prompt_logprobs=top_n) for p in params]
         self._check_lengths(prompts, req.n, params[0].max_tokens)
+        # echo's logprobs and vLLM's prompt_logprobs are two renderings of one computation
+        shown = (req.prompt_logprobs is not None) + (req.echo and req.logprobs is not None)
+        self._check_budget(prompts, params, prompt_renderings=shown)
         gen, requests = await self._generation(
             gen_id, http, arrival, model, prompts, texts, req, params, req.logprobs, req.echo
         )
@@ -166,10 +182,11 @@ class OpenAIServing:
         arrival = time.monotonic()
         model = self._check_model(req.model)
         plan = plan_tools(req, self.tool_call_parser, self.chat_template.source)
-        text = self.chat_template.render(
-            req.messages, req.add_generation_prompt, plan, req.chat_template_kwargs
-        )
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        # The messages alone may be more than the context holds: no template, no tokenizer.
+        self.prompts.check_parts([m.text() for m in req.messages], "messages")
+        for tool_params in parameter_specs(req):  # whatever tool_choice says
+            await self._check_grammar(tool_params, http, code="invalid_tools")
+        text, ids = await self.prompts.run(self._chat_prompt, req, plan)
         if not ids:
             raise APIError(400, "the rendered chat prompt is empty", param="messages")
         gen_id = self._new_id(prefix, http, [text])
@@ -190,6 +207,7 @@ class OpenAIServing:
             raise context_too_long(self.card.max_model_len, len(ids), 1)
         params = chat_sampling_params(req, self.vocab_size, max_tokens, self.defaults)
         self._check_lengths([ids], req.n, params[0].max_tokens)
+        self._check_budget([ids], params)
         spec = tool_structured_spec(plan, req)  # issue 25 hook: the tools' grammar, if any
         gen, requests = await self._generation(
             gen_id,
@@ -205,13 +223,18 @@ class OpenAIServing:
         )
         return gen, requests, plan
 
-    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         self._check_model(req.model)
         if req.messages is not None:
-            text = self._render_chat(req.messages, req.add_generation_prompt)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+
+            def render_and_encode() -> list[int]:
+                text = self._render_chat(req.messages, req.add_generation_prompt)
+                self.prompts.check_size(text, "messages")
+                return self.prompts.encode_now(text, False)
+
+            ids = await self.prompts.run(render_and_encode)
         else:
-            ids = self.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+            ids = await self.prompts.encode(req.prompt or "", req.add_special_tokens, "prompt")
         return {"count": len(ids), "max_model_len": self.card.max_model_len, "tokens": ids}
 
     def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
@@ -220,6 +243,63 @@ class OpenAIServing:
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
     # -- request -> engine -------------------------------------------------------------------------------
+
+    def _completion_prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+        """Each prompt's ids and text (tokenizer threads: `server.prompt_tokens`)."""
+        prompts: list[list[int]] = []
+        texts: list[str] = []
+        for p in req.prompts:
+            if isinstance(p, str):
+                prompts.append(self.prompts.encode_now(p, True))
+                texts.append(p)
+            else:
+                prompts.append(list(p))
+                texts.append(self.tokenizer.decode(list(p)) if req.echo else "")
+        return prompts, texts
+
+    def _chat_prompt(
+        self, req: ChatCompletionRequest, plan: ToolPlan | None
+    ) -> tuple[str, list[int]]:
+        """The rendered chat prompt and its ids (tokenizer threads: `server.prompt_tokens`)."""
+        text = self.chat_template.render(
+            req.messages, req.add_generation_prompt, plan, req.chat_template_kwargs
+        )
+        self.prompts.check_size(text, "messages")
+        return text, self.prompts.encode_now(text, False)
+
+    async def _check_grammar(self, spec: StructuredSpec, http: HTTPRequest, code: str) -> None:
+        """A spec checked out of harm's way (`server.structured`); a 400 with `code` if not."""
+        try:
+            await self.structured.check(spec, http)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=e.param, code=code) from e
+
+    def _check_budget(
+        self,
+        prompts: list[list[int]],
+        params: Sequence[SamplingParams],
+        prompt_renderings: int = 1,
+    ) -> None:
+        """400 (response_too_large) for a request whose logprobs could exceed the response
+        budget: every choice's prompt logprobs (shown `prompt_renderings` times), and its
+        generated tokens' logprobs up to max_tokens, each with its top alternatives."""
+        prompt = generated = 0
+        for ids in prompts:
+            for p in params:
+                if p.prompt_logprobs is not None:
+                    prompt += (p.prompt_logprobs + 1) * len(ids) * prompt_renderings
+                if p.logprobs is not None:
+                    generated += (p.logprobs + 1) * p.max_tokens
+        if prompt + generated > self.response_budget:
+            raise APIError(
+                400,
+                f"this request asks for up to {prompt + generated} logprob entries (prompt "
+                "tokens and max_tokens, each with its top alternatives, over every choice), more "
+                f"than the server's response budget of {self.response_budget}; ask for fewer "
+                "choices, alternatives or tokens",
+                param="prompt_logprobs" if prompt > generated else "logprobs",
+                code="response_too_large",
+            )
 
     def _check_model(self, name: str | None) -> str:
         if name is not None and name not in self.card.names:
@@ -272,7 +352,7 @@ class OpenAIServing:
             constraints = (
                 # issue 25, item 6: compiled here, or sent as specs to a replica
                 await grammar_constraints(
-                    self.structured, self.client, spec, len(prompts) * len(params)
+                    self.structured, self.client, spec, len(prompts) * len(params), http
                 )
                 if spec is not None
                 else None
@@ -281,7 +361,7 @@ class OpenAIServing:
             # A grammar, regex or JSON schema that does not parse or compile, or more than one
             # way of asking for structured output: rules the OpenAPI document does not state
             # (server.openapi.UNSTATED_RULE_CODES says why), so the 400 names itself.
-            raise APIError(400, str(e), param=e.param, code="invalid_structured_output") from e
+            raise APIError(400, str(e), param=e.param, code=_grammar_code(e.param)) from e
         eos = () if req.ignore_eos else tuple(self.tokenizer.eos_token_ids)
         stop_ids = frozenset(eos) | frozenset(req.stop_token_ids or ())
         client_id = client_identity(http)
@@ -326,6 +406,7 @@ class OpenAIServing:
             include_usage=req.include_usage,
             echo=echo,
             logprobs=logprobs,
+            grammar_param=spec.param if spec is not None else None,
         )
         return gen, requests
 
@@ -383,12 +464,21 @@ class OpenAIServing:
                     self.client.abort(c.request_id)
                 if c.finished and self.metrics is not None:
                     self.metrics.finished.labels(c.finish_reason).inc()
+                if out.error is not None:  # its grammar could not go on: no normal end
+                    gen.status = "grammar_error"
+                    raise APIError(
+                        400,
+                        f"choice {c.index}: {out.error}",
+                        param=gen.grammar_param,
+                        code=_grammar_code(gen.grammar_param),
+                    )
                 yield c, c.take_delta(), out.logprobs or [], len(out.token_ids)
         except EngineDeadError:
             gen.status = "engine_error"
             raise
         except BaseException:  # cancelled: the client disconnected, or the server is stopping
-            gen.status = "aborted"
+            if gen.status == "ok":
+                gen.status = "aborted"
             raise
         finally:
             self._finish(gen)
@@ -434,3 +524,8 @@ class OpenAIServing:
         if c.first_time is None:
             c.first_time = now
         c.last_time = now
+
+
+def _grammar_code(param: str | None) -> str:
+    """The 400 code of a grammar's failure: the tools' grammar, or structured output's."""
+    return "invalid_tools" if param and param.startswith("tools") else "invalid_structured_output"

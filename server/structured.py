@@ -5,20 +5,31 @@ Owns the mapping from a request's `response_format` ({"type": "json_object"} or 
 "json_schema", "json_schema": {"schema": ...}}), vLLM's `structured_outputs` ({"json" | "regex" |
 "choice" | "grammar" | "json_object"}) and its older `guided_json` / `guided_regex` /
 `guided_choice` / `guided_grammar` to one `engine.structured.StructuredSpec` (at most one may be
-given: two are a 400), and `StructuredOutputs.constraints`, which compiles the spec (cached) in a
-worker thread and returns one fresh grammar state per choice. A schema, regex or grammar the
-library rejects is an `InvalidRequestError`, which `server.errors` makes a 400 naming the field.
+given: two are a 400), and `StructuredOutputs`, which checks a spec it has not seen in the
+grammar check worker (`server.grammar_worker`: out of process, within a time and memory budget),
+then compiles it (cached) in a worker thread and returns one fresh grammar state per choice. A
+schema, regex or grammar the library rejects, or that blows the budget, is an
+`InvalidRequestError`, which `server.errors` makes a 400 naming the field.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
+import threading
+from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.structured import GrammarCompiler, StructuredSpec, TokenConstraint
 from models import Tokenizer
+from server.errors import APIError
+from server.grammar_worker import CheckBudget, GrammarWorker, WorkerUnavailable
 from server.protocol import SamplingFields
+from server.responses import until_disconnect
+
+log = logging.getLogger("server.structured")
 
 
 def structured_spec(req: SamplingFields) -> StructuredSpec | None:
@@ -63,18 +74,55 @@ def structured_spec(req: SamplingFields) -> StructuredSpec | None:
 
 
 class StructuredOutputs:
-    """The server's grammar compiler: one per tokenizer, its cache shared by all requests.
-    `prepare`: start building the tokenizer's trie now, in the background (server startup)."""
+    """The server's grammar compiler and check worker: one per tokenizer, their caches shared by
+    all requests. `prepare`: start the check worker and build the tokenizer's trie now, in the
+    background (server startup)."""
 
-    def __init__(self, tokenizer: Tokenizer, prepare: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prepare: bool = True, budget: CheckBudget | None = None
+    ) -> None:
         self.compiler = GrammarCompiler(tokenizer)
+        self.worker = GrammarWorker(lambda: self.compiler.vocabulary, budget)
         if prepare:
-            self.compiler.prepare()
+            threading.Thread(target=self._prepare, name="grammar-prepare", daemon=True).start()
 
-    async def constraints(self, spec: StructuredSpec, count: int) -> list[TokenConstraint]:
-        """`count` fresh grammar states for `spec`, compiled in a worker thread so neither the
-        event loop nor the engine's step waits for a compile (a request that comes before the
-        trie built at startup is done waits for it)."""
+    def _prepare(self) -> None:
+        # Failures come back to the request that needs the worker or the trie.
+        with contextlib.suppress(Exception):
+            self.worker.start()
+        self.compiler.prepare()
+
+    def close(self) -> None:
+        self.worker.close()
+
+    async def check(self, spec: StructuredSpec, http: Any = None) -> str | None:
+        """Check `spec` out of harm's way (see `server.grammar_worker`): its grammar text when it
+        is new and passes, None when it passed before, `InvalidRequestError` when it fails.
+        With `http` (the client's request), a client that disconnects cancels the check."""
+        for attempt in range(2):
+            try:
+                work = self.worker.check(spec)
+                return await (work if http is None else until_disconnect(http, work))
+            except WorkerUnavailable as e:  # the worker itself died: once more, in a new one
+                if attempt:
+                    log.error("grammar check worker unavailable: %s", e)
+                    raise APIError(
+                        503,
+                        "structured output is unavailable: the grammar check worker failed",
+                        type="server_error",
+                        param=spec.param,
+                        code="grammar_worker_unavailable",
+                    ) from e
+        raise AssertionError("unreachable")
+
+    async def constraints(
+        self, spec: StructuredSpec, count: int, http: Any = None
+    ) -> list[TokenConstraint]:
+        """`count` fresh grammar states for `spec`: checked first unless it is compiled already,
+        then compiled in a worker thread, so neither the event loop nor the engine's step waits
+        for a compile (a request that comes before the trie built at startup is done waits for
+        it)."""
+        grammar = None if self.compiler.cached(spec) else await self.check(spec, http)
         return await asyncio.to_thread(
-            lambda: [self.compiler.constraint(spec) for _ in range(count)]
+            lambda: [self.compiler.constraint(spec, grammar) for _ in range(count)]
         )

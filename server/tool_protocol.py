@@ -9,11 +9,11 @@ chat request; this module imports nothing of the server, so that it can.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
-from server.body import Text, _Body
+from server.body import JSONObject, Text, _Body
 
 # OpenAI's rule for function names: what a template, a prompt and a grammar literal can carry.
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -27,7 +27,7 @@ class FunctionDefinition(_Body):
     name: FunctionName
     description: Text | None = None
     # A JSON Schema for the arguments object; absent: any object. Checked by server.tools.
-    parameters: dict[str, Any] | None = None
+    parameters: JSONObject | None = None
     strict: bool | None = None
 
 

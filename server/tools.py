@@ -31,7 +31,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine.structured import closed_objects
+from engine.errors import InvalidRequestError
+from engine.grammar import StructuredSpec, check_schema_depth, closed_objects, rebase_refs
 from server.errors import APIError
 
 ToolFormat = Literal["hermes", "llama3", "mistral"]
@@ -84,7 +85,8 @@ def resolve_format(option: str, template: str | None) -> tuple[ToolFormat, bool]
 def plan_tools(req: Any, option: str, template: str | None) -> ToolPlan | None:
     """The request's `ToolPlan`, or None when it calls no tools (none given, or
     `tool_choice: "none"`). `req` is a `server.protocol.ChatCompletionRequest`; `option` the
-    server's `--tool-call-parser`. 400s name the field."""
+    server's `--tool-call-parser`. 400s name the field. The tools are checked whatever
+    `tool_choice` says; their schemas compile in `parameter_specs`' checks."""
     choice = req.tool_choice
     if not req.tools:
         if choice is not None and choice not in ("none", "auto"):
@@ -94,8 +96,6 @@ def plan_tools(req: Any, option: str, template: str | None) -> ToolPlan | None:
                 param="tool_choice",
                 code="invalid_tools",
             )
-        return None
-    if choice == "none":
         return None
     tools: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -116,6 +116,8 @@ def plan_tools(req: Any, option: str, template: str | None) -> ToolPlan | None:
         if f.strict is not None:
             entry["strict"] = f.strict
         tools.append({"type": "function", "function": entry})
+    if choice == "none":
+        return None
     named = None
     mode: Literal["auto", "required", "named"] = "auto"
     if choice == "required":
@@ -138,8 +140,8 @@ def plan_tools(req: Any, option: str, template: str | None) -> ToolPlan | None:
 
 
 def _check_parameters(params: dict[str, Any] | None, param: str) -> dict[str, Any]:
-    """A tool's `parameters`: a JSON Schema for an object that llguidance compiles (its message
-    says what is wrong). Absent: any object (OpenAI's meaning)."""
+    """A tool's `parameters`: a JSON Schema for an object (whether llguidance compiles it is
+    `parameter_specs`' check). Absent: any object (OpenAI's meaning)."""
     if params is None or params == {}:
         return {"type": "object", "properties": {}}
     kind = params.get("type", "object")
@@ -150,17 +152,27 @@ def _check_parameters(params: dict[str, Any] | None, param: str) -> dict[str, An
             param=param,
             code="invalid_tools",
         )
-    import llguidance  # here: the only import of it outside engine.structured's compiler
-
     try:
-        grammar = llguidance.grammar_from("lark", f"start: %json {json.dumps(params)}")
-        error = llguidance.LLMatcher.validate_grammar(grammar)
-    except (ValueError, TypeError) as e:  # what the library raises instead of reporting
-        error = str(e) or type(e).__name__
-    if error:
-        detail = " ".join(error.split())[:300]
-        raise APIError(400, f"invalid JSON Schema: {detail}", param=param, code="invalid_tools")
+        check_schema_depth(params, param)
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), param=param, code="invalid_tools") from e
     return params
+
+
+def parameter_specs(req: Any) -> list[StructuredSpec]:
+    """One spec per tool whose `parameters` are given: the schema as its own root, named by its
+    field, for the server to check (out of process: `server.structured`) and compile, whatever
+    `tool_choice` says."""
+    specs = []
+    for i, tool in enumerate(req.tools or ()):
+        params = tool.function.parameters
+        if params:
+            param = f"tools[{i}].function.parameters"
+            try:
+                specs.append(StructuredSpec.json_schema(params, param))
+            except InvalidRequestError as e:
+                raise APIError(400, str(e), param=param, code="invalid_tools") from e
+    return specs
 
 
 # -- the prompt of generic mode ---------------------------------------------------------------------
@@ -192,16 +204,38 @@ def generic_system_prompt(plan: ToolPlan) -> str:
 # -- grammars ---------------------------------------------------------------------------------------
 
 
+def _defs_key(plan: ToolPlan, name: str) -> str:
+    """Where a tool's parameters sit in a grammar's schema: `#/$defs/<this>`."""
+    return f"parameters_{plan.names.index(name)}"
+
+
 def call_schema(plan: ToolPlan, name: str) -> dict[str, Any]:
-    """The JSON Schema of one call object of `name`, in the plan's format."""
-    params = next(t["function"]["parameters"] for t in plan.tools if t["function"]["name"] == name)
+    """The JSON Schema of one call object of `name`, in the plan's format. Its arguments are a
+    reference to the tool's parameters, which `tool_defs` places in the root's `$defs`."""
     args_key = "parameters" if plan.format == "llama3" else "arguments"
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, args_key: closed_objects(params)},
+        "properties": {
+            "name": {"const": name},
+            args_key: {"$ref": f"#/$defs/{_defs_key(plan, name)}"},
+        },
         "required": ["name", args_key],
         "additionalProperties": False,
     }
+
+
+def tool_defs(plan: ToolPlan, names: list[str]) -> dict[str, Any]:
+    """The `$defs` of a grammar's schema: each named tool's parameters, kept whole as their own
+    document (their `$defs` / `definitions`, and "#" itself, still mean what the client wrote:
+    the refs are rebased onto where the parameters sit), objects closed as elsewhere."""
+    defs = {}
+    for name in names:
+        key = _defs_key(plan, name)
+        params = next(
+            t["function"]["parameters"] for t in plan.tools if t["function"]["name"] == name
+        )
+        defs[key] = rebase_refs(closed_objects(params), f"/$defs/{key}")
+    return defs
 
 
 def tool_grammar(plan: ToolPlan) -> str | None:
@@ -212,17 +246,19 @@ def tool_grammar(plan: ToolPlan) -> str | None:
     names = [plan.named] if plan.mode == "named" else list(plan.names)
     one = {"anyOf": [call_schema(plan, n) for n in names]} if len(names) > 1 else None
     schema = one or call_schema(plan, names[0])
-    schema = {**schema, "x-guidance": _JSON_STYLE}
+    defs = tool_defs(plan, names)
+    schema = {**schema, "$defs": defs, "x-guidance": _JSON_STYLE}
     more = MAX_PARALLEL_CALLS - 1 if plan.parallel and plan.mode != "named" else 0
     if plan.format == "mistral":
-        array = {"type": "array", "items": schema, "minItems": 1, "maxItems": more + 1}
-        calls = f"calls: %json {json.dumps({**array, 'x-guidance': _JSON_STYLE})}"
+        items = {k: v for k, v in schema.items() if k not in ("$defs", "x-guidance")}
+        array = {"type": "array", "items": items, "minItems": 1, "maxItems": more + 1}
+        calls = f"calls: %json {_dumps({**array, '$defs': defs, 'x-guidance': _JSON_STYLE})}"
         return f"start: calls\n{calls}\n"
     if plan.format == "llama3":
-        call = f"call: %json {json.dumps(schema)}"
+        call = f"call: %json {_dumps(schema)}"
         sep = '"; "'
     else:
-        call = f'call: "<tool_call>\\n" %json {json.dumps(schema)} "\\n</tool_call>"'
+        call = f'call: "<tool_call>\\n" %json {_dumps(schema)} "\\n</tool_call>"'
         sep = '"\\n"'
     seq = f"calls: call ({sep} call){{0,{more}}}" if more else "calls: call"
     if plan.mode == "auto":  # generic mode: a reply (not starting with a call's "<") or calls
@@ -232,12 +268,15 @@ def tool_grammar(plan: ToolPlan) -> str | None:
     return f"{start}\n{seq}\n{call}\n"
 
 
+def _dumps(schema: dict[str, Any]) -> str:
+    return json.dumps(schema, allow_nan=False)
+
+
 def tool_structured_spec(plan: ToolPlan | None, req: Any) -> Any:
     """The `engine.structured.StructuredSpec` of a plan's grammar (None: no grammar). A request
     that also asks for structured output of its own cannot have both: a 400."""
     if plan is None or plan.grammar is None:
         return None
-    from engine.structured import StructuredSpec
     from server.structured import structured_spec
 
     if structured_spec(req) is not None:

@@ -303,6 +303,27 @@ else:
         )
         assert r.status_code == 400 and "disaggregated" in r.json()["error"]["message"]
 
+    def test_a_grammar_that_would_crash_a_process_is_refused_at_the_ingress(cluster):
+        # The ingress checks every new spec out of process before a replica compiles it: a $ref
+        # chain that overflows llguidance's stack is a 400, and every replica still serves.
+        defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(3000)}
+        defs["d3000"] = {"type": "string"}
+        schema = {"$defs": defs, "$ref": "#/$defs/d0"}
+        body = {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": schema},
+            },
+        }
+        r = httpx.post(cluster.url("prefix", "/v1/chat/completions"), json=body, timeout=60)
+        assert r.status_code == 400 and "nests or chains too deeply" in r.json()["error"]["message"]
+        for i in range(4):  # both replicas (the router spreads fresh prompts)
+            ok = {"model": "tinygpt", "prompt": f"still here {i}", "max_tokens": 2}
+            r = httpx.post(cluster.url("prefix", "/v1/completions"), json=ok, timeout=60)
+            assert r.status_code == 200, r.text
+
     def test_client_disconnect_aborts_the_request_on_its_replica(cluster):
         before = sum(p["aborted_on_cancel"] for p in probe("prefix").values())
         body = {

@@ -472,3 +472,27 @@ def test_smollm2_json_schema_outputs_validate_greedy_and_sampled(smollm2_lm):
     assert json.loads(greedy.choices[0].message.content)["city"] == "Paris"
     if anything.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(anything.choices[0].message.content), dict)
+
+
+def test_a_grammar_that_reaches_a_dead_end_ends_its_request_with_an_error_not_stop(
+    tiny_lm, compiler
+):
+    """'x' is allowed first, then nothing can complete the grammar: the engine ends the request
+    with finish_reason "error" and the reason, not as a normal stop."""
+    dead_end = compiler.constraint(StructuredSpec("grammar", 'start: "x" b\nb: b "y"'))
+    fine = compiler.constraint(StructuredSpec("regex", "ab"))
+    requests = [
+        Request([1, 2, 3], SamplingParams(max_tokens=8), constraint=dead_end),
+        Request([1, 2, 3], SamplingParams(max_tokens=8), constraint=fine),
+    ]
+    eng = engine(tiny_lm)
+    for r in requests:
+        eng.add_request(r)
+    last = {}
+    while eng.has_work():
+        for o in eng.step():
+            if o.finished:
+                last[o.request_id] = o
+    bad, good = (last[r.request_id] for r in requests)
+    assert bad.finish_reason == "error" and "no further output" in bad.error
+    assert good.finish_reason == "stop" and good.error is None

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
+from enum import StrEnum
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
-from server.tools import ToolPlan, call_schema
+from server.tools import ToolPlan, call_schema, tool_defs
 from tests.conftest import LiveServer, run_server
 
 WEATHER = {
@@ -322,6 +326,178 @@ def test_a_call_s_arguments_take_only_the_properties_its_schema_lists():
     params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     tool = {"type": "function", "function": {"name": "f", "parameters": params}}
     plan = ToolPlan((tool,), "named", "f", False, "hermes", True, None)
-    args = call_schema(plan, "f")["properties"]["arguments"]
+    ref = call_schema(plan, "f")["properties"]["arguments"]["$ref"]
+    args = tool_defs(plan, ["f"])[ref.removeprefix("#/$defs/")]
     assert args["additionalProperties"] is False and "additionalProperties" not in params
     assert args["properties"] == params["properties"] and args["required"] == ["city"]
+
+
+# -- pydantic-typed tools: parameters with $defs (nested models, lists of models, enums, optionals) --
+
+
+class Unit(StrEnum):
+    celsius = "celsius"
+    fahrenheit = "fahrenheit"
+
+
+class City(BaseModel):
+    name: str = Field(max_length=24)
+    country: str | None = Field(default=None, max_length=24)
+
+
+class Forecast(BaseModel):
+    """The weather forecast for some cities."""
+
+    cities: list[City] = Field(min_length=1, max_length=2)
+    unit: Unit
+    days: int | None = Field(default=None, ge=1, le=7)
+
+
+FORECAST_ASK = [{"role": "user", "content": "What will the weather be in Paris and Rome?"}]
+
+
+def pydantic_tools() -> list[tuple[str, dict]]:
+    """The same model as a tool two ways: pydantic's own schema (`$defs`, optionals with
+    defaults, `anyOf` null) and the OpenAI SDK's strict one (`pydantic_function_tool`)."""
+    plain = {
+        "type": "function",
+        "function": {
+            "name": "forecast",
+            "description": "The weather forecast for some cities.",
+            "parameters": Forecast.model_json_schema(),
+        },
+    }
+    strict = openai.pydantic_function_tool(Forecast, name="forecast")
+    assert (
+        "$defs" in plain["function"]["parameters"] and "$defs" in strict["function"]["parameters"]
+    )
+    return [("model_json_schema", plain), ("pydantic_function_tool", strict)]
+
+
+@pytest.mark.parametrize(
+    ("how", "tool"), pydantic_tools(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_pydantic_tool_calls_whole_and_streamed_parse_into_the_model(smol, smollm2_lm, how, tool):
+    args = dict(
+        model=smollm2_lm.name,
+        messages=FORECAST_ASK,
+        tools=[tool],
+        tool_choice="required",
+        max_tokens=150,
+        temperature=0,
+    )
+    client = sdk(smol)
+    whole = client.chat.completions.create(**args).choices[0]
+    assert whole.finish_reason == "tool_calls", whole
+    for call in whole.message.tool_calls:
+        assert call.function.name == "forecast"
+        # nested models, a list of them, an enum, optionals: all parse into the model
+        Forecast.model_validate_json(call.function.arguments)
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+    streamed: dict[int, str] = {}
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or []:
+                streamed[d.index] = streamed.get(d.index, "") + (d.function.arguments or "")
+    assert list(streamed.values()) == [c.function.arguments for c in whole.message.tool_calls]
+
+
+def test_pydantic_tool_call_through_the_sdk_s_parse_helper(smol, smollm2_lm):
+    out = sdk(smol).chat.completions.parse(
+        model=smollm2_lm.name,
+        messages=FORECAST_ASK,
+        tools=[openai.pydantic_function_tool(Forecast, name="forecast")],
+        tool_choice="required",
+        max_tokens=150,
+        temperature=0,
+    )
+    parsed = out.choices[0].message.tool_calls[0].function.parsed_arguments
+    assert isinstance(parsed, Forecast) and parsed.cities
+
+
+def test_pydantic_tool_call_on_responses(smol, smollm2_lm):
+    tool = {
+        "type": "function",
+        "name": "forecast",
+        "description": "The weather forecast for some cities.",
+        "parameters": Forecast.model_json_schema(),
+    }
+    r = sdk(smol).responses.create(
+        model=smollm2_lm.name,
+        input=FORECAST_ASK[0]["content"],
+        tools=[tool],
+        tool_choice="required",
+        max_output_tokens=150,
+        temperature=0,
+    )
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and calls[0].name == "forecast"
+    Forecast.model_validate_json(calls[0].arguments)
+
+
+AGENT_SCRIPT = r"""
+import asyncio, json, sys
+from enum import StrEnum
+from openai import AsyncOpenAI
+from pydantic import BaseModel, Field
+from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool
+from agents import set_tracing_disabled
+
+set_tracing_disabled(True)  # nothing leaves the machine
+base_url, model = sys.argv[1], sys.argv[2]
+
+class Unit(StrEnum):
+    celsius = "celsius"
+    fahrenheit = "fahrenheit"
+
+class City(BaseModel):
+    name: str = Field(max_length=24)
+    country: str | None = Field(default=None, max_length=24)
+
+class Forecast(BaseModel):
+    cities: list[City] = Field(min_length=1, max_length=2)
+    unit: Unit
+    days: int | None = Field(default=None, ge=1, le=7)
+
+calls = []
+
+@function_tool
+def forecast(request: Forecast) -> str:
+    "The weather forecast for some cities."
+    calls.append(request.model_dump(mode="json"))
+    return "sunny"
+
+client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+agent = Agent(
+    name="weather",
+    instructions="Answer weather questions with the forecast tool.",
+    tools=[forecast],
+    model=OpenAIResponsesModel(model=model, openai_client=client),
+    model_settings=ModelSettings(
+        tool_choice="required", temperature=0, max_tokens=150, parallel_tool_calls=False
+    ),
+    tool_use_behavior="stop_on_first_tool",
+)
+result = asyncio.run(Runner.run(agent, "What will the weather be in Paris and Rome?"))
+print(json.dumps({"calls": calls, "final": result.final_output}))
+"""
+
+
+def test_an_openai_agents_sdk_agent_calls_a_pydantic_typed_tool(smol, smollm2_lm, tmp_path):
+    """The Agents SDK (its Responses model) runs an agent whose function tool takes a pydantic
+    model; the call reaches the tool parsed. In a child process: importing the SDK imports
+    sse-starlette, which patches uvicorn process-wide."""
+    pytest.importorskip("agents")
+    script = tmp_path / "agent.py"
+    script.write_text(AGENT_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), smol.v1, smollm2_lm.name],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(out["calls"]) == 1 and out["final"] == "sunny"
+    Forecast.model_validate(out["calls"][0])
