@@ -70,7 +70,8 @@ class KernelOptions:
     products: AVX512-VNNI, or AVX2's vpmaddubsw on GGUF rows, as llama.cpp does for its quantized
     formats) or float32. "auto" is int8 for every quantized projection, on AVX512-VNNI and on
     AVX2 alike: on AVX2 the int8 rows beat the float panels of Q4_0 / Q4_1 / Q8_0 too, at one
-    row and in prefill (docs/benchmarks.md, nineteenth session)."""
+    row and in prefill (SmolLM2 Q4_1 on Zen 3: a decode step 10.4 -> 8.6 ms, prefill 541 -> 708
+    tokens/s)."""
 
     quantization: str = "auto"
     activations: str = "auto"

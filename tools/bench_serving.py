@@ -5,7 +5,7 @@
         [--rates 1,2,3,4,6] [--num-requests 120] [--long] [--out results/serving.json] \\
         [--plots results/serving]
 
-Reproduces issue 13's table: for each target, ITL p50 and E2E p50 at 1 req/s (60 requests), a
+For each target: ITL p50 and E2E p50 at 1 req/s (60 requests), a
 rate sweep (the highest rate at which every request met the SLO is what the server "holds"), and
 the peak (64 requests at once: output tokens/s). With `--long`, the long-prompt trace instead
 (1,024-1,536 tokens in, 64-128 out; 30 requests a rate; 32 at once for the peak). Peak RSS is read
@@ -42,7 +42,7 @@ from loadtest.runner import GREEDY, add_sampling_argument, describe_sampling, sc
 from loadtest.sweep import MeasureOptions, measure
 from loadtest.trace import TraceSpec
 
-SLO_ISSUE = SLO(
+SERVING_SLO = SLO(
     ttft=1.0, itl_mean=0.2, itl_p99=0.2
 )  # TTFT <= 1 s, each request's p99 gap <= 200 ms
 
@@ -119,7 +119,7 @@ def _prefix_counters(url: str) -> tuple[float, float] | None:
 
 def _run(url: str, spec: TraceSpec, model: str | None) -> Summary:
     opts = MeasureOptions(
-        model=model, slo=SLO_ISSUE, progress=False, time_limit=900.0, sampling=_SAMPLING[0]
+        model=model, slo=SERVING_SLO, progress=False, time_limit=900.0, sampling=_SAMPLING[0]
     )
     before = _prefix_counters(url)
     summary = measure(url, spec, opts).summary
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         trace += " in every run (prompts repeat across runs)"
     title = (
-        f"SLO: {SLO_ISSUE.describe()}; trace: {trace}; sampling: {describe_sampling(_SAMPLING[0])}"
+        f"SLO: {SERVING_SLO.describe()}; trace: {trace}; sampling: {describe_sampling(_SAMPLING[0])}"
     )
     print(title)
     print(table(results, args.long))

@@ -1,4 +1,4 @@
-"""Server RSS with many clients that open a stream and never read it (backpressure, issue 12).
+"""Server RSS with many clients that open a stream and never read it (backpressure).
 
     python -m tools.silent_clients [--clients 100] [--n 4] [--max-tokens 500] [--duration 60]
                                    [--max-buffered-tokens 16] [--sndbuf 16384]
