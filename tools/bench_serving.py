@@ -233,9 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         trace = trace.replace(f"seed {6 + _RUN[0]}", "seeds 7, 8, ...")
     else:
         trace += " in every run (prompts repeat across runs)"
-    title = (
-        f"SLO: {SERVING_SLO.describe()}; trace: {trace}; sampling: {describe_sampling(_SAMPLING[0])}"
-    )
+    title = f"SLO: {SERVING_SLO.describe()}; trace: {trace}; sampling: {describe_sampling(_SAMPLING[0])}"
     print(title)
     print(table(results, args.long))
     if args.plots:
