@@ -8,7 +8,7 @@ Two halves, split by where they run:
   `GrammarConstraint` (an `llguidance.LLMatcher`, copied from the cached one) per choice. A bad
   spec raises `InvalidRequestError` there, before anything reaches the engine. The spec's text
   and the parser limits are `engine.grammar`'s; an untrusted spec is checked out of process
-  before it gets here (`server.grammar_worker`).
+  before it gets here (`server.grammars.check_worker`).
 - On the step path (the sampler and the engine): a `Request` carries its constraint; each step
   `apply_constraints` asks every constrained row for its allowed-token bitmask and sets the rest
   of that row's logits to -inf (other rows are not touched), and `EngineBase._append_token` feeds

@@ -20,7 +20,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from engine.registry import engine_names
-from server.options import add_options, env_api_keys, settings_fields
+from server.http.options import add_options, env_api_keys, settings_fields
 
 if TYPE_CHECKING:
     from engine import EngineConfig
@@ -353,10 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     from engine import make_engine
     from models import ModelLoadError, load_model
     from models.cpu import in_passing_thread
-    from server.app import ServerSettings, create_app
-    from server.driver import AsyncEngineDriver
-    from server.http_server import STEP_WAIT, DrainingServer, server_config
-    from server.protocol import ModelCard
+    from server.engine_client.driver import AsyncEngineDriver
+    from server.http.app import ServerSettings, create_app
+    from server.http.listener import STEP_WAIT, DrainingServer, server_config
+    from server.openai.protocol import ModelCard
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)

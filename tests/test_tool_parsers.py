@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from server.chat_output import ReasoningSplit
-from server.tool_calls import ToolCallStream
+from server.openai.chat_output import ReasoningSplit
+from server.tooling.parser import ToolCallStream
 
 CALLS = [
     ("get_weather", {"city": 'Paris "centre" {x}', "unit": "celsius"}),

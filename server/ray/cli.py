@@ -112,9 +112,9 @@ def deploy_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     ingress needs no weights); the replicas load their own copies."""
     from engine.registry import engine_class
     from models import load_model
-    from server.app import ServerSettings
-    from server.options import settings_fields
-    from server.protocol import ModelCard
+    from server.http.app import ServerSettings
+    from server.http.options import settings_fields
+    from server.openai.protocol import ModelCard
     from server.ray.deploy import DeploySpec
     from server.ray.replica import EngineSpec
 
@@ -170,7 +170,9 @@ def deploy_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         decode_replicas=args.decode_replicas,
     )
     settings = ServerSettings(
-        **settings_fields(args),  # issue 25 hook (server.options); OSError/ValueError: bad flag
+        **settings_fields(
+            args
+        ),  # issue 25 hook (server.http.options); OSError/ValueError: bad flag
         max_body_bytes=args.max_body_size,
         log_prompts=args.log_prompts,
         shutdown_timeout=args.shutdown_timeout,

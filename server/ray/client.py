@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import EngineDeadError, EngineStats, Request
-from server.client import EngineClient, Health, OutputStream
+from server.engine_client.interface import EngineClient, Health, OutputStream
 from server.ray.keys import DEFAULT_ROUTE_BLOCKS, route_key
 from server.ray.wire import AbortCall, Accepted, EngineCall, Refused, StepItem
 
@@ -76,7 +76,7 @@ class _Group:
 
 
 class RayEngineClient(EngineClient):
-    # issue 25: requests carry grammar specs, compiled on the replica (server.remote_grammar)
+    # issue 25: requests carry grammar specs, compiled on the replica (server.engine_client.remote_grammar)
     grammar_placement: str | None = "replica"
 
     def __init__(

@@ -5,8 +5,8 @@ its response: prompts and chat templates to token ids, the engine requests of a 
 (`sampling_params` maps fields to `SamplingParams`), the generation loop that turns each
 `StepOutput` into text (`generation.Choice`: detokenization, stop strings, whose match aborts the
 request in the engine), per-request metrics and the one log line per request. Bodies, SSE chunks
-and disconnects are `server.responses`'; who a request comes from and how many it may have open,
-`server.tenancy`'; errors leave through `server.errors`. It talks to the engine only through an
+and disconnects are `server.openai.formats`'; who a request comes from and how many it may have open,
+`server.generation.tenancy`'; errors leave through `server.errors`. It talks to the engine only through an
 `EngineClient`.
 """
 
@@ -31,27 +31,17 @@ from engine import (
 )
 from engine.structured import StructuredSpec
 from models import Tokenizer
-from server.chat_output import ParsedChatFormat
-from server.chat_template import ChatTemplate
-from server.client import EngineClient
-from server.echo import prompt_logprobs_wanted
+from server.engine_client.interface import EngineClient
+from server.engine_client.remote_grammar import grammar_constraints
 from server.errors import APIError
-from server.generation import Choice, Generation
-from server.grammar_worker import CheckBudget
-from server.metrics import ServerMetrics
-from server.prompt_tokens import PromptTokenizer
-from server.protocol import (
-    MAX_CHOICES,
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    DetokenizeRequest,
-    ModelCard,
-    SamplingFields,
-    TokenizeRequest,
-)
-from server.remote_grammar import grammar_constraints
-from server.responses import (
+from server.generation.metrics import ServerMetrics
+from server.generation.tenancy import ClientSlots, client_identity
+from server.generation.text import Choice, Generation
+from server.grammars.check_worker import CheckBudget
+from server.grammars.compiler import StructuredOutputs, structured_spec
+from server.openai.chat_output import ParsedChatFormat
+from server.openai.echo import prompt_logprobs_wanted
+from server.openai.formats import (
     ChatFormat,
     CompletionFormat,
     ResponseFormat,
@@ -64,15 +54,25 @@ from server.responses import (
     stream_body,
     until_disconnect,
 )
-from server.sampling_params import (
+from server.openai.prompt_tokens import PromptTokenizer
+from server.openai.protocol import (
+    MAX_CHOICES,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    SamplingFields,
+    TokenizeRequest,
+)
+from server.openai.sampling_params import (
     chat_sampling_params,
     check_token_ids,
     completion_sampling_params,
     context_too_long,
 )
-from server.structured import StructuredOutputs, structured_spec
-from server.tenancy import ClientSlots, client_identity
-from server.tools import ToolPlan, parameter_specs, plan_tools, tool_structured_spec
+from server.tooling.chat_template import ChatTemplate
+from server.tooling.plan import ToolPlan, parameter_specs, plan_tools, tool_structured_spec
 
 log = logging.getLogger("server.requests")
 
@@ -116,7 +116,7 @@ class OpenAIServing:
         self.defaults = card.default_sampling_params
         self.structured = StructuredOutputs(tokenizer, budget=grammar_budget)
         self.token_text = TokenText(tokenizer)
-        # Prompts to ids off the event loop, bounded by the context first (server.prompt_tokens)
+        # Prompts to ids off the event loop, bounded by the context first (server.openai.prompt_tokens)
         self.prompts = PromptTokenizer(tokenizer, card.max_model_len)
         self.response_budget = response_budget
 
@@ -153,7 +153,7 @@ class OpenAIServing:
                 param="max_tokens",
             )
         params = completion_sampling_params(req, self.vocab_size, self.defaults)
-        if (top_n := prompt_logprobs_wanted(req)) is not None:  # server.echo
+        if (top_n := prompt_logprobs_wanted(req)) is not None:  # server.openai.echo
             params = [replace(p, prompt_logprobs=top_n) for p in params]
         self._check_lengths(prompts, req.n, params[0].max_tokens)
         # echo's logprobs and vLLM's prompt_logprobs are two renderings of one computation
@@ -178,7 +178,7 @@ class OpenAIServing:
         self, req: ChatCompletionRequest, http: HTTPRequest, prefix: str = "chatcmpl"
     ) -> tuple[Generation, list[Request], ToolPlan | None]:
         """A chat request's generation and engine requests, not yet submitted, and its tool plan
-        (also the path of /v1/responses, server.responses_api)."""
+        (also the path of /v1/responses, server.openai.responses)."""
         arrival = time.monotonic()
         model = self._check_model(req.model)
         plan = plan_tools(req, self.tool_call_parser, self.chat_template.source)
@@ -245,7 +245,7 @@ class OpenAIServing:
     # -- request -> engine -------------------------------------------------------------------------------
 
     def _completion_prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
-        """Each prompt's ids and text (tokenizer threads: `server.prompt_tokens`)."""
+        """Each prompt's ids and text (tokenizer threads: `server.openai.prompt_tokens`)."""
         prompts: list[list[int]] = []
         texts: list[str] = []
         for p in req.prompts:
@@ -260,7 +260,7 @@ class OpenAIServing:
     def _chat_prompt(
         self, req: ChatCompletionRequest, plan: ToolPlan | None
     ) -> tuple[str, list[int]]:
-        """The rendered chat prompt and its ids (tokenizer threads: `server.prompt_tokens`)."""
+        """The rendered chat prompt and its ids (tokenizer threads: `server.openai.prompt_tokens`)."""
         text = self.chat_template.render(
             req.messages, req.add_generation_prompt, plan, req.chat_template_kwargs
         )
@@ -268,7 +268,7 @@ class OpenAIServing:
         return text, self.prompts.encode_now(text, False)
 
     async def _check_grammar(self, spec: StructuredSpec, http: HTTPRequest, code: str) -> None:
-        """A spec checked out of harm's way (`server.structured`); a 400 with `code` if not."""
+        """A spec checked out of harm's way (`server.grammars.compiler`); a 400 with `code` if not."""
         try:
             await self.structured.check(spec, http)
         except InvalidRequestError as e:
@@ -360,7 +360,7 @@ class OpenAIServing:
         except InvalidRequestError as e:
             # A grammar, regex or JSON schema that does not parse or compile, or more than one
             # way of asking for structured output: rules the OpenAPI document does not state
-            # (server.openapi.UNSTATED_RULE_CODES says why), so the 400 names itself.
+            # (server.http.openapi.UNSTATED_RULE_CODES says why), so the 400 names itself.
             raise APIError(400, str(e), param=e.param, code=_grammar_code(e.param)) from e
         eos = () if req.ignore_eos else tuple(self.tokenizer.eos_token_ids)
         stop_ids = frozenset(eos) | frozenset(req.stop_token_ids or ())

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
 # Light on imports: `python -m server --help` builds the parser without torch.
-PARSER_CHOICES = ("auto", "hermes", "llama3", "mistral", "generic")  # server.tools
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # server.chat_output
+PARSER_CHOICES = ("auto", "hermes", "llama3", "mistral", "generic")  # server.tooling.plan
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # server.openai.chat_output
 
 
 def add_options(s: argparse._ArgumentGroup) -> None:
@@ -56,7 +56,7 @@ def add_options(s: argparse._ArgumentGroup) -> None:
         help="return <think>...</think> as reasoning_content: qwen3 (when the output opens "
         "with <think>) or deepseek_r1 (the output starts inside it)",
     )
-    # What one request may cost (server.serving, server.grammar_worker).
+    # What one request may cost (server.openai.serving, server.grammars.check_worker).
     s.add_argument(
         "--response-budget",
         type=int,
@@ -101,8 +101,8 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 def settings_fields(args: argparse.Namespace) -> dict[str, Any]:
     """`ServerSettings` fields for these flags. ValueError/OSError: a bad flag (the CLI says so)."""
-    from server.chat_template import load_chat_template
-    from server.grammar_worker import CheckBudget
+    from server.grammars.check_worker import CheckBudget
+    from server.tooling.chat_template import load_chat_template
 
     if args.response_budget < 1:
         raise ValueError("--response-budget must be at least 1")

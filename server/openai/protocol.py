@@ -2,10 +2,10 @@
 enforce, and `ModelCard` (what the API says about the served model).
 
 Owns what a request body may contain and its shape-level limits (how many choices, prompts, stop
-strings, logprobs). How its fields become sampling parameters is `server.sampling_params`'.
+strings, logprobs). How its fields become sampling parameters is `server.openai.sampling_params`'.
 Value checks the engine already makes (temperature >= 0, top_p in (0, 1], ...) are left to
 `SamplingParams`, whose `InvalidRequestError` names the field; `server.errors` makes it a 400.
-Responses are plain dicts built in `server.responses` (one `json.dumps` per SSE chunk is the hot
+Responses are plain dicts built in `server.openai.formats` (one `json.dumps` per SSE chunk is the hot
 path, and the shapes are small).
 
 Unknown fields are ignored, as vLLM and OpenAI's own server do, so newer SDKs keep working.
@@ -26,8 +26,8 @@ from pydantic import (
     model_validator,
 )
 
-from server.body import JSONObject, Text, _Body
-from server.tool_protocol import ToolCallParam, ToolChoice, Tools
+from server.openai.body import JSONObject, Text, _Body
+from server.openai.tool_protocol import ToolCallParam, ToolChoice, Tools
 
 # Limits a single HTTP request may ask for. They bound the work one call can queue and the size
 # of a response; the engine's own limits (context length, KV pool) are checked separately.
@@ -147,7 +147,7 @@ class SamplingFields(_Body):
     cache_salt: Text | None = Field(None, min_length=1, max_length=256)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Structured output (server.structured): OpenAI's response_format, or vLLM's spellings.
+    # Structured output (server.grammars.compiler): OpenAI's response_format, or vLLM's spellings.
     response_format: ResponseFormatParam | None = None
     structured_outputs: StructuredOutputsParam | None = None
     guided_json: JSONObject | Text | None = None
@@ -247,7 +247,7 @@ class ChatMessage(_Body):
     # Only text content: image/audio parts fail validation with a 400 naming the part.
     content: Text | list[TextPart] | None = None
     name: Text | None = None
-    # Tool calling (server.tools): an assistant turn's calls, and the call a tool turn answers.
+    # Tool calling (server.tooling.plan): an assistant turn's calls, and the call a tool turn answers.
     tool_calls: list[ToolCallParam] | None = None
     tool_call_id: Text | None = None
 
@@ -266,7 +266,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int_in(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
-    # -- tool calling (server.tools) and the chat template's inputs (server.chat_template) --
+    # -- tool calling (server.tooling.plan) and the chat template's inputs (server.tooling.chat_template) --
     tools: Tools | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
     parallel_tool_calls: bool = True

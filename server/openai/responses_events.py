@@ -1,27 +1,27 @@
 """The Responses API's output: items and the stream of events, built from a choice's text.
 
 Owns `ResponsesBuilder`: one choice's text deltas, through the same parsers as chat
-(`server.chat_output`: `--reasoning-parser`, then tool calls), become output items (a
+(`server.openai.chat_output`: `--reasoning-parser`, then tool calls), become output items (a
 `reasoning` item, a `message` with one `output_text` part, `function_call`s), each opened,
 grown and closed with OpenAI's events (`response.output_item.added`,
 `response.content_part.added`, `response.output_text.delta`, `response.reasoning_text.delta`,
 `response.function_call_arguments.delta`, their `.done`s), numbered by `sequence_number`, and
 the Response object itself (`response.created` ... `response.completed` or
 `response.incomplete`; a failure once streaming has begun: `error`, then `response.failed`).
-The request side is `server.responses_api`'s.
+The request side is `server.openai.responses`'s.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from server.chat_output import _ChoiceParsers
-from server.generation import Generation
-from server.responses import dumps
-from server.tools import ToolPlan
+from server.generation.text import Generation
+from server.openai.chat_output import _ChoiceParsers
+from server.openai.formats import dumps
+from server.tooling.plan import ToolPlan
 
 if TYPE_CHECKING:
-    from server.responses_api import ResponsesRequest
+    from server.openai.responses import ResponsesRequest
 
 
 class ResponsesBuilder:

@@ -1,4 +1,4 @@
-"""`AsyncEngineDriver`: the in-process `server.client.EngineClient`, over an `engine.Engine`.
+"""`AsyncEngineDriver`: the in-process `server.engine_client.interface.EngineClient`, over an `engine.Engine`.
 
 The engine belongs to one dedicated thread, the engine thread, which steps it back to back while
 there is work. The event loop never touches the engine: `submit`, `abort`, backpressure and `stop`
@@ -10,7 +10,7 @@ the next step. It does not wait for the loop: handing each step to a worker and 
 two thread wake-ups and whatever the loop was doing at that moment on every step, ~0.8 ms of a
 ~6 ms single-stream step (14%; docs/benchmarks.md). With no work the thread sleeps on
 a condition that the next submit, abort or resume notifies: no polling. Before it sleeps it
-hands the C heap's free pages back to the OS (`server.heap`), so a server's resident memory falls
+hands the C heap's free pages back to the OS (`server.engine_client.heap`), so a server's resident memory falls
 back after a burst instead of staying at the burst's high-water mark.
 
 What the loop reads of the engine, it reads from snapshots the engine thread sends along with
@@ -55,8 +55,8 @@ from typing import Any
 import torch
 
 from engine import Engine, EngineDeadError, EngineStats, QueueFullError, Request, StepOutput
-from server.client import EngineClient, EngineObserver, Health, OutputStream
-from server.heap import IdleHeapTrimmer
+from server.engine_client.heap import IdleHeapTrimmer
+from server.engine_client.interface import EngineClient, EngineObserver, Health, OutputStream
 
 log = logging.getLogger("server.driver")
 

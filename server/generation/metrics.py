@@ -1,7 +1,7 @@
 """Prometheus metrics for `/metrics`: one registry per app, so several apps (tests) never collide.
 
 Owns the metric names and where each value comes from. Request-level latencies (TTFT, ITL, E2E,
-queue time) and token counters are observed by `server.serving` as outputs reach a request;
+queue time) and token counters are observed by `server.openai.serving` as outputs reach a request;
 engine state (running, waiting, KV blocks, preemptions, prefix cache) is read from the engine
 client's stats snapshot at scrape time, so it is never stale and costs nothing between scrapes.
 """
@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine import EngineStats
-from server.live import LiveWindow
+from server.generation.live import LiveWindow
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -3,7 +3,7 @@
 Owns the Responses request body (`ResponsesRequest`), its translation to a chat request
 (`to_chat`: `instructions` and input items to messages, function tools, `tool_choice`,
 `text.format`, `max_output_tokens`), and `create_response`: the chat path's generation, its
-updates fed to `server.responses_output.ResponsesBuilder`, streamed as the Responses event
+updates fed to `server.openai.responses_events.ResponsesBuilder`, streamed as the Responses event
 sequence or returned whole (the same builder, its events dropped).
 
 Nothing is stored: `store: true` and `previous_response_id` are 400s (a client that wants
@@ -19,10 +19,11 @@ from pydantic import Field, ValidationError
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
-from server.body import JSONObject
 from server.errors import APIError, api_error
-from server.generation import Generation
-from server.protocol import (
+from server.generation.text import Generation
+from server.openai.body import JSONObject
+from server.openai.formats import SSEResponse, until_disconnect
+from server.openai.protocol import (
     MAX_MESSAGES,
     MAX_SEED,
     ChatCompletionRequest,
@@ -30,9 +31,8 @@ from server.protocol import (
     _Body,
     int_in,
 )
-from server.responses import SSEResponse, until_disconnect
-from server.responses_output import ResponsesBuilder
-from server.tool_protocol import FunctionName
+from server.openai.responses_events import ResponsesBuilder
+from server.openai.tool_protocol import FunctionName
 
 
 class InputText(_Body):
@@ -102,7 +102,7 @@ class ResponsesRequest(_Body):
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     stream: bool = False
-    # Stateless: only store false (or absent) and no previous_response_id (server.openapi says so)
+    # Stateless: only store false (or absent) and no previous_response_id (server.http.openapi says so)
     store: bool | None = None
     previous_response_id: Text | None = None
     metadata: Annotated[dict[Text, Text], Field(max_length=16)] | None = None
@@ -185,7 +185,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
 
 
 async def create_response(serving: Any, req: ResponsesRequest, http: HTTPRequest) -> Response:
-    """The route's work: `serving` is the app's `server.serving.OpenAIServing`."""
+    """The route's work: `serving` is the app's `server.openai.serving.OpenAIServing`."""
     chat = to_chat(req)
     gen, requests, plan = await serving.chat_requests(chat, http, prefix="resp")
     builder = ResponsesBuilder(req, gen, plan, serving.reasoning_parser)

@@ -3,7 +3,7 @@
 
 Owns what `tools`, `tool_choice` and a message's `tool_calls` may look like on the wire (OpenAI's
 chat shapes). What they mean (which tool may be called, the prompt, the grammar, the 400s that
-need more than one field) is `server.tools`'. `server.protocol` imports these types into its
+need more than one field) is `server.tooling.plan`'. `server.openai.protocol` imports these types into its
 chat request; this module imports nothing of the server, so that it can.
 """
 
@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from server.body import JSONObject, Text, _Body
+from server.openai.body import JSONObject, Text, _Body
 
 # OpenAI's rule for function names: what a template, a prompt and a grammar literal can carry.
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -26,7 +26,7 @@ FunctionName = Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
 class FunctionDefinition(_Body):
     name: FunctionName
     description: Text | None = None
-    # A JSON Schema for the arguments object; absent: any object. Checked by server.tools.
+    # A JSON Schema for the arguments object; absent: any object. Checked by server.tooling.plan.
     parameters: JSONObject | None = None
     strict: bool | None = None
 

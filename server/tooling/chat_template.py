@@ -4,7 +4,7 @@ tools and `chat_template_kwargs` it is rendered with, and a conversation's tool 
 Owns `ChatTemplate.render`: message dicts as templates expect them (an assistant turn's
 `tool_calls` with their arguments as objects, a `tool` turn with its `tool_call_id`), the
 request's tools passed to the template as `tools` (as transformers and vLLM pass them), and in
-generic mode (`server.tools`: the template knows no tools) the tools described in a system
+generic mode (`server.tooling.plan`: the template knows no tools) the tools described in a system
 message, calls written back as `<tool_call>` blocks and results as `<tool_response>` turns.
 Also the check that every tool turn answers a call made before it (a 400 naming the field).
 """
@@ -20,7 +20,7 @@ import jinja2
 from models import Tokenizer
 from models.tokenizer import render_chat_template
 from server.errors import APIError
-from server.tools import ToolPlan, generic_system_prompt, template_format
+from server.tooling.plan import ToolPlan, generic_system_prompt, template_format
 
 # Template variables a request's chat_template_kwargs may not replace (the server sets them).
 _RESERVED_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "chat_template"})
@@ -52,7 +52,7 @@ class ChatTemplate:
         plan: ToolPlan | None = None,
         kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """`messages`: `server.protocol.ChatMessage`s."""
+        """`messages`: `server.openai.protocol.ChatMessage`s."""
         if not self.source:
             raise APIError(
                 400, "this model has no chat template; use /v1/completions", param="messages"

@@ -1,7 +1,7 @@
 """The uvicorn server `python -m server` runs: a drain deadline on shutdown and socket timeouts.
 
 Owns how the process meets the network and how it ends, not what it serves (that is
-`server.app`):
+`server.http.app`):
 
 - `DrainingServer`: on SIGTERM uvicorn stops accepting connections and waits for open ones. At
   the drain deadline it would cancel their tasks, cutting streams without an error event or
@@ -34,7 +34,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server.driver import ENGINE_THREAD_NAME
+from server.engine_client.driver import ENGINE_THREAD_NAME
 
 log = logging.getLogger("server.shutdown")
 

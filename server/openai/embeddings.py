@@ -26,13 +26,13 @@ from starlette.responses import JSONResponse, Response
 from engine import Request, SamplingParams
 from engine.prompt_outputs import Pooling
 from server.errors import APIError
-from server.protocol import Prompt, Text, _Body
-from server.responses import until_disconnect
-from server.sampling_params import check_token_ids
-from server.tenancy import client_identity
+from server.generation.tenancy import client_identity
+from server.openai.formats import until_disconnect
+from server.openai.protocol import Prompt, Text, _Body
+from server.openai.sampling_params import check_token_ids
 
 if TYPE_CHECKING:
-    from server.serving import OpenAIServing
+    from server.openai.serving import OpenAIServing
 
 MAX_INPUTS = 256  # inputs in one call (vLLM sets none; each input is one engine request)
 
@@ -65,8 +65,8 @@ class EmbeddingRequest(_Body):
 
 
 def embedding_limits(schemas: dict[str, Any], max_model_len: int, vocab_size: int) -> None:
-    """The served model's limits on `input` in the OpenAPI document (server.openapi)."""
-    from server.openapi import _token_id
+    """The served model's limits on `input` in the OpenAPI document (server.http.openapi)."""
+    from server.http.openapi import _token_id
 
     prop = schemas.get("EmbeddingRequest", {}).get("properties", {}).get("input", {})
     for member in prop.get("anyOf", []):

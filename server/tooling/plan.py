@@ -84,7 +84,7 @@ def resolve_format(option: str, template: str | None) -> tuple[ToolFormat, bool]
 
 def plan_tools(req: Any, option: str, template: str | None) -> ToolPlan | None:
     """The request's `ToolPlan`, or None when it calls no tools (none given, or
-    `tool_choice: "none"`). `req` is a `server.protocol.ChatCompletionRequest`; `option` the
+    `tool_choice: "none"`). `req` is a `server.openai.protocol.ChatCompletionRequest`; `option` the
     server's `--tool-call-parser`. 400s name the field. The tools are checked whatever
     `tool_choice` says; their schemas compile in `parameter_specs`' checks."""
     choice = req.tool_choice
@@ -161,7 +161,7 @@ def _check_parameters(params: dict[str, Any] | None, param: str) -> dict[str, An
 
 def parameter_specs(req: Any) -> list[StructuredSpec]:
     """One spec per tool whose `parameters` are given: the schema as its own root, named by its
-    field, for the server to check (out of process: `server.structured`) and compile, whatever
+    field, for the server to check (out of process: `server.grammars.compiler`) and compile, whatever
     `tool_choice` says."""
     specs = []
     for i, tool in enumerate(req.tools or ()):
@@ -277,7 +277,7 @@ def tool_structured_spec(plan: ToolPlan | None, req: Any) -> Any:
     that also asks for structured output of its own cannot have both: a 400."""
     if plan is None or plan.grammar is None:
         return None
-    from server.structured import structured_spec
+    from server.grammars.compiler import structured_spec
 
     if structured_spec(req) is not None:
         raise APIError(

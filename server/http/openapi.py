@@ -15,8 +15,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from server.embeddings import embedding_limits
-from server.protocol import MAX_CHOICES, MAX_PROMPTS, ModelCard
+from server.openai.embeddings import embedding_limits
+from server.openai.protocol import MAX_CHOICES, MAX_PROMPTS, ModelCard
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 _ERROR_SCHEMA = {
@@ -56,13 +56,13 @@ UNSTATED_RULE_CODES = {
     "structured_outputs, guided_*) that does not parse or compile, that exceeds the server's "
     "limits on compiling and matching a grammar, or that no text can complete (a dead end "
     "reached mid-generation fails the request the same way), or more than one of them",
-    # Tool calling (server.tools): rules between fields and inside a tool's JSON Schema.
+    # Tool calling (server.tooling.plan): rules between fields and inside a tool's JSON Schema.
     "invalid_tools": "a tool's parameters schema that does not compile or is not an object, two "
     "tools with one name, tool_choice naming a function not among the tools or given without "
     "tools (or with response_format), a tool message that answers no earlier call",
     "invalid_chat_template_kwargs": "chat_template_kwargs setting messages, tools, "
     "add_generation_prompt or chat_template",
-    # What one request may make the server compute and send (server.serving, --response-budget)
+    # What one request may make the server compute and send (server.openai.serving, --response-budget)
     "response_too_large": "logprobs (prompt and generated, with their top alternatives, over "
     "every choice) or embedded input tokens beyond the server's response budget",
 }
@@ -128,7 +128,7 @@ def _fix(doc: dict[str, Any], card: ModelCard, vocab_size: int) -> dict[str, Any
             if path == "/metrics":
                 responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     _limits(schemas, card, vocab_size)
-    embedding_limits(schemas, card.max_model_len, vocab_size)  # server.embeddings
+    embedding_limits(schemas, card.max_model_len, vocab_size)  # server.openai.embeddings
     _cross_field_rules(schemas)
     return doc
 
@@ -174,7 +174,7 @@ def _limits(schemas: dict[str, Any], card: ModelCard, vocab_size: int) -> None:
     suffix = schemas.get("CompletionRequest", {}).get("properties", {}).get("suffix")
     if suffix is not None:
         suffix["anyOf"] = [m for m in suffix.get("anyOf", []) if m.get("type") == "null"]
-    # logit_bias keys are token ids written in decimal (server.sampling_params.TOKEN_ID_KEY), its
+    # logit_bias keys are token ids written in decimal (server.openai.sampling_params.TOKEN_ID_KEY), its
     # values biases in [-100, 100] (OpenAI's range; engine.SamplingParams checks it).
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         bias = schemas.get(name, {}).get("properties", {}).get("logit_bias", {})
@@ -191,7 +191,7 @@ def _limits(schemas: dict[str, Any], card: ModelCard, vocab_size: int) -> None:
             {"properties": {"type": {"enum": ["text", "json_object"]}}},
             {"required": ["json_schema"], "properties": {"json_schema": given[0]}},
         ]
-    # The Responses API is stateless (server.responses_api): no store, no previous response.
+    # The Responses API is stateless (server.openai.responses): no store, no previous response.
     responses = schemas.get("ResponsesRequest", {}).get("properties", {})
     if "store" in responses:
         responses["store"] = {"anyOf": [{"const": False}, {"type": "null"}], "title": "Store"}

@@ -67,7 +67,7 @@ async def grammar_constraints(
     structured: Any, client: Any, spec: StructuredSpec, count: int, http: Any = None
 ) -> list[Any]:
     """`count` constraints for `spec` as `client` takes them: compiled here by `structured`
-    (`server.structured.StructuredOutputs`: checked out of process first), or checked and
+    (`server.grammars.compiler.StructuredOutputs`: checked out of process first), or checked and
     compiled here and sent as specs (a replica compiles only specs that passed here). `http`:
     the client's request, whose disconnect cancels a check."""
     placement = getattr(client, "grammar_placement", "local")

@@ -24,10 +24,10 @@ from starlette.types import Receive, Scope, Send
 
 from engine import TokenLogprob
 from models import Tokenizer
-from server import echo
 from server.errors import ClientDisconnected, api_error
-from server.generation import Choice, Generation
-from server.protocol import ModelCard
+from server.generation.text import Choice, Generation
+from server.openai import echo
+from server.openai.protocol import ModelCard
 
 log = logging.getLogger("server.requests")
 
@@ -156,7 +156,7 @@ class CompletionFormat(ResponseFormat):
 
     @property
     def echo_logprobs(self) -> bool:
-        """echo with logprobs: the prompt's logprobs come first (server.echo)."""
+        """echo with logprobs: the prompt's logprobs come first (server.openai.echo)."""
         return self.gen.echo and self.gen.logprobs is not None
 
     def _prompt_part(self, c: Choice) -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from engine import StepOutput, TokenLogprob
 from models import IncrementalDetokenizer, Tokenizer
-from server.client import OutputStream
+from server.engine_client.interface import OutputStream
 
 
 class Choice:

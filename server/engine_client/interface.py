@@ -1,7 +1,7 @@
 """The engine-client seam: everything the HTTP layer knows about an engine.
 
 `EngineClient` is what routes may ask of an engine: submit a group of requests and iterate their
-outputs, abort one, health, stats, start and stop. `server.driver.AsyncEngineDriver` implements it
+outputs, abort one, health, stats, start and stop. `server.engine_client.driver.AsyncEngineDriver` implements it
 over an engine in this process; another implementation can forward the same calls to a remote
 replica. Each submit returns an `OutputStream`, which the implementation feeds through the
 stream's producer methods (`deliver`, `close`, `fail`) and a route consumes by iterating it.

@@ -2,7 +2,7 @@
 
 Owns `ParsedChatFormat`, the chat `ResponseFormat` used when a request has tools or the server
 has a `--reasoning-parser`: each choice's text goes through `ReasoningSplit` (`<think>...</think>`
-to `reasoning_content`, as vLLM and llama-server return it) and then `server.tool_calls`'
+to `reasoning_content`, as vLLM and llama-server return it) and then `server.tooling.parser`'
 parser, in chunks (deltas with `reasoning_content`, `content`, `tool_calls`) and in whole
 messages alike; a choice that made calls ends with `finish_reason: "tool_calls"`.
 
@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine import TokenLogprob
-from server.generation import Choice, Generation
-from server.responses import ChatFormat, TokenText
-from server.tool_calls import ToolCallStream, _partial_suffix
-from server.tools import ToolPlan
+from server.generation.text import Choice, Generation
+from server.openai.formats import ChatFormat, TokenText
+from server.tooling.parser import ToolCallStream, _partial_suffix
+from server.tooling.plan import ToolPlan
 
 _OPEN, _CLOSE = "<think>", "</think>"
 

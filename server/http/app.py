@@ -27,23 +27,23 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from models import Tokenizer
-from server.client import EngineClient
-from server.embeddings import EmbeddingRequest, create_embeddings
+from server.engine_client.interface import EngineClient
 from server.errors import APIError, add_error_handlers, error_body
-from server.grammar_worker import CheckBudget
-from server.metrics import CONTENT_TYPE, ServerMetrics
-from server.openapi import install_openapi
-from server.options import add_cors
-from server.protocol import (
+from server.generation.metrics import CONTENT_TYPE, ServerMetrics
+from server.grammars.check_worker import CheckBudget
+from server.http.openapi import install_openapi
+from server.http.options import add_cors
+from server.http.web import web_routes
+from server.openai.embeddings import EmbeddingRequest, create_embeddings
+from server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     ModelCard,
     TokenizeRequest,
 )
-from server.responses_api import ResponsesRequest, create_response
-from server.serving import DEFAULT_RESPONSE_BUDGET, OpenAIServing
-from server.web import web_routes
+from server.openai.responses import ResponsesRequest, create_response
+from server.openai.serving import DEFAULT_RESPONSE_BUDGET, OpenAIServing
 
 log = logging.getLogger("server.app")
 
@@ -66,7 +66,7 @@ _COUNTED_PATHS = frozenset(
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     api_key: str | None = None
-    # -- issue 25 (server.options) --
+    # -- issue 25 (server.http.options) --
     api_keys: tuple[str, ...] = ()  # more accepted keys (--api-key repeated, --api-key-file)
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers
     chat_template: str | None = None  # the template text that replaces the model's
@@ -79,11 +79,11 @@ class ServerSettings:
     max_concurrent_per_client: int | None = None
     # A streamed response whose client reads nothing for this long is aborted; None: never.
     stall_timeout: float | None = 60.0
-    web_ui: bool = True  # the page at / (server.web); `--no-web-ui` turns it off
-    # Entries one response may carry (server.serving: logprobs over every choice, embedded
+    web_ui: bool = True  # the page at / (server.http.web); `--no-web-ui` turns it off
+    # Entries one response may carry (server.openai.serving: logprobs over every choice, embedded
     # input tokens); a request over it is a 400 before it runs.
     response_budget: int = DEFAULT_RESPONSE_BUDGET
-    # What checking one new grammar may take, out of process (server.grammar_worker).
+    # What checking one new grammar may take, out of process (server.grammars.check_worker).
     grammar_budget: CheckBudget = CheckBudget()
 
 
@@ -228,7 +228,7 @@ def _routes() -> APIRouter:
 
     @router.get("/v1/engine/stats")
     async def engine_stats(client: EngineDep, m: MetricsDep) -> Response:
-        # The web page's live view (server.live); behind the API key like the rest of /v1.
+        # The web page's live view (server.generation.live); behind the API key like the rest of /v1.
         return JSONResponse(m.live.snapshot(client.stats()))
 
     @router.get("/v1/models")
@@ -256,13 +256,13 @@ def _routes() -> APIRouter:
     ) -> Response:
         return await serving.chat(body, request)
 
-    @router.post("/v1/responses")  # issue 25: the Responses API (server.responses_api)
+    @router.post("/v1/responses")  # issue 25: the Responses API (server.openai.responses)
     async def responses(body: ResponsesRequest, request: Request, serving: ServingDep) -> Response:
         return await create_response(serving, body, request)
 
     @router.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request, serving: ServingDep) -> Response:
-        return await create_embeddings(serving, body, request)  # server.embeddings
+        return await create_embeddings(serving, body, request)  # server.openai.embeddings
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest, serving: ServingDep) -> Response:

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 from engine import TokenLogprob
 
 if TYPE_CHECKING:
-    from server.protocol import CompletionRequest
-    from server.responses import TokenText
+    from server.openai.formats import TokenText
+    from server.openai.protocol import CompletionRequest
 
 
 def prompt_logprobs_wanted(req: CompletionRequest) -> int | None:
@@ -32,7 +32,7 @@ def echoed_logprobs(
     tokens: TokenText, plps: Sequence[TokenLogprob | None], top_n: int
 ) -> dict[str, Any]:
     """The prompt's part of a choice's `logprobs` (OpenAI's completions shape)."""
-    from server.responses import _clamp  # the same floor as sampled tokens' logprobs
+    from server.openai.formats import _clamp  # the same floor as sampled tokens' logprobs
 
     out: dict[str, list] = {
         "tokens": [],
@@ -93,7 +93,7 @@ def vllm_prompt_logprobs(
     tokens: TokenText, plps: Sequence[TokenLogprob | None], top_n: int
 ) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's `prompt_logprobs`: null, then {token id: {logprob, rank, decoded_token}} per token."""
-    from server.responses import _clamp
+    from server.openai.formats import _clamp
 
     out: list[dict[str, dict[str, Any]] | None] = []
     for lp in plps:

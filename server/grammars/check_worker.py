@@ -7,7 +7,7 @@ before any of llguidance's own limits is consulted. So every spec the server has
 first compiled, and its first masks computed, in a process of its own that may die:
 
 - `GrammarWorker` (the server side) runs one long-lived worker process (`python -m
-  server.grammar_worker`), hands it the tokenizer's `engine.grammar.Vocabulary` once, and asks it
+  server.grammars.check_worker`), hands it the tokenizer's `engine.grammar.Vocabulary` once, and asks it
   for a verdict per spec: the spec's llguidance grammar text, or a client's 400 message. Verdicts
   are cached per spec (a digest of it); identical checks in flight share one job; a check whose
   client goes away is cancelled (its job killed). If the worker itself dies it is started again.
@@ -202,10 +202,10 @@ class GrammarWorker:
             self.restarts += 1
         env = dict(os.environ)
         # The worker imports this package from wherever the server does.
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "server.grammar_worker"],
+            [sys.executable, "-m", "server.grammars.check_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,

@@ -6,7 +6,7 @@ Owns the mapping from a request's `response_format` ({"type": "json_object"} or 
 "choice" | "grammar" | "json_object"}) and its older `guided_json` / `guided_regex` /
 `guided_choice` / `guided_grammar` to one `engine.structured.StructuredSpec` (at most one may be
 given: two are a 400), and `StructuredOutputs`, which checks a spec it has not seen in the
-grammar check worker (`server.grammar_worker`: out of process, within a time and memory budget),
+grammar check worker (`server.grammars.check_worker`: out of process, within a time and memory budget),
 then compiles it (cached) in a worker thread and returns one fresh grammar state per choice. A
 schema, regex or grammar the library rejects, or that blows the budget, is an
 `InvalidRequestError`, which `server.errors` makes a 400 naming the field.
@@ -25,9 +25,9 @@ from engine.errors import InvalidRequestError
 from engine.structured import GrammarCompiler, StructuredSpec, TokenConstraint
 from models import Tokenizer
 from server.errors import APIError
-from server.grammar_worker import CheckBudget, GrammarWorker, WorkerUnavailable
-from server.protocol import SamplingFields
-from server.responses import until_disconnect
+from server.grammars.check_worker import CheckBudget, GrammarWorker, WorkerUnavailable
+from server.openai.formats import until_disconnect
+from server.openai.protocol import SamplingFields
 
 log = logging.getLogger("server.structured")
 
@@ -96,7 +96,7 @@ class StructuredOutputs:
         self.worker.close()
 
     async def check(self, spec: StructuredSpec, http: Any = None) -> str | None:
-        """Check `spec` out of harm's way (see `server.grammar_worker`): its grammar text when it
+        """Check `spec` out of harm's way (see `server.grammars.check_worker`): its grammar text when it
         is new and passes, None when it passed before, `InvalidRequestError` when it fails.
         With `http` (the client's request), a client that disconnects cancels the check."""
         for attempt in range(2):

@@ -21,7 +21,7 @@ import re
 import uuid
 from typing import Any
 
-from server.tools import ToolFormat
+from server.tooling.plan import ToolFormat
 
 _TRIGGERS: dict[str, tuple[str, ...]] = {
     "hermes": ("<tool_call>",),

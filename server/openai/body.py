@@ -1,7 +1,7 @@
 """What every request body model shares: `Text`, a string that can become UTF-8, `JSONObject`, a
 free-form JSON object (a schema, template arguments) whose every key and value can be sent back,
 and `_Body`, the strict pydantic base (OpenAI's types, unknown fields ignored).
-`server.protocol`, `server.tool_protocol` and `server.responses_api` build their bodies from
+`server.openai.protocol`, `server.openai.tool_protocol` and `server.openai.responses` build their bodies from
 these.
 """
 

@@ -1,6 +1,6 @@
 """Request fields -> `engine.SamplingParams`: one per choice of each prompt.
 
-Owns how the OpenAI fields of a validated request (`server.protocol`) and the model's sampling
+Owns how the OpenAI fields of a validated request (`server.openai.protocol`) and the model's sampling
 defaults (`ModelCard.default_sampling_params`) become engine sampling parameters, and the checks
 that need the vocabulary (token ids in prompts, `logit_bias`, `stop_token_ids`). A new sampling
 field is a field on `protocol.SamplingFields` plus one line in `_sampling_params`.
@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from engine import SamplingParams
 from server.errors import APIError
-from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from server.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key
 # Below this a temperature is greedy (as vLLM's _SAMPLING_EPS): dividing logits by 1e-38 overflows
@@ -105,7 +105,7 @@ def _sampling_params(
     check_token_ids(stop_ids, vocab_size, "stop_token_ids")
     if req.min_tokens > max_tokens:
         # As vLLM: a 400, not a silent cap. With its own code, because no JSON Schema keyword can
-        # bound one field by another (server.openapi.UNSTATED_RULE_CODES).
+        # bound one field by another (server.http.openapi.UNSTATED_RULE_CODES).
         raise APIError(
             400,
             f"min_tokens ({req.min_tokens}) must be less than or equal to max_tokens "
