@@ -1,9 +1,11 @@
-"""The text state of one HTTP generation request: its choices, and what each has said so far.
+"""The text state of one submitted request: its choices, and what each has said so far.
 
-A `Generation` is one completions or chat request: its prompts, its engine requests (one per
-`Choice`), the stream they come back on, and usage counted from token ids. A `Choice` turns its
-engine request's outputs into text: incremental detokenization, stop strings (a match truncates
-the text before it), text held back while a stop string may still be forming, and timings.
+A `Generation` is one request's run (completions, chat, a Responses call, or embeddings): its
+prompts, its choices (one engine request each), the stream they come back on, and usage counted
+from token ids. A `Choice` turns its engine request's outputs into text: incremental
+detokenization, stop strings (a match truncates the text before it), text held back while a
+stop string may still be forming, timings, and an embedding request's vector. An `Update` is
+what the generation loop hands a response per output.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Choice:
         "finish_reason",
         "first_time",
         "last_time",
+        "embedding",
     )
 
     def __init__(
@@ -68,6 +71,7 @@ class Choice:
         self.finish_reason: str | None = None
         self.first_time: float | None = None
         self.last_time: float | None = None
+        self.embedding: list[float] | None = None  # an embedding request's vector, at its end
 
     @property
     def finished(self) -> bool:
@@ -82,6 +86,8 @@ class Choice:
             self.logprobs.extend(out.logprobs)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        if out.embedding is not None:
+            self.embedding = out.embedding
         text_ids = ids
         if out.finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
             text_ids = ids[:-1]  # EOS / stop_token_ids end the text; they are not part of it
@@ -118,9 +124,8 @@ class Choice:
 
 @dataclass(slots=True, kw_only=True)
 class Generation:
-    """One HTTP generation request: its engine requests, choices and usage. Built whole (its
-    choices included); what changes afterwards is the run's state: `stream`, `status`, `done`,
-    `counted`."""
+    """One submitted request: its choices and usage. Built whole (its choices included); what
+    changes afterwards is the run's state: `stream`, `status`, `done`, `counted`."""
 
     id: str
     model: str
@@ -134,6 +139,9 @@ class Generation:
     echo: bool = False
     logprobs: int | None = None  # top-N, None when not requested
     grammar_param: str | None = None  # the field whose grammar constrains the choices, if any
+    # False for a prefill-only request (embeddings): no text, so it holds no client slot and
+    # has no token timings or log line.
+    generates: bool = True
     by_request: dict[str, Choice] = field(init=False)
     stream: OutputStream | None = None
     status: str = "ok"
@@ -171,3 +179,7 @@ class Generation:
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+
+
+# (choice, text delta safe to send, that output's logprobs, how many tokens it carried)
+Update = tuple[Choice, str, Sequence[TokenLogprob], int]

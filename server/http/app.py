@@ -28,9 +28,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from models import Tokenizer
 from server.engine_client.interface import EngineClient
-from server.errors import APIError, add_error_handlers, error_body
+from server.errors import APIError, error_body
 from server.generation.metrics import CONTENT_TYPE, ServerMetrics
 from server.grammars.check_worker import CheckBudget
+from server.http.error_handlers import add_error_handlers
 from server.http.openapi import install_openapi
 from server.http.options import add_cors
 from server.http.web import web_routes

@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from server.openai.embeddings import embedding_limits
+from server.openai.embeddings import MAX_INPUTS
 from server.openai.protocol import MAX_CHOICES, MAX_PROMPTS, ModelCard
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
@@ -128,7 +128,7 @@ def _fix(doc: dict[str, Any], card: ModelCard, vocab_size: int) -> dict[str, Any
             if path == "/metrics":
                 responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     _limits(schemas, card, vocab_size)
-    embedding_limits(schemas, card.max_model_len, vocab_size)  # server.openai.embeddings
+    embedding_limits(schemas, card.max_model_len, vocab_size)
     _cross_field_rules(schemas)
     return doc
 
@@ -262,6 +262,25 @@ def token_id_pattern(largest: int) -> str:
             alternatives.append(top[:i] + f"[{low}-{high}]" + (f"[0-9]{{{rest}}}" if rest else ""))
     alternatives.append(top)
     return "^(?:" + "|".join(alternatives) + ")$"
+
+
+def embedding_limits(schemas: dict[str, Any], max_model_len: int, vocab_size: int) -> None:
+    """The served model's limits on /v1/embeddings' `input`."""
+    prop = schemas.get("EmbeddingRequest", {}).get("properties", {}).get("input", {})
+    for member in prop.get("anyOf", []):
+        if member.get("type") != "array":
+            continue
+        member["minItems"] = 1
+        items = member.get("items", {})
+        if items.get("type") == "integer":
+            member["maxItems"] = max_model_len
+            _token_id(items, vocab_size)
+        else:
+            member["maxItems"] = MAX_INPUTS
+            if items.get("type") == "array":
+                items["minItems"] = 1
+                items["maxItems"] = max_model_len
+                _token_id(items.get("items", {}), vocab_size)
 
 
 def _token_id(schema: dict[str, Any], vocab_size: int) -> None:

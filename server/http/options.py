@@ -15,12 +15,12 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Any
 
+# Light on imports: `python -m server --help` builds the parser without torch.
+from server.tooling.formats import PARSER_CHOICES
+from server.tooling.reasoning import REASONING_PARSERS
+
 if TYPE_CHECKING:
     from fastapi import FastAPI
-
-# Light on imports: `python -m server --help` builds the parser without torch.
-PARSER_CHOICES = ("auto", "hermes", "llama3", "mistral", "generic")  # server.tooling.plan
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # server.openai.chat_output
 
 
 def add_options(s: argparse._ArgumentGroup) -> None:

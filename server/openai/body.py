@@ -1,6 +1,6 @@
 """What every request body model shares: `Text`, a string that can become UTF-8, `JSONObject`, a
 free-form JSON object (a schema, template arguments) whose every key and value can be sent back,
-and `_Body`, the strict pydantic base (OpenAI's types, unknown fields ignored).
+and `Body`, the strict pydantic base (OpenAI's types, unknown fields ignored).
 `server.openai.protocol`, `server.openai.tool_protocol` and `server.openai.responses` build their bodies from
 these.
 """
@@ -68,7 +68,7 @@ def _check_text(text: str, where: str, what: str) -> None:
 JSONObject = Annotated[dict[str, Any], AfterValidator(_valid_json)]
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
     # strict: booleans and integers must be JSON booleans and integers, as OpenAI requires
     # ("stream": "yes" and "max_tokens": "5" are 400s, not coerced); an integer is still a
     # valid float. No NaN or infinity (Python's JSON parser accepts them).

@@ -16,19 +16,22 @@ from __future__ import annotations
 import base64
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import Field, field_validator
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from engine import Request, SamplingParams
-from engine.prompt_outputs import Pooling
+from engine import SamplingParams
+from engine.request import Pooling
 from server.errors import APIError
+from server.generation.submission import Submission
 from server.generation.tenancy import client_identity
-from server.openai.formats import until_disconnect
-from server.openai.protocol import Prompt, Text, _Body
+from server.generation.text import Generation, Update
+from server.openai.body import Body
+from server.openai.protocol import Prompt, Text
 from server.openai.sampling_params import check_token_ids
 
 if TYPE_CHECKING:
@@ -37,7 +40,7 @@ if TYPE_CHECKING:
 MAX_INPUTS = 256  # inputs in one call (vLLM sets none; each input is one engine request)
 
 
-class EmbeddingRequest(_Body):
+class EmbeddingRequest(Body):
     input: Prompt
     model: Text | None = None
     encoding_format: Literal["float", "base64"] = "float"
@@ -64,37 +67,51 @@ class EmbeddingRequest(_Body):
         return list(v)  # type: ignore[arg-type]
 
 
-def embedding_limits(schemas: dict[str, Any], max_model_len: int, vocab_size: int) -> None:
-    """The served model's limits on `input` in the OpenAPI document (server.http.openapi)."""
-    from server.http.openapi import _token_id
-
-    prop = schemas.get("EmbeddingRequest", {}).get("properties", {}).get("input", {})
-    for member in prop.get("anyOf", []):
-        if member.get("type") != "array":
-            continue
-        member["minItems"] = 1
-        items = member.get("items", {})
-        if items.get("type") == "integer":
-            member["maxItems"] = max_model_len
-            _token_id(items, vocab_size)
-        else:
-            member["maxItems"] = MAX_INPUTS
-            if items.get("type") == "array":
-                items["minItems"] = 1
-                items["maxItems"] = max_model_len
-                _token_id(items.get("items", {}), vocab_size)
-
-
 def _encode(vector: list[float], fmt: str) -> list[float] | str:
     if fmt == "base64":
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
     return vector
 
 
+class EmbeddingsRender:
+    """The embeddings body, once every input's vector is in (embeddings do not stream)."""
+
+    def __init__(self, gen: Generation, encoding_format: str) -> None:
+        self.gen = gen
+        self.encoding_format = encoding_format
+
+    def stream(self, updates: AsyncIterator[Update]) -> AsyncIterator[str]:
+        raise NotImplementedError("embeddings are not streamed")
+
+    async def whole(self, updates: AsyncIterator[Update]) -> dict[str, Any]:
+        async for c, _, _, _ in updates:
+            if c.finished and c.embedding is None:
+                raise APIError(503, "an embedding request ended early", code="aborted")
+        gen = self.gen
+        n_tokens = sum(len(p) for p in gen.prompts)
+        data = [
+            {
+                "object": "embedding",
+                "index": c.index,
+                "embedding": _encode(c.embedding or [], self.encoding_format),
+            }
+            for c in gen.choices
+        ]
+        return {
+            "object": "list",
+            "id": gen.id,
+            "created": gen.created,
+            "model": gen.model,
+            "data": data,
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+        }
+
+
 async def create_embeddings(
     serving: OpenAIServing, req: EmbeddingRequest, http: HTTPRequest
 ) -> Response:
-    model = serving._check_model(req.model)
+    """The route's work: each input one prefill-only choice of one submission."""
+    model = serving.check_model(req.model)
     limit = serving.card.max_model_len
     for item in req.inputs:  # cheap checks of every input before any is tokenized
         if isinstance(item, str):
@@ -127,53 +144,15 @@ async def create_embeddings(
             param="input",
             code="response_too_large",
         )
-    pooling = Pooling(serving.card.embedding_pooling)
-    gen_id = f"embd-{uuid.uuid4().hex}"
-    arrival = time.monotonic()
-    client_id = client_identity(http)
-    requests = [
-        Request(
-            ids,
-            SamplingParams(max_tokens=0),
-            request_id=f"{gen_id}-{i}",
-            arrival_time=arrival,
-            client_id=client_id,
-            pooling=pooling,
-        )
-        for i, ids in enumerate(prompts)
-    ]
-
-    async def run() -> Response:
-        stream = await serving.client.submit(requests)
-        vectors: dict[str, list[float]] = {}
-        try:
-            async for out in stream:
-                if out.embedding is not None:
-                    vectors[out.request_id] = out.embedding
-                elif out.finished:
-                    raise APIError(503, "an embedding request ended early", code="aborted")
-        finally:
-            for rid in stream.open_request_ids:
-                serving.client.abort(rid)
-        n_tokens = sum(len(p) for p in prompts)
-        if serving.metrics is not None:
-            serving.metrics.prompt_tokens.inc(n_tokens)
-        data = [
-            {
-                "object": "embedding",
-                "index": i,
-                "embedding": _encode(vectors[r.request_id], req.encoding_format),
-            }
-            for i, r in enumerate(requests)
-        ]
-        body: dict[str, Any] = {
-            "object": "list",
-            "id": gen_id,
-            "created": int(time.time()),
-            "model": model,
-            "data": data,
-            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
-        }
-        return JSONResponse(body)
-
-    return await until_disconnect(http, run())
+    sub = Submission(
+        id=f"embd-{uuid.uuid4().hex}",
+        model=model,
+        arrival=time.monotonic(),
+        client_id=client_identity(http),
+        prompts=prompts,
+        prompt_texts=[""] * len(prompts),
+        params=[SamplingParams(max_tokens=0)],
+        pooling=Pooling(serving.card.embedding_pooling),
+        render=lambda gen: EmbeddingsRender(gen, req.encoding_format),
+    )
+    return await serving.respond(sub, http)

@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from server.openai.body import JSONObject, Text, _Body
+from server.openai.body import Body, JSONObject, Text
 from server.openai.tool_protocol import ToolCallParam, ToolChoice, Tools
 
 # Limits a single HTTP request may ask for. They bound the work one call can queue and the size
@@ -69,11 +69,11 @@ def int_in(**bounds: int) -> Any:
     return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(Body):
     """`response_format.json_schema`: OpenAI's {"name", "schema", "strict"}."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
@@ -84,7 +84,7 @@ class JsonSchemaFormat(_Body):
     strict: bool | None = None
 
 
-class ResponseFormatParam(_Body):
+class ResponseFormatParam(Body):
     """`response_format`: {"type": "text" | "json_object" | "json_schema", "json_schema": ...}."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -97,7 +97,7 @@ class ResponseFormatParam(_Body):
         return self
 
 
-class StructuredOutputsParam(_Body):
+class StructuredOutputsParam(Body):
     """vLLM's `structured_outputs` (its newer spelling of the guided_* fields): one of these."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
@@ -119,7 +119,7 @@ StopField = Annotated[
 ]
 
 
-class SamplingFields(_Body):
+class SamplingFields(Body):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
 
     model: Text | None = None
@@ -237,12 +237,12 @@ class CompletionRequest(SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
-class TextPart(_Body):
+class TextPart(Body):
     type: Literal["text"] = "text"
     text: Text
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: Text = Field(min_length=1)
     # Only text content: image/audio parts fail validation with a 400 naming the part.
     content: Text | list[TextPart] | None = None
@@ -289,7 +289,7 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(Body):
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
@@ -303,7 +303,7 @@ class TokenizeRequest(_Body):
         return self
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     model: Text | None = None
     tokens: list[Int]
 

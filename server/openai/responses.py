@@ -12,41 +12,39 @@ history sends it as input items, as the Agents SDK does without a store).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from server.errors import APIError, api_error
+from server.errors import APIError
 from server.generation.text import Generation
-from server.openai.body import JSONObject
-from server.openai.formats import SSEResponse, until_disconnect
+from server.openai.body import Body, JSONObject
 from server.openai.protocol import (
     MAX_MESSAGES,
     MAX_SEED,
     ChatCompletionRequest,
     Text,
-    _Body,
     int_in,
 )
 from server.openai.responses_events import ResponsesBuilder
 from server.openai.tool_protocol import FunctionName
+from server.tooling.plan import ToolPlan
 
 
-class InputText(_Body):
+class InputText(Body):
     type: Literal["input_text", "output_text", "text"]
     text: Text
 
 
-class InputMessage(_Body):
+class InputMessage(Body):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Text | list[InputText]
 
 
-class FunctionCallItem(_Body):
+class FunctionCallItem(Body):
     type: Literal["function_call"]
     call_id: Text = Field(min_length=1)
     name: FunctionName
@@ -54,7 +52,7 @@ class FunctionCallItem(_Body):
     id: Text | None = None
 
 
-class FunctionCallOutputItem(_Body):
+class FunctionCallOutputItem(Body):
     type: Literal["function_call_output"]
     call_id: Text = Field(min_length=1)
     output: Text
@@ -63,7 +61,7 @@ class FunctionCallOutputItem(_Body):
 InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
 
 
-class FunctionTool(_Body):
+class FunctionTool(Body):
     type: Literal["function"]
     name: FunctionName
     description: Text | None = None
@@ -71,13 +69,13 @@ class FunctionTool(_Body):
     strict: bool | None = None
 
 
-class NamedFunction(_Body):
+class NamedFunction(Body):
     type: Literal["function"]
     name: FunctionName
 
 
-class TextFormat(_Body):
-    model_config = _Body.model_config | {"populate_by_name": True}
+class TextFormat(Body):
+    model_config = Body.model_config | {"populate_by_name": True}
     type: Literal["text", "json_object", "json_schema"]
     name: Text | None = None
     schema_: JSONObject | None = Field(None, alias="schema")
@@ -85,11 +83,11 @@ class TextFormat(_Body):
     description: Text | None = None
 
 
-class TextConfig(_Body):
+class TextConfig(Body):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(Body):
     model: Text | None = None
     input: Text | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
     instructions: Text | None = None
@@ -185,42 +183,12 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
 
 
 async def create_response(serving: Any, req: ResponsesRequest, http: HTTPRequest) -> Response:
-    """The route's work: `serving` is the app's `server.openai.serving.OpenAIServing`."""
+    """The route's work: `serving` is the app's `server.openai.serving.OpenAIServing`; the chat
+    path prepares the request, with a `ResponsesBuilder` as what it sends back."""
     chat = to_chat(req)
-    gen, requests, plan = await serving.chat_requests(chat, http, prefix="resp")
-    builder = ResponsesBuilder(req, gen, plan, serving.reasoning_parser)
-    if req.stream:
-        await serving._submit(gen, requests)
-        return SSEResponse(
-            _events(serving, gen, builder),
-            lambda: serving._finish(gen),
-            stall_timeout=serving.stall_timeout,
-        )
 
-    async def whole() -> Response:
-        await serving._submit(gen, requests)
-        async for _ in _events(serving, gen, builder):
-            pass
-        return JSONResponse(builder.response())
+    def render(gen: Generation, plan: ToolPlan | None) -> ResponsesBuilder:
+        return ResponsesBuilder(req, gen, plan, serving.reasoning_parser)
 
-    return await until_disconnect(http, whole())
-
-
-async def _events(serving: Any, gen: Generation, builder: ResponsesBuilder) -> AsyncIterator[str]:
-    """The Responses event stream. Whatever fails once it has started (the grammar reaching a
-    dead end, the engine stopping, a bug) ends it cleanly: an `error` event and
-    `response.failed`, never a cut connection."""
-    try:
-        for event in builder.start():
-            yield event
-        reason = None
-        async for c, delta, _, _ in serving._updates(gen):
-            for event in builder.feed(delta, c.finished):
-                yield event
-            if c.finished:
-                reason = c.finish_reason
-        for event in builder.finish(reason):
-            yield event
-    except Exception as e:
-        for event in builder.fail(api_error(e, gen.id)):
-            yield event
+    sub = await serving.chat_submission(chat, http, render, prefix="resp")
+    return await serving.respond(sub, http)

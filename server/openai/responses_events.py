@@ -1,27 +1,28 @@
 """The Responses API's output: items and the stream of events, built from a choice's text.
 
-Owns `ResponsesBuilder`: one choice's text deltas, through the same parsers as chat
-(`server.openai.chat_output`: `--reasoning-parser`, then tool calls), become output items (a
-`reasoning` item, a `message` with one `output_text` part, `function_call`s), each opened,
-grown and closed with OpenAI's events (`response.output_item.added`,
-`response.content_part.added`, `response.output_text.delta`, `response.reasoning_text.delta`,
+Owns `ResponsesBuilder`, the `server.generation.submission.Render` of /v1/responses: one
+choice's text deltas, through the same parsers as chat (`server.tooling.output`:
+`--reasoning-parser`, then tool calls), become output items (a `reasoning` item, a `message`
+with one `output_text` part, `function_call`s), each opened, grown and closed with OpenAI's
+events (`response.output_item.added`, `response.content_part.added`,
+`response.output_text.delta`, `response.reasoning_text.delta`,
 `response.function_call_arguments.delta`, their `.done`s), numbered by `sequence_number`, and
 the Response object itself (`response.created` ... `response.completed` or
 `response.incomplete`; a failure once streaming has begun: `error`, then `response.failed`).
-The request side is `server.openai.responses`'s.
+Returned whole, it is the same builder with its events dropped. The request side is
+`server.openai.responses`'s.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator
+from typing import Any
 
-from server.generation.text import Generation
-from server.openai.chat_output import _ChoiceParsers
-from server.openai.formats import dumps
+from server.errors import api_error
+from server.generation.sse import dumps
+from server.generation.text import Generation, Update
+from server.tooling.output import ChoiceParsers
 from server.tooling.plan import ToolPlan
-
-if TYPE_CHECKING:
-    from server.openai.responses import ResponsesRequest
 
 
 class ResponsesBuilder:
@@ -29,7 +30,7 @@ class ResponsesBuilder:
 
     def __init__(
         self,
-        req: ResponsesRequest,
+        req: Any,  # the `server.openai.responses.ResponsesRequest`
         gen: Generation,
         plan: ToolPlan | None,
         reasoning_parser: str | None = None,
@@ -37,7 +38,7 @@ class ResponsesBuilder:
         self.req = req
         self.gen = gen
         self.id = "resp_" + gen.id.split("-", 1)[-1]
-        self.parsers = _ChoiceParsers(plan, reasoning_parser)
+        self.parsers = ChoiceParsers(plan, reasoning_parser)
         self.reasoning: dict[str, Any] | None = None  # the open reasoning item
         self.output: list[dict[str, Any]] = []
         self.seq = 0
@@ -46,6 +47,31 @@ class ResponsesBuilder:
         self.status = "in_progress"
         self.incomplete: dict[str, str] | None = None
         self.error: dict[str, str] | None = None  # a failed response's {code, message}
+
+    async def stream(self, updates: AsyncIterator[Update]) -> AsyncIterator[str]:
+        """The Responses event stream. Whatever fails once it has started (the grammar reaching
+        a dead end, the engine stopping, a bug) ends it cleanly: an `error` event and
+        `response.failed`, never a cut connection."""
+        try:
+            for event in self.start():
+                yield event
+            reason = None
+            async for c, delta, _, _ in updates:
+                for event in self.feed(delta, c.finished):
+                    yield event
+                if c.finished:
+                    reason = c.finish_reason
+            for event in self.finish(reason):
+                yield event
+        except Exception as e:
+            for event in self.fail(api_error(e, self.gen.id)):
+                yield event
+
+    async def whole(self, updates: AsyncIterator[Update]) -> dict[str, Any]:
+        """The Response object once the run ends (a failure: `response.failed`'s object)."""
+        async for _ in self.stream(updates):
+            pass
+        return self.response()
 
     def _event(self, kind: str, **fields: Any) -> str:
         data = dumps({"type": kind, "sequence_number": self.seq, **fields})

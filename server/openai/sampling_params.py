@@ -64,6 +64,13 @@ def completion_sampling_params(
     return _sampling_params(req, max_tokens, req.logprobs, vocab_size, defaults)
 
 
+def prompt_logprobs_wanted(req: CompletionRequest) -> int | None:
+    """Top-N the engine computes for each prompt token (echo with logprobs, or vLLM's
+    `prompt_logprobs`; `server.openai.logprobs` shows them), None when neither field asks."""
+    wanted = [n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None]
+    return max(wanted) if wanted else None
+
+
 def chat_sampling_params(
     req: ChatCompletionRequest,
     vocab_size: int,

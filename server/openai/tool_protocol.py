@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from server.openai.body import JSONObject, Text, _Body
+from server.openai.body import Body, JSONObject, Text
 
 # OpenAI's rule for function names: what a template, a prompt and a grammar literal can carry.
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -23,7 +23,7 @@ MAX_TOOLS = 128  # OpenAI's limit on tools in one request
 FunctionName = Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
 
 
-class FunctionDefinition(_Body):
+class FunctionDefinition(Body):
     name: FunctionName
     description: Text | None = None
     # A JSON Schema for the arguments object; absent: any object. Checked by server.tooling.plan.
@@ -31,16 +31,16 @@ class FunctionDefinition(_Body):
     strict: bool | None = None
 
 
-class ToolDefinition(_Body):
+class ToolDefinition(Body):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionRef(_Body):
+class FunctionRef(Body):
     name: FunctionName
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(Body):
     """`{"type": "function", "function": {"name": ...}}`: call this function."""
 
     type: Literal["function"]
@@ -50,12 +50,12 @@ class NamedToolChoice(_Body):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class ToolCallFunction(_Body):
+class ToolCallFunction(Body):
     name: Text
     arguments: Text  # a JSON text, as the model wrote it
 
 
-class ToolCallParam(_Body):
+class ToolCallParam(Body):
     """A call in an assistant message of the conversation so far."""
 
     id: Text = Field(min_length=1)

@@ -4,9 +4,10 @@ tools and `chat_template_kwargs` it is rendered with, and a conversation's tool 
 Owns `ChatTemplate.render`: message dicts as templates expect them (an assistant turn's
 `tool_calls` with their arguments as objects, a `tool` turn with its `tool_call_id`), the
 request's tools passed to the template as `tools` (as transformers and vLLM pass them), and in
-generic mode (`server.tooling.plan`: the template knows no tools) the tools described in a system
-message, calls written back as `<tool_call>` blocks and results as `<tool_response>` turns.
-Also the check that every tool turn answers a call made before it (a 400 naming the field).
+generic mode (the template knows no tools) the plan's system prompt added to the conversation,
+calls written back and results wrapped as generic mode's format writes them
+(`server.tooling.formats.GENERIC`: `<tool_call>` blocks, `<tool_response>` turns). Also the
+check that every tool turn answers a call made before it (a 400 naming the field).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import jinja2
 from models import Tokenizer
 from models.tokenizer import render_chat_template
 from server.errors import APIError
-from server.tooling.plan import ToolPlan, generic_system_prompt, template_format
+from server.tooling.formats import GENERIC, detect
+from server.tooling.plan import ToolPlan
 
 # Template variables a request's chat_template_kwargs may not replace (the server sets them).
 _RESERVED_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "chat_template"})
@@ -43,7 +45,7 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.source: str | None = override or tokenizer.chat_template
         self.override = override
-        self.knows_tools = not template_format(self.source)[1]
+        self.knows_tools = not detect(self.source)[1]
 
     def render(
         self,
@@ -71,7 +73,7 @@ class ChatTemplate:
         dicts = [_message_dict(m, generic) for m in messages]
         tools = None
         if plan is not None and generic:
-            dicts = _with_system(dicts, generic_system_prompt(plan))
+            dicts = _with_system(dicts, plan.system_prompt or "")
         elif plan is not None:
             tools = list(plan.tools)
         try:
@@ -162,16 +164,16 @@ def _message_dict(m: Any, generic: bool) -> dict[str, Any]:
     if generic:
         if m.tool_calls:
             blocks = [
-                "<tool_call>\n"
+                GENERIC.call_open
                 + json.dumps(
-                    {"name": c.function.name, "arguments": _arguments(c.function.arguments)}
+                    {"name": c.function.name, GENERIC.args_key: _arguments(c.function.arguments)}
                 )
-                + "\n</tool_call>"
+                + GENERIC.call_close
                 for c in m.tool_calls
             ]
             d["content"] = "\n".join(([d["content"]] if d["content"] else []) + blocks)
         if m.role == "tool":
-            d["content"] = f"<tool_response>\n{d['content']}\n</tool_response>"
+            d["content"] = f"{GENERIC.result_open}{d['content']}{GENERIC.result_close}"
         return d
     if m.tool_calls:
         d["tool_calls"] = [

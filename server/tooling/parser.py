@@ -2,16 +2,17 @@
 responses (a whole response is the text fed at once), so both always agree.
 
 Owns `ToolCallStream`: text in, (content delta, OpenAI tool-call deltas) out. Content streams
-until a format's trigger starts the calls region (`<tool_call>` for hermes, `[TOOL_CALLS]` for
-mistral, `<|python_tag|>` for llama3; for llama3 and mistral also output that opens with a JSON
-object or array, since their trigger is a special token a detokenizer drops); the text that may
-still become a trigger is held back. In the region each call object is streamed as OpenAI does:
-its id, type and name in the first delta once `"name": "..."` is complete, then fragments of the
-arguments' raw JSON text as they arrive, so the fragments join to exactly the `arguments`
-string of the whole response. A call whose keys come in another order is sent whole when its
-object closes; an object that is not a call goes back out as content. An object cut off (by
-max_tokens) before its name is whole is dropped, not sent as content, where it follows a trigger
-or another call: it is the start of a call, as a cut-off call's arguments so far are a call.
+until a format's trigger starts the calls region (its row in `server.tooling.formats`:
+`<tool_call>` for hermes, `[TOOL_CALLS]` for mistral, `<|python_tag|>` for llama3; for llama3
+and mistral also output that opens with a JSON object or array, since their trigger is a
+special token a detokenizer drops); the text that may still become a trigger is held back. In
+the region each call object is streamed as OpenAI does: its id, type and name in the first
+delta once `"name": "..."` is complete, then fragments of the arguments' raw JSON text as they
+arrive, so the fragments join to exactly the `arguments` string of the whole response. A call
+whose keys come in another order is sent whole when its object closes; an object that is not a
+call goes back out as content. An object cut off (by max_tokens) before its name is whole is
+dropped, not sent as content, where it follows a trigger or another call: it is the start of a
+call, as a cut-off call's arguments so far are a call.
 """
 
 from __future__ import annotations
@@ -21,21 +22,8 @@ import re
 import uuid
 from typing import Any
 
-from server.tooling.plan import ToolFormat
+from server.tooling.formats import FORMATS, held_suffix
 
-_TRIGGERS: dict[str, tuple[str, ...]] = {
-    "hermes": ("<tool_call>",),
-    "mistral": ("[TOOL_CALLS]",),
-    "llama3": ("<|python_tag|>",),
-}
-# Text between call objects that belongs to the format, not to the content.
-_GLUE: dict[str, tuple[str, ...]] = {
-    "hermes": ("<tool_call>", "</tool_call>"),
-    "mistral": ("[TOOL_CALLS]", "[", ",", "]"),
-    "llama3": ("<|python_tag|>", ";"),
-}
-# A bare opening that starts the region when it is the first thing the model writes.
-_BARE_START = {"llama3": "{", "mistral": "["}
 _HEAD = re.compile(
     r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)'
 )
@@ -94,10 +82,11 @@ class _Call:
 class ToolCallStream:
     """One choice's parser. `feed` each text delta, then `finish` once."""
 
-    def __init__(self, fmt: ToolFormat) -> None:
-        self.fmt = fmt
-        self.triggers = _TRIGGERS[fmt]
-        self.glue = _GLUE[fmt]
+    def __init__(self, fmt: str) -> None:
+        row = FORMATS[fmt]
+        self.triggers = row.triggers
+        self.glue = row.glue
+        self.bare_start = row.bare_start
         self.buf = ""
         self.pos = 0  # everything before it is sent (as content or as calls)
         self.in_calls = False
@@ -146,7 +135,7 @@ class ToolCallStream:
 
     def _scan_text(self, final: bool, content: list[str]) -> None:
         rest = self.buf[self.pos :]
-        bare = _BARE_START.get(self.fmt)
+        bare = self.bare_start
         if bare and not self.wrote_content and not content:
             stripped = rest.lstrip()
             if not stripped and not final:
@@ -162,7 +151,7 @@ class ToolCallStream:
             self._enter(self.pos + i, trigger=True)
             self.pos += i + len(trigger)
             return
-        hold = 0 if final else _partial_suffix(rest, self.triggers)
+        hold = 0 if final else held_suffix(rest, self.triggers)
         if len(rest) - hold > 0:
             content.append(rest[: len(rest) - hold])
             self.pos += len(rest) - hold
@@ -283,17 +272,6 @@ def _as_call(text: str | None) -> tuple[str, str] | None:
     if args is None:
         return None
     return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-
-
-def _partial_suffix(text: str, triggers: tuple[str, ...]) -> int:
-    """The length of the longest end of `text` that begins a trigger (hold it back)."""
-    best = 0
-    for t in triggers:
-        for k in range(min(len(t) - 1, len(text)), 0, -1):
-            if text.endswith(t[:k]):
-                best = max(best, k)
-                break
-    return best
 
 
 def _merge(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
