@@ -44,7 +44,7 @@ from typing import Any
 from engine import EngineDeadError
 from engine.tiers import DecodeEngine, Handoff, PrefillEngine
 from server.engine_client.interface import OutputStream
-from server.ray.client import RayEngineClient, _Group, call_of_its_own
+from server.ray.client import CallGroup, RayEngineClient, call_of_its_own
 from server.ray.replica import EngineReplica, EngineSpec
 from server.ray.wire import (
     Accepted,
@@ -172,7 +172,7 @@ class DisaggregatedClient(RayEngineClient):
         self.transfer_seconds = 0.0
         self.transfer_failures = 0
 
-    async def _pump(self, group: _Group) -> None:
+    async def _pump(self, group: CallGroup) -> None:
         """The prefill call's items: tokens of requests that end there, and hand-offs."""
         stream = group.stream
         try:
