@@ -1,2 +1,2 @@
-"""Structured output: which request field asks for which grammar, the out-of-process check of a
-grammar a client sent, and its compilation off the engine's step path."""
+"""Grammars a client sends: checked out of process first (`checker`, the server's side; and
+`check_worker`, the process), then compiled off the engine's step path (`compiler`)."""

@@ -1,55 +1,41 @@
-"""Untrusted grammars checked out of harm's way, before the server compiles them.
+"""The grammar check worker: a process of its own that compiles untrusted grammars where a crash
+costs nothing (`python -m server.grammars.check_worker`, started by `server.grammars.checker`).
 
 A JSON schema, regex, choice list or Lark/GBNF grammar comes from a client, and llguidance (native
 code) compiles it: a `$ref` chain through thousands of definitions overflows its stack (the
 process dies of SIGSEGV), and some regex intersections grow without bound in memory and time
 before any of llguidance's own limits is consulted. So every spec the server has not seen is
-first compiled, and its first masks computed, in a process of its own that may die:
+first compiled, and its first masks computed, here. The worker builds the token trie once and
+forks a child per check (a zygote): the child sets an address-space limit (`RLIMIT_AS`) and a
+lower CPU priority (nice 10), runs the check in a thread whose stack is half what the server's
+threads get (so what passes here has room to spare in the server), and writes its verdict to a
+pipe. A child that dies (stack overflow, out of memory) or runs past its time is that spec's
+400; the worker and the server go on, and there is nothing to rebuild.
 
-- `GrammarWorker` (the server side) runs one long-lived worker process (`python -m
-  server.grammars.check_worker`), hands it the tokenizer's `engine.grammar.Vocabulary` once, and asks it
-  for a verdict per spec: the spec's llguidance grammar text, or a client's 400 message. Verdicts
-  are cached per spec (a digest of it); identical checks in flight share one job; a check whose
-  client goes away is cancelled (its job killed). If the worker itself dies it is started again.
-- The worker builds the token trie once and forks a child per check (a zygote): the child sets
-  an address-space limit (`RLIMIT_AS`) and a lower CPU priority (nice 10), runs the check in a
-  thread whose stack is half what the server's threads get (so what passes here has room to
-  spare in the server), and writes its verdict to a pipe. A child that dies (stack overflow, out of memory) or runs past its time is
-  that spec's 400; the worker and the server go on, and there is nothing to rebuild.
-
-What passes is compiled again in the server (`engine.structured.GrammarCompiler`, within
-`engine.grammar.PARSER_LIMITS`, which also bound each mask on the step thread). The Ray ingress
-runs the same check, so replicas only compile specs that passed it.
-
-This module is the worker's `__main__` too: it imports nothing of the server, torch or a
-tokenizer library at the top, so the worker starts in a fraction of a second.
+Owns the worker's loop (`serve`), one check (`check_spec`), what a check may take
+(`CheckBudget`) and the pipe's framing (`frame` / `frames`: a 4-byte length, then a pickle).
+It imports nothing of the server, torch or a tokenizer library at the top, so the worker starts
+in a fraction of a second.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import hashlib
 import os
 import pickle
-import queue
 import selectors
 import signal
 import struct
-import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable
-from concurrent.futures import Future
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.grammar import (
     StructuredSpec,
-    Vocabulary,
     client_message,
     constraint_error,
     grammar_text,
@@ -73,19 +59,16 @@ class CheckBudget:
     parallel: int = 2  # checks running at once (each a process); more wait their turn
 
 
-class WorkerUnavailable(RuntimeError):
-    """The check worker could not be started or died with checks in flight."""
-
-
 # -- framing: a 4-byte length, then a pickle --------------------------------------------------------
 
 
-def _frame(obj: Any) -> bytes:
+def frame(obj: Any) -> bytes:
+    """One message as the pipe carries it."""
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     return struct.pack("<I", len(data)) + data
 
 
-def _frames(buf: bytearray) -> list[Any]:
+def frames(buf: bytearray) -> list[Any]:
     """Complete frames at the head of `buf` (consumed)."""
     out = []
     while len(buf) >= 4:
@@ -95,210 +78,6 @@ def _frames(buf: bytearray) -> list[Any]:
         out.append(pickle.loads(bytes(buf[4 : 4 + n])))
         del buf[: 4 + n]
     return out
-
-
-# -- the server side ---------------------------------------------------------------------------------
-
-
-class GrammarWorker:
-    """Verdicts on specs from a worker process (see the module docstring). Thread-safe; `check`
-    is awaited on an event loop."""
-
-    def __init__(
-        self,
-        vocabulary: Callable[[], Vocabulary],
-        budget: CheckBudget | None = None,
-        cache_size: int = 4096,
-    ) -> None:
-        self._vocabulary = vocabulary
-        self.budget = budget or CheckBudget()
-        self.cache_size = cache_size
-        self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
-        self._jobs: dict[int, _Job] = {}  # in flight, by job id
-        self._by_key: dict[bytes, _Job] = {}  # in flight, by spec digest
-        self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()  # None: passed
-        self._next_id = 0
-        self._closed = False
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # (worker, message) to write
-        self._writer: threading.Thread | None = None
-        self.checks = 0  # specs sent to the worker (cache misses)
-        self.restarts = 0
-
-    # -- public
-
-    def start(self) -> None:
-        """Start the worker now (server startup), so the first check does not wait for it."""
-        with self._lock:
-            self._ensure_started()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            proc, self._proc = self._proc, None
-        self._outbox.put((None, None))
-        if proc is not None:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
-            try:
-                proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-    async def check(self, spec: StructuredSpec) -> str | None:
-        """The spec's llguidance grammar text when it passes (None when it passed before: the
-        caller converts it again), or `InvalidRequestError` naming the spec's field. Cancelling
-        the await cancels the check unless another request waits for the same spec."""
-        job = self._submit(spec)
-        if isinstance(job, str | type(None)):
-            return _verdict(spec, job)
-        try:
-            result = await asyncio.shield(asyncio.wrap_future(job.future))
-        except asyncio.CancelledError:
-            self._leave(job)
-            raise
-        return _result(spec, result)
-
-    # -- internals
-
-    def _submit(self, spec: StructuredSpec) -> _Job | str | None:
-        """A cached verdict (str: refused, None: passed), or the job that will give it."""
-        key = _digest(spec)
-        with self._lock:
-            if key in self._verdicts:
-                self._verdicts.move_to_end(key)
-                return self._verdicts[key]
-            job = self._by_key.get(key)
-            if job is not None:
-                job.waiters += 1
-                return job
-            self._ensure_started()
-            self._next_id += 1
-            job = _Job(self._next_id, key, self._proc)
-            self._jobs[job.id] = job
-            self._by_key[key] = job
-            self.checks += 1
-            self._outbox.put((self._proc, ("check", job.id, spec.kind, spec.value, spec.param)))
-            return job
-
-    def _leave(self, job: _Job) -> None:
-        with self._lock:
-            job.waiters -= 1
-            if job.waiters > 0 or job.future.done():
-                return
-            self._jobs.pop(job.id, None)
-            self._by_key.pop(job.key, None)
-            job.future.cancel()
-            self._outbox.put((job.proc, ("cancel", job.id)))
-
-    def _ensure_started(self) -> None:
-        """Under the lock: a live worker process."""
-        if self._closed:
-            raise WorkerUnavailable("the grammar check worker is stopped")
-        if self._proc is not None and self._proc.poll() is None:
-            return
-        if self._proc is not None:
-            self.restarts += 1
-        env = dict(os.environ)
-        # The worker imports this package from wherever the server does.
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "server.grammars.check_worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            close_fds=True,
-        )
-        self._proc = proc
-        self._outbox.put((proc, (self._vocabulary(), self.budget)))
-        threading.Thread(
-            target=self._read, args=(proc,), name="grammar-worker-reader", daemon=True
-        ).start()
-        if self._writer is None:
-            self._writer = threading.Thread(
-                target=self._write, name="grammar-worker-writer", daemon=True
-            )
-            self._writer.start()
-
-    def _write(self) -> None:
-        """The one writer to worker pipes, so no caller (the event loop) blocks on a pipe."""
-        while True:
-            proc, message = self._outbox.get()
-            if proc is None:
-                return
-            try:
-                proc.stdin.write(_frame(message))
-                proc.stdin.flush()
-            except (OSError, ValueError):  # that worker is gone: its reader fails its jobs
-                pass
-
-    def _read(self, proc: subprocess.Popen) -> None:
-        buf = bytearray()
-        fd = proc.stdout.fileno()
-        while True:
-            try:
-                chunk = os.read(fd, 1 << 16)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                break
-            buf += chunk
-            for job_id, result in _frames(buf):
-                self._resolve(job_id, result)
-        proc.wait()
-        with self._lock:  # the worker is gone: whatever it had is lost
-            lost = [j for j in self._jobs.values() if j.proc is proc]
-            if self._proc is proc:
-                self._proc = None
-            for job in lost:
-                self._jobs.pop(job.id, None)
-                self._by_key.pop(job.key, None)
-        for job in lost:
-            if not job.future.done():
-                job.future.set_exception(WorkerUnavailable("the grammar check worker died"))
-
-    def _resolve(self, job_id: int, result: tuple[str, str]) -> None:
-        with self._lock:
-            job = self._jobs.pop(job_id, None)
-            if job is None:
-                return  # cancelled
-            self._by_key.pop(job.key, None)
-            self._verdicts[job.key] = None if result[0] == "ok" else result[1]
-            while len(self._verdicts) > self.cache_size:
-                self._verdicts.popitem(last=False)
-        if not job.future.done():
-            job.future.set_result(result)
-
-
-class _Job:
-    __slots__ = ("id", "key", "proc", "future", "waiters")
-
-    def __init__(self, job_id: int, key: bytes, proc: subprocess.Popen) -> None:
-        self.id = job_id
-        self.key = key
-        self.proc = proc  # the worker it was sent to
-        self.future: Future = Future()
-        self.waiters = 1
-
-
-def _digest(spec: StructuredSpec) -> bytes:
-    # SHA-256, not hash(): one client must not be able to collide with another's spec.
-    return hashlib.sha256(f"{spec.kind}\0{spec.value}".encode("utf-8", "surrogatepass")).digest()
-
-
-def _verdict(spec: StructuredSpec, cached: str | None) -> None:
-    if cached is not None:
-        raise InvalidRequestError(cached, spec.param)
-    return None
-
-
-def _result(spec: StructuredSpec, result: tuple[str, str]) -> str:
-    kind, text = result
-    if kind != "ok":
-        raise InvalidRequestError(text, spec.param)
-    return text
 
 
 # -- the worker process ------------------------------------------------------------------------------
@@ -382,7 +161,7 @@ def _child(tok: Any, spec: StructuredSpec, budget: CheckBudget, out_fd: int) -> 
         t.start()
         t.join()
         if result:
-            data = _frame(result[0])
+            data = frame(result[0])
             view = memoryview(data)
             while view:
                 view = view[os.write(out_fd, view) :]
@@ -438,7 +217,7 @@ def serve(stdin_fd: int, stdout_fd: int) -> None:
         if not chunk:
             return
         buf += chunk
-        got = _frames(buf)
+        got = frames(buf)
         if got:
             vocab, budget = got[0]
             pending_frames = got[1:]
@@ -450,7 +229,7 @@ def serve(stdin_fd: int, stdout_fd: int) -> None:
     sel.register(stdin_fd, selectors.EVENT_READ)
 
     def reply(job_id: int, result: tuple[str, str]) -> None:
-        data = memoryview(_frame((job_id, result)))
+        data = memoryview(frame((job_id, result)))
         while data:
             data = data[os.write(stdout_fd, data) :]
 
@@ -501,7 +280,7 @@ def serve(stdin_fd: int, stdout_fd: int) -> None:
                             os.kill(r.pid, signal.SIGKILL)
                     continue
                 buf += chunk
-                for message in _frames(buf):
+                for message in frames(buf):
                     take(message)
                 continue
             r = running[fd]
@@ -513,7 +292,7 @@ def serve(stdin_fd: int, stdout_fd: int) -> None:
             os.close(fd)
             del running[fd]
             _, status = os.waitpid(r.pid, 0)
-            results = _frames(r.buf)
+            results = frames(r.buf)
             if results and results[0][0] in ("ok", "invalid"):
                 result = results[0]
             else:

@@ -20,7 +20,8 @@ from engine.structured import GrammarCompiler, StructuredSpec, TokenConstraint
 from models import Tokenizer
 from server.errors import APIError
 from server.generation.sse import until_disconnect
-from server.grammars.check_worker import CheckBudget, GrammarWorker, WorkerUnavailable
+from server.grammars.check_worker import CheckBudget
+from server.grammars.checker import GrammarWorker, WorkerUnavailable
 
 log = logging.getLogger("server.structured")
 
@@ -48,7 +49,7 @@ class StructuredOutputs:
         self.worker.close()
 
     async def check(self, spec: StructuredSpec, http: Any = None) -> str | None:
-        """Check `spec` out of harm's way (see `server.grammars.check_worker`): its grammar text when it
+        """Check `spec` out of harm's way (see `server.grammars.checker`): its grammar text when it
         is new and passes, None when it passed before, `InvalidRequestError` when it fails.
         With `http` (the client's request), a client that disconnects cancels the check."""
         for attempt in range(2):
