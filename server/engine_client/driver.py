@@ -1,17 +1,18 @@
 """`AsyncEngineDriver`: the in-process `server.engine_client.interface.EngineClient`, over an `engine.Engine`.
 
 The engine belongs to one dedicated thread, the engine thread, which steps it back to back while
-there is work. The event loop never touches the engine: `submit`, `abort`, backpressure and `stop`
-put commands in an inbox (one lock-guarded queue: add, abort, pause, resume, stop), and the engine
-thread applies them between two steps, in the order they were sent (so an abort always finds its
-request's add before it). After each step the engine thread hands the step's outputs to the loop in one
-`call_soon_threadsafe` callback, which delivers them to their streams, and goes straight on to
-the next step. It does not wait for the loop: handing each step to a worker and awaiting it cost
-two thread wake-ups and whatever the loop was doing at that moment on every step, ~0.8 ms of a
-~6 ms single-stream step (14%; docs/benchmarks.md). With no work the thread sleeps on
-a condition that the next submit, abort or resume notifies: no polling. Before it sleeps it
-hands the C heap's free pages back to the OS (`server.engine_client.heap`), so a server's resident memory falls
-back after a burst instead of staying at the burst's high-water mark.
+there is work. The event loop never touches the engine: `submit`, `abort`, backpressure and
+`stop` put commands in an inbox (one lock-guarded queue: add, abort, pause, resume, stop), and
+the engine thread applies them between two steps, in the order they were sent (so an abort
+always finds its request's add before it). After each step the engine thread hands the step's
+outputs to the loop in one `call_soon_threadsafe` callback, which delivers them to their
+streams, and goes straight on to the next step. It does not wait for the loop: handing each
+step to a worker and awaiting it cost two thread wake-ups and whatever the loop was doing at
+that moment on every step, ~0.8 ms of a ~6 ms single-stream step (9-15% of the step, against
+1-2% for the one callback; Zen 4). With no work the thread sleeps on a condition that the next
+submit, abort or resume notifies: no polling. Before it sleeps it hands the C heap's free pages
+back to the OS (`server.engine_client.heap`), so a server's resident memory falls back after a
+burst instead of staying at the burst's high-water mark.
 
 What the loop reads of the engine, it reads from snapshots the engine thread sends along with
 each step's outputs and with each acceptance (`stats()`), so the two threads share no mutable

@@ -67,7 +67,7 @@ _COUNTED_PATHS = frozenset(
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     api_key: str | None = None
-    # -- issue 25 (server.http.options) --
+    # -- the options of server.http.options (both command lines set them) --
     api_keys: tuple[str, ...] = ()  # more accepted keys (--api-key repeated, --api-key-file)
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers
     chat_template: str | None = None  # the template text that replaces the model's
@@ -257,7 +257,7 @@ def _routes() -> APIRouter:
     ) -> Response:
         return await serving.chat(body, request)
 
-    @router.post("/v1/responses")  # issue 25: the Responses API (server.openai.responses)
+    @router.post("/v1/responses")  # the Responses API, on the chat path (server.openai.responses)
     async def responses(body: ResponsesRequest, request: Request, serving: ServingDep) -> Response:
         return await create_response(serving, body, request)
 

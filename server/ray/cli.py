@@ -169,10 +169,9 @@ def deploy_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         prefill_replicas=args.prefill_replicas,
         decode_replicas=args.decode_replicas,
     )
+    # The options python -m server takes too (server.http.options); OSError/ValueError: a bad flag
     settings = ServerSettings(
-        **settings_fields(
-            args
-        ),  # issue 25 hook (server.http.options); OSError/ValueError: bad flag
+        **settings_fields(args),
         max_body_bytes=args.max_body_size,
         log_prompts=args.log_prompts,
         shutdown_timeout=args.shutdown_timeout,

@@ -79,7 +79,8 @@ class CallGroup:
 
 
 class RayEngineClient(EngineClient):
-    # issue 25: requests carry grammar specs, compiled on the replica (server.engine_client.remote_grammar)
+    # Requests carry grammar specs, compiled on the replica (server.engine_client.remote_grammar):
+    # a compiled grammar's state does not pickle.
     grammar_placement: str | None = "replica"
 
     def __init__(

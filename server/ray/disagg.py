@@ -160,7 +160,8 @@ class _Decoding:
 class DisaggregatedClient(RayEngineClient):
     """The ingress's `EngineClient` over a prefill and a decode deployment (see the module doc)."""
 
-    # issue 25: a grammar's state cannot follow the request to the decode tier (yet): a 400
+    # A grammar's state cannot follow the request from the prefill tier to the decode tier (the
+    # hand-off carries its KV blocks and tokens, not a grammar matcher's state): a request with a grammar is a 400 here.
     grammar_placement = None
 
     def __init__(self, prefill_handle: Any, decode_handle: Any, **options: Any) -> None:
