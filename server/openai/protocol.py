@@ -5,7 +5,7 @@ Owns what a request body may contain and its shape-level limits (how many choice
 strings, logprobs). How its fields become sampling parameters is `server.openai.sampling_params`'.
 Value checks the engine already makes (temperature >= 0, top_p in (0, 1], ...) are left to
 `SamplingParams`, whose `InvalidRequestError` names the field; `server.errors` makes it a 400.
-Responses are plain dicts built in `server.openai.formats` (one `json.dumps` per SSE chunk is the hot
+Responses are plain dicts built in `server.openai.render` (one `json.dumps` per SSE chunk is the hot
 path, and the shapes are small).
 
 Unknown fields are ignored, as vLLM and OpenAI's own server do, so newer SDKs keep working.
