@@ -1,6 +1,6 @@
 """The web page at `/`: a chat box and a live view of the engine, in one static file.
 
-Owns the route that serves `server/static/index.html` (plain HTML, CSS and a little JS: no build
+Owns the route that serves `server/http/static/index.html` (plain HTML, CSS and a little JS: no build
 step, nothing fetched from elsewhere). The page itself holds no data, so it is served without the
 API key; everything it shows comes from `/v1/chat/completions` (streamed) and `/v1/engine/stats`
 (polled), which need the key when one is set: the page asks for it in an input and sends it as a
