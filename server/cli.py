@@ -20,7 +20,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from engine.registry import engine_names
-from server.http.options import add_options, env_api_keys, settings_fields
+from server.http.options import add_options, env_api_keys
 
 if TYPE_CHECKING:
     from engine import EngineConfig
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     from models import ModelLoadError, load_model
     from models.cpu import in_passing_thread
     from server.engine_client.driver import AsyncEngineDriver
-    from server.http.app import ServerSettings, create_app
+    from server.http.app import create_app, settings_from_flags
     from server.http.listener import STEP_WAIT, DrainingServer, server_config
     from server.openai.protocol import ModelCard
 
@@ -401,19 +401,10 @@ def main(argv: list[str] | None = None) -> int:
         embedding_pooling=args.embedding_pooling,
     )
     try:
-        options = settings_fields(args)  # keys, CORS, template, parsers: files read here
+        settings = settings_from_flags(args)  # keys, CORS, template, parsers: files read here
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    settings = ServerSettings(
-        **options,
-        max_body_bytes=args.max_body_size,
-        log_prompts=args.log_prompts,
-        shutdown_timeout=args.shutdown_timeout,
-        max_concurrent_per_client=args.max_concurrent_per_client or None,
-        stall_timeout=args.stall_timeout or None,
-        web_ui=args.web_ui,
-    )
     app = create_app(lm.tokenizer, card, driver, settings)
     config = server_config(
         app,

@@ -10,6 +10,7 @@ elsewhere.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hmac
 import json
@@ -33,7 +34,7 @@ from server.generation.metrics import CONTENT_TYPE, ServerMetrics
 from server.grammars.check_worker import CheckBudget
 from server.http.error_handlers import add_error_handlers
 from server.http.openapi import install_openapi
-from server.http.options import add_cors
+from server.http.options import add_cors, settings_fields
 from server.http.web import web_routes
 from server.openai.embeddings import EmbeddingRequest, create_embeddings
 from server.openai.protocol import (
@@ -86,6 +87,20 @@ class ServerSettings:
     response_budget: int = DEFAULT_RESPONSE_BUDGET
     # What checking one new grammar may take, out of process (server.grammars.check_worker).
     grammar_budget: CheckBudget = CheckBudget()
+
+
+def settings_from_flags(args: argparse.Namespace) -> ServerSettings:
+    """The settings the flags of `python -m server` and `python -m server.ray` give (files such
+    as --api-key-file read here). OSError / ValueError: a bad flag."""
+    return ServerSettings(
+        **settings_fields(args),
+        max_body_bytes=args.max_body_size,
+        log_prompts=args.log_prompts,
+        shutdown_timeout=args.shutdown_timeout,
+        max_concurrent_per_client=args.max_concurrent_per_client or None,
+        stall_timeout=args.stall_timeout or None,
+        web_ui=args.web_ui,
+    )
 
 
 def create_app(
