@@ -6,7 +6,7 @@ Owns `StructuredSpec` (what a request's output must match) and its JSON Schema h
 `PARSER_LIMITS` (the bounds every untrusted grammar is compiled and matched within),
 `Vocabulary` (a tokenizer's tokens as llguidance reads them, picklable, so a process without the
 model or torch can build the same token trie: the grammar check worker,
-`server.grammar_worker`) and `client_message` (llguidance's error text as a client may see it).
+`server.grammars.check_worker`) and `client_message` (llguidance's error text as a client may see it).
 
 The step path (masks, constraints) and the compile cache are `engine.structured`'s; this module
 imports neither torch nor a tokenizer library, so the check worker starts light.

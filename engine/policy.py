@@ -35,12 +35,19 @@ import enum
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from engine.request import RequestState, RequestStatus
 
-if TYPE_CHECKING:
-    from engine.scheduler import Scheduler
+
+class Scheduler(Protocol):
+    """What a policy reads of the scheduler that asks it (`engine.scheduler.Scheduler`)."""
+
+    waiting: Collection[RequestState]
+    running: list[RequestState]
+    static: bool
+    max_batch_size: int
+
 
 DEFAULT_AGING_SECONDS = 10.0
 

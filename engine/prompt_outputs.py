@@ -23,49 +23,19 @@ been computed (`finish_prefill_only`), without sampling.
 
 from __future__ import annotations
 
-import enum
-
 import torch
 
-from engine.request import RequestState, RequestStatus, StepOutput, TokenLogprob
+from engine.request import (  # noqa: F401 (Pooling, PromptOutputs: this module's names too)
+    Pooling,
+    PromptOutputs,
+    RequestState,
+    RequestStatus,
+    StepOutput,
+    TokenLogprob,
+)
 from models.base import CausalLM
 
 LOGITS_SLICE = 128  # prompt positions whose logits are computed at once
-
-
-class Pooling(enum.Enum):
-    """How an embedding request's prompt hidden states become one vector."""
-
-    MEAN = "mean"
-    LAST = "last"
-
-
-class PromptOutputs:
-    """One request's prompt logprobs and pooled hidden state, filled chunk by chunk."""
-
-    __slots__ = ("top_n", "logprobs", "pooling", "pooled", "sent")
-
-    def __init__(self, num_prompt_tokens: int, top_n: int | None, pooling: Pooling | None):
-        self.top_n = top_n
-        self.logprobs: list[TokenLogprob | None] | None = (
-            [None] * num_prompt_tokens if top_n is not None else None
-        )
-        self.pooling = pooling
-        self.pooled: torch.Tensor | None = None  # float64 (d,): running sum, or the last state
-        self.sent = False  # prompt logprobs go out once, with the request's first output
-
-    @staticmethod
-    def for_state(state: RequestState) -> PromptOutputs | None:
-        top_n = state.params.prompt_logprobs
-        pooling = state.request.pooling
-        if top_n is None and pooling is None:
-            return None
-        return PromptOutputs(state.num_prompt_tokens, top_n, pooling)
-
-    def embedding(self, num_prompt_tokens: int) -> list[float]:
-        assert self.pooled is not None, "embedding before the prompt was computed"
-        v = self.pooled / num_prompt_tokens if self.pooling is Pooling.MEAN else self.pooled
-        return (v / v.norm().clamp_min(1e-12)).tolist()
 
 
 def collect(

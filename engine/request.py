@@ -1,4 +1,6 @@
-"""Requests and their lifecycle: SamplingParams, Request, RequestState, StepOutput, finish reasons.
+"""Requests and their lifecycle: SamplingParams, Request, RequestState, StepOutput, finish reasons;
+what a request carries for its grammar (`TokenConstraint`, engine.structured) and its prompt
+outputs (`Pooling`, `PromptOutputs`, filled by engine.prompt_outputs).
 
 `SamplingParams` validates itself (an `InvalidRequestError` naming the field). `RequestState` is
 the engine's mutable view of one request: its tokens, how many of them have KV in the pool
@@ -13,15 +15,11 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from engine.errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    from engine.prompt_outputs import Pooling
-    from engine.structured import TokenConstraint
 
 _ids = itertools.count()
 
@@ -200,6 +198,64 @@ class StepOutput:
     error: str | None = None
 
 
+class TokenConstraint(Protocol):
+    """Per-request grammar state, as the sampler and engine use it."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed-token bits into `bitmask[row]` (int32, 32 tokens a word)."""
+        ...
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token; False if the grammar rejects it."""
+        ...
+
+    @property
+    def is_finished(self) -> bool:
+        """The grammar is complete: nothing but end-of-sequence may follow."""
+        ...
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar cannot go on (a dead end, a limit hit), for the client; None while
+        it can. A request whose constraint has an error ends with it, not with `stop`."""
+        ...
+
+
+class Pooling(enum.Enum):
+    """How an embedding request's prompt hidden states become one vector."""
+
+    MEAN = "mean"
+    LAST = "last"
+
+
+class PromptOutputs:
+    """One request's prompt logprobs and pooled hidden state, filled chunk by chunk."""
+
+    __slots__ = ("top_n", "logprobs", "pooling", "pooled", "sent")
+
+    def __init__(self, num_prompt_tokens: int, top_n: int | None, pooling: Pooling | None):
+        self.top_n = top_n
+        self.logprobs: list[TokenLogprob | None] | None = (
+            [None] * num_prompt_tokens if top_n is not None else None
+        )
+        self.pooling = pooling
+        self.pooled: torch.Tensor | None = None  # float64 (d,): running sum, or the last state
+        self.sent = False  # prompt logprobs go out once, with the request's first output
+
+    @staticmethod
+    def for_state(state: RequestState) -> PromptOutputs | None:
+        top_n = state.params.prompt_logprobs
+        pooling = state.request.pooling
+        if top_n is None and pooling is None:
+            return None
+        return PromptOutputs(state.num_prompt_tokens, top_n, pooling)
+
+    def embedding(self, num_prompt_tokens: int) -> list[float]:
+        assert self.pooled is not None, "embedding before the prompt was computed"
+        v = self.pooled / num_prompt_tokens if self.pooling is Pooling.MEAN else self.pooled
+        return (v / v.norm().clamp_min(1e-12)).tolist()
+
+
 class RequestState:
     """The engine's mutable record of one request."""
 
@@ -254,8 +310,6 @@ class RequestState:
         # Prompt logprobs / embedding being computed (engine.prompt_outputs), or None.
         self.prompt_out = None
         if self.params.prompt_logprobs is not None or request.pooling is not None:
-            from engine.prompt_outputs import PromptOutputs  # it imports this module
-
             self.prompt_out = PromptOutputs.for_state(self)
 
     @property

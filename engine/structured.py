@@ -8,7 +8,7 @@ Two halves, split by where they run:
   `GrammarConstraint` (an `llguidance.LLMatcher`, copied from the cached one) per choice. A bad
   spec raises `InvalidRequestError` there, before anything reaches the engine. The spec's text
   and the parser limits are `engine.grammar`'s; an untrusted spec is checked out of process
-  before it gets here (`server.grammar_worker`).
+  before it gets here (`server.grammars.check_worker`).
 - On the step path (the sampler and the engine): a `Request` carries its constraint; each step
   `apply_constraints` asks every constrained row for its allowed-token bitmask and sets the rest
   of that row's logits to -inf (other rows are not touched), and `EngineBase._append_token` feeds
@@ -31,7 +31,7 @@ import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,33 +46,10 @@ from engine.grammar import (  # noqa: F401 (StructuredSpec, closed_objects: this
     parser_limits,
     vocabulary,
 )
+from engine.request import RequestState, TokenConstraint  # noqa: F401 (TokenConstraint: this module's name too)
 
 if TYPE_CHECKING:
-    from engine.request import RequestState
     from models.tokenizer import Tokenizer
-
-
-class TokenConstraint(Protocol):
-    """Per-request grammar state, as the sampler and engine use it."""
-
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed-token bits into `bitmask[row]` (int32, 32 tokens a word)."""
-        ...
-
-    def accept(self, token_id: int) -> bool:
-        """Advance past a sampled token; False if the grammar rejects it."""
-        ...
-
-    @property
-    def is_finished(self) -> bool:
-        """The grammar is complete: nothing but end-of-sequence may follow."""
-        ...
-
-    @property
-    def error(self) -> str | None:
-        """Why the grammar cannot go on (a dead end, a limit hit), for the client; None while
-        it can. A request whose constraint has an error ends with it, not with `stop`."""
-        ...
 
 
 # -- the step path ---------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ Owns where a model's recommended sampling settings come from, as vLLM reads them
 
 `python -m server --generation-config auto|none|DIR` and `--override-generation-config JSON`
 choose and amend them (`resolve_generation_defaults`). The server applies them only to the fields
-a client did not send (`server.protocol`), and `/v1/models` shows them.
+a client did not send (`server.openai.protocol`), and `/v1/models` shows them.
 """
 
 from __future__ import annotations

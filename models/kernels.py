@@ -173,16 +173,13 @@ def _load() -> tuple[bool, str | None]:
 def has_int8_dot() -> bool:
     """True where the kernels run and the CPU multiplies int8 with AVX512-VNNI (the
     int8-activation layouts of `models.quant.pack`)."""
-    from models import ops  # (ops imports this module)
-
-    return available() and ops.has_int8_dot()
+    # The op itself, not models.ops' wrapper: ops loads the library through this module.
+    return available() and bool(torch.ops.cbserve.has_int8_dot())
 
 
 def has_amx_tiles() -> bool:
     """True where the kernels run on AMX-INT8 tiles (`models.ops.has_amx_tiles`)."""
-    from models import ops
-
-    return available() and ops.has_amx_tiles()
+    return available() and bool(torch.ops.cbserve.has_amx_tiles())
 
 
 def main() -> int:

@@ -61,7 +61,7 @@ fi
 # for the modules a start imports, so the image's non-root user never compiles them at start.
 cd /
 unset PYTHONDONTWRITEBYTECODE
-"$py" -c "import engine, models, server.app, server.cli, uvicorn, fastapi"
+"$py" -c "import engine, models, server.http.app, server.cli, uvicorn, fastapi"
 "$py" -m server --help > /dev/null
 # The CPU kernels were built into $CBSERVE_KERNEL_DIR by install.sh: fail the build if they don't load.
 "$py" -c "from models import kernels; assert kernels.available(), kernels.unavailable_reason()"

@@ -12,14 +12,14 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "create_app": "server.app",
-    "ServerSettings": "server.app",
-    "AsyncEngineDriver": "server.driver",
-    "EngineClient": "server.client",
-    "EngineObserver": "server.client",
-    "Health": "server.client",
-    "OutputStream": "server.client",
-    "ModelCard": "server.protocol",
+    "create_app": "server.http.app",
+    "ServerSettings": "server.http.app",
+    "AsyncEngineDriver": "server.engine_client.driver",
+    "EngineClient": "server.engine_client.interface",
+    "EngineObserver": "server.engine_client.interface",
+    "Health": "server.engine_client.interface",
+    "OutputStream": "server.engine_client.interface",
+    "ModelCard": "server.openai.protocol",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -20,7 +20,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from engine.registry import engine_names
-from server.options import add_options, env_api_keys, settings_fields
+from server.http.options import add_options, env_api_keys
 
 if TYPE_CHECKING:
     from engine import EngineConfig
@@ -82,9 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="continuous",
         help="batching policy (default: %(default)s)",
     )
-    # Serving defaults, measured on 2 cores with SmolLM2 (docs/benchmarks.md): 128 slots (against
-    # 32 and 64 on the issue's trace: the most requests in SLO past the knee with fresh prompts,
-    # and the highest rate held when prompts repeat; a batch-128 decode step is ~110 ms); steps
+    # Serving defaults, measured on 2 cores with SmolLM2: 128 slots (on the short trace at 16
+    # req/s with fresh prompts, 76% of requests in SLO with 128 slots, 49% with 64, 24% with 32,
+    # Zen 4; the highest rate held when prompts repeat; a batch-128 decode step is ~110 ms); steps
     # sized to ~120 ms while requests decode (each step's prefill chunk is what fits), so every
     # inter-token gap stays well under a 200 ms SLO, and up to 512 tokens when none decode, so an
     # idle server prefills a prompt at full speed.
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (env "
         "CBSERVE_API_KEY); repeat it for several keys",
     )
-    add_options(s)  # issue 25: --api-key-file, --allowed-origins, --chat-template, parsers
+    add_options(s)  # --api-key-file, --allowed-origins, --chat-template, parsers (shared with Ray)
     s.add_argument(
         "--max-waiting",
         type=int,
@@ -353,10 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     from engine import make_engine
     from models import ModelLoadError, load_model
     from models.cpu import in_passing_thread
-    from server.app import ServerSettings, create_app
-    from server.driver import AsyncEngineDriver
-    from server.http_server import STEP_WAIT, DrainingServer, server_config
-    from server.protocol import ModelCard
+    from server.engine_client.driver import AsyncEngineDriver
+    from server.http.app import create_app, settings_from_flags
+    from server.http.listener import STEP_WAIT, DrainingServer, server_config
+    from server.openai.protocol import ModelCard
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -401,19 +401,10 @@ def main(argv: list[str] | None = None) -> int:
         embedding_pooling=args.embedding_pooling,
     )
     try:
-        options = settings_fields(args)  # issue 25 hook: keys, CORS, template, parsers
+        settings = settings_from_flags(args)  # keys, CORS, template, parsers: files read here
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    settings = ServerSettings(
-        **options,
-        max_body_bytes=args.max_body_size,
-        log_prompts=args.log_prompts,
-        shutdown_timeout=args.shutdown_timeout,
-        max_concurrent_per_client=args.max_concurrent_per_client or None,
-        stall_timeout=args.stall_timeout or None,
-        web_ui=args.web_ui,
-    )
     app = create_app(lm.tokenizer, card, driver, settings)
     config = server_config(
         app,

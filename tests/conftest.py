@@ -22,10 +22,10 @@ import uvicorn
 from engine import make_engine
 from models import LoadedModel, load_model
 from models.generation_config import model_generation_defaults
-from server.app import ServerSettings, create_app
-from server.client import EngineClient
-from server.driver import AsyncEngineDriver
-from server.protocol import ModelCard
+from server.engine_client.driver import AsyncEngineDriver
+from server.engine_client.interface import EngineClient
+from server.http.app import ServerSettings, create_app
+from server.openai.protocol import ModelCard
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ from models.generation_config import (
     resolve_generation_defaults,
 )
 from server.cli import build_parser, generation_defaults
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.sampling_params import chat_sampling_params, completion_sampling_params
+from server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from server.openai.sampling_params import chat_sampling_params, completion_sampling_params
 from tests.conftest import run_server
 
 

@@ -32,8 +32,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.app import ServerSettings
-from server.grammar_worker import CheckBudget
+from server.grammars.check_worker import CheckBudget
+from server.http.app import ServerSettings
 from tests.conftest import LiveServer, run_server
 
 EXAMPLES = int(os.environ.get("GRAMMAR_FUZZ_EXAMPLES", "40"))

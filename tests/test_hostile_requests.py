@@ -25,8 +25,8 @@ import httpx
 import pytest
 
 from engine.grammar import client_message
-from server.app import ServerSettings
-from server.grammar_worker import CheckBudget
+from server.grammars.check_worker import CheckBudget
+from server.http.app import ServerSettings
 from tests.conftest import LiveServer, error_of, run_server, sse_events
 from tests.test_server_faults import FailingStep
 
@@ -426,7 +426,7 @@ def test_embeddings_inputs_times_length_over_the_budget_are_a_400(live):
 
 def test_the_response_budget_is_a_flag():
     from server.cli import build_parser
-    from server.options import settings_fields
+    from server.http.options import settings_fields
 
     args = build_parser().parse_args(
         [

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from engine import Request, SamplingParams, make_engine
-from server.driver import AsyncEngineDriver
+from server.engine_client.driver import AsyncEngineDriver
 from server.ray.replica import EngineReplica
 from tests.conftest import StepGate
 

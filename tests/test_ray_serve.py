@@ -94,8 +94,8 @@ else:
     from ray.serve.api import RunTarget
 
     from engine import EngineConfig
-    from server.app import ServerSettings
-    from server.protocol import ModelCard
+    from server.http.app import ServerSettings
+    from server.openai.protocol import ModelCard
     from server.ray.deploy import DeploySpec, build_app
     from server.ray.replica import EngineSpec
     from server.ray.wire import Probe

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server.app import ServerSettings
+from server.http.app import ServerSettings
 from tests.conftest import StepGate, run_server
 
 

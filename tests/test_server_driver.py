@@ -11,7 +11,7 @@ import time
 import pytest
 
 from engine import QueueFullError, Request, RequestTooLongError, SamplingParams, make_engine
-from server.driver import AsyncEngineDriver
+from server.engine_client.driver import AsyncEngineDriver
 
 
 def req(rid: str, max_tokens: int = 4, prompt: list[int] | None = None) -> Request:

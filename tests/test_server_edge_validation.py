@@ -10,8 +10,8 @@ import httpx
 import jsonschema
 import pytest
 
-from server.openapi import UNSTATED_RULE_CODES
-from server.protocol import MAX_N, MAX_SEED, MAX_STOP_STRINGS
+from server.http.openapi import UNSTATED_RULE_CODES
+from server.openai.protocol import MAX_N, MAX_SEED, MAX_STOP_STRINGS
 from tests.conftest import LiveServer, error_of
 
 SURROGATE = "\ud800"

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from server.app import ServerSettings
-from server.protocol import (
+from server.http.app import ServerSettings
+from server.openai.protocol import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_PROMPTS,

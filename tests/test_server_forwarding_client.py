@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from engine import EngineDeadError, EngineStats, Request
-from server.client import EngineClient, EngineObserver, Health, OutputStream
+from server.engine_client.interface import EngineClient, EngineObserver, Health, OutputStream
 from tests.conftest import LiveServer, run_server, sse_events
 
 

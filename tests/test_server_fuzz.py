@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import make_engine
-from server.app import create_app
-from server.driver import AsyncEngineDriver
-from server.protocol import ModelCard
+from server.engine_client.driver import AsyncEngineDriver
+from server.http.app import create_app
+from server.openai.protocol import ModelCard
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "60"))
 FUZZ = settings(

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from server import heap
-from server.heap import IdleHeapTrimmer, release_free_heap
+from server.engine_client import heap
+from server.engine_client.heap import IdleHeapTrimmer, release_free_heap
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or heap._TRIM is None, reason="glibc malloc_trim only"

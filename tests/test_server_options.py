@@ -9,10 +9,10 @@ import jinja2.sandbox
 import openai
 import pytest
 
-from server.app import ServerSettings
-from server.chat_template import load_chat_template
 from server.cli import build_parser
-from server.options import settings_fields
+from server.http.app import ServerSettings
+from server.http.options import settings_fields
+from server.tooling.chat_template import load_chat_template
 from tests.conftest import run_server
 
 # A template that renders tools natively (so not generic mode) and a template kwarg.

@@ -177,7 +177,7 @@ async def test_events_ready_together_are_one_write_and_nothing_waits_for_the_eng
     once, and the tail after the end marker is flushed."""
     from types import SimpleNamespace
 
-    from server.responses import per_step
+    from server.generation.sse import per_step
 
     stream = SimpleNamespace(num_buffered=0)
     gen = SimpleNamespace(stream=stream)

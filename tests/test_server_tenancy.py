@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from server.app import ServerSettings
+from server.http.app import ServerSettings
 from tests.conftest import LiveServer, StepGate, error_of, run_server
 
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from server.tools import ToolPlan, call_schema, tool_defs
+from server.tooling.plan import ToolPlan, call_schema, tool_defs
 from tests.conftest import LiveServer, run_server
 
 WEATHER = {

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from server.chat_output import ReasoningSplit
-from server.tool_calls import ToolCallStream
+from server.tooling.parser import ToolCallStream
+from server.tooling.reasoning import ReasoningSplit
 
 CALLS = [
     ("get_weather", {"city": 'Paris "centre" {x}', "unit": "celsius"}),

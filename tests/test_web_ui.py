@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.app import ServerSettings
+from server.http.app import ServerSettings
 from tests.conftest import run_server
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -9,7 +9,7 @@ no per-response way to mark such a rejection as expected; its only knob
 
 So the fuzz script runs this check instead of the built-in one: the built-in check itself, except
 that a 400 whose OpenAI error `code` is one the operation's document lists under its 400
-response as `x-unstated-rule-codes` (server.openapi.UNSTATED_RULE_CODES) counts as an expected
+response as `x-unstated-rule-codes` (server.http.openapi.UNSTATED_RULE_CODES) counts as an expected
 rejection. Any other 400 (or a 400 without such a code) is still a failure.
 """
 

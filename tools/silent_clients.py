@@ -40,9 +40,9 @@ def serve(args: argparse.Namespace) -> None:
 
     from engine import make_engine
     from models import load_model
-    from server.app import ServerSettings, create_app
-    from server.driver import AsyncEngineDriver
-    from server.protocol import ModelCard
+    from server.engine_client.driver import AsyncEngineDriver
+    from server.http.app import ServerSettings, create_app
+    from server.openai.protocol import ModelCard
 
     lm = load_model("tinygpt")
     engine = make_engine(

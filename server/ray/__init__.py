@@ -1,7 +1,7 @@
 """cbserve on Ray Serve: engine replicas behind a prefix-aware router (`pip install .[ray]`).
 
 `python -m server.ray` runs two tiers: an ingress deployment serving the same FastAPI app as
-`python -m server` (`server.app.create_app`) through `RayEngineClient`, and an engine deployment
+`python -m server` (`server.http.app.create_app`) through `RayEngineClient`, and an engine deployment
 whose replicas each own a model and an `AsyncEngineDriver`. `PrefixAwareRouter` sends requests
 that share their first KV blocks to the same engine replica.
 

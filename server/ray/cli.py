@@ -112,9 +112,8 @@ def deploy_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     ingress needs no weights); the replicas load their own copies."""
     from engine.registry import engine_class
     from models import load_model
-    from server.app import ServerSettings
-    from server.options import settings_fields
-    from server.protocol import ModelCard
+    from server.http.app import settings_from_flags
+    from server.openai.protocol import ModelCard
     from server.ray.deploy import DeploySpec
     from server.ray.replica import EngineSpec
 
@@ -169,15 +168,7 @@ def deploy_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         prefill_replicas=args.prefill_replicas,
         decode_replicas=args.decode_replicas,
     )
-    settings = ServerSettings(
-        **settings_fields(args),  # issue 25 hook (server.options); OSError/ValueError: bad flag
-        max_body_bytes=args.max_body_size,
-        log_prompts=args.log_prompts,
-        shutdown_timeout=args.shutdown_timeout,
-        max_concurrent_per_client=args.max_concurrent_per_client or None,
-        stall_timeout=args.stall_timeout or None,
-        web_ui=args.web_ui,
-    )
+    settings = settings_from_flags(args)  # python -m server's too; OSError/ValueError: a bad flag
     return spec, lm.tokenizer, card, settings
 
 

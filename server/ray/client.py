@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import EngineDeadError, EngineStats, Request
-from server.client import EngineClient, Health, OutputStream
+from server.engine_client.interface import EngineClient, Health, OutputStream
 from server.ray.keys import DEFAULT_ROUTE_BLOCKS, route_key
 from server.ray.wire import AbortCall, Accepted, EngineCall, Refused, StepItem
 
@@ -68,7 +68,10 @@ def _with_fresh_internal_id(method: Any, arg: Any) -> Any:
 
 
 @dataclass(slots=True)
-class _Group:
+class CallGroup:
+    """One submitted group of requests: its Ray call, the stream its outputs go to, the replica
+    serving it, and the task that pumps the call's outputs into the stream."""
+
     call: Any  # the DeploymentResponseGenerator
     stream: OutputStream
     replica: str
@@ -76,7 +79,8 @@ class _Group:
 
 
 class RayEngineClient(EngineClient):
-    # issue 25: requests carry grammar specs, compiled on the replica (server.remote_grammar)
+    # Requests carry grammar specs, compiled on the replica (server.engine_client.remote_grammar):
+    # a compiled grammar's state does not pickle.
     grammar_placement: str | None = "replica"
 
     def __init__(
@@ -95,7 +99,7 @@ class RayEngineClient(EngineClient):
         self._engine_name = engine_name
         self.block_size = block_size
         self.route_blocks = route_blocks
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, CallGroup] = {}
         self._pumps: set[asyncio.Task] = set()
         self._stats: dict[str, tuple[float, EngineStats]] = {}  # replica -> (when, stats)
         self._stopping = False
@@ -178,7 +182,7 @@ class RayEngineClient(EngineClient):
         assert isinstance(first, Accepted), first
         self._note_stats(first.replica, first.stats)
         stream = OutputStream([r.request_id for r in requests])
-        group = _Group(call, stream, first.replica)
+        group = CallGroup(call, stream, first.replica)
         for r in requests:
             self._groups[r.request_id] = group
         task = asyncio.create_task(self._pump(group), name="ray-engine-pump")
@@ -187,7 +191,7 @@ class RayEngineClient(EngineClient):
         task.add_done_callback(self._pumps.discard)
         return stream
 
-    async def _pump(self, group: _Group) -> None:
+    async def _pump(self, group: CallGroup) -> None:
         stream = group.stream
         try:
             async for item in group.call:

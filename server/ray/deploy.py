@@ -1,6 +1,6 @@
 """Build the Serve application: an `Ingress` deployment in front of an `Engine` deployment.
 
-`Ingress` serves `server.app.create_app` (the same routes, errors, SSE and metric names as
+`Ingress` serves `server.http.app.create_app` (the same routes, errors, SSE and metric names as
 `python -m server`) over a `RayEngineClient` bound to the engine deployment's handle, and adds
 the per-replica and routing metrics to its `/metrics`. It holds the tokenizer and the model card
 (built once by the caller, pickled into the deployment), never the weights.
@@ -17,8 +17,8 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from server.app import ServerSettings
-from server.protocol import ModelCard
+from server.http.app import ServerSettings
+from server.openai.protocol import ModelCard
 from server.ray.keys import DEFAULT_ROUTE_BLOCKS
 from server.ray.replica import EngineReplica, EngineSpec
 
@@ -130,7 +130,7 @@ def build_app(spec: DeploySpec, tokenizer: Any, card: ModelCard, settings: Serve
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from server.app import create_app
+    from server.http.app import create_app
     from server.ray.client import RayEngineClient
 
     engine_options: dict[str, Any] = {

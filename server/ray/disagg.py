@@ -43,8 +43,8 @@ from typing import Any
 
 from engine import EngineDeadError
 from engine.tiers import DecodeEngine, Handoff, PrefillEngine
-from server.client import OutputStream
-from server.ray.client import RayEngineClient, _Group, call_of_its_own
+from server.engine_client.interface import OutputStream
+from server.ray.client import CallGroup, RayEngineClient, call_of_its_own
 from server.ray.replica import EngineReplica, EngineSpec
 from server.ray.wire import (
     Accepted,
@@ -160,7 +160,8 @@ class _Decoding:
 class DisaggregatedClient(RayEngineClient):
     """The ingress's `EngineClient` over a prefill and a decode deployment (see the module doc)."""
 
-    # issue 25: a grammar's state cannot follow the request to the decode tier (yet): a 400
+    # A grammar's state cannot follow the request from the prefill tier to the decode tier (the
+    # hand-off carries its KV blocks and tokens, not a grammar matcher's state): a request with a grammar is a 400 here.
     grammar_placement = None
 
     def __init__(self, prefill_handle: Any, decode_handle: Any, **options: Any) -> None:
@@ -172,7 +173,7 @@ class DisaggregatedClient(RayEngineClient):
         self.transfer_seconds = 0.0
         self.transfer_failures = 0
 
-    async def _pump(self, group: _Group) -> None:
+    async def _pump(self, group: CallGroup) -> None:
         """The prefill call's items: tokens of requests that end there, and hand-offs."""
         stream = group.stream
         try:

@@ -24,8 +24,8 @@ from typing import Any
 from engine import EngineConfig
 from engine.errors import EngineError
 from engine.structured import GrammarCompiler
+from server.engine_client.remote_grammar import compile_pending, has_pending
 from server.ray.wire import AbortCall, Accepted, EngineCall, Probe, Refused, StepItem
-from server.remote_grammar import compile_pending, has_pending
 
 log = logging.getLogger("server.ray.replica")
 
@@ -55,7 +55,7 @@ class EngineReplica:
         from engine import make_engine
         from models import load_model
         from models.cpu import in_passing_thread
-        from server.driver import AsyncEngineDriver
+        from server.engine_client.driver import AsyncEngineDriver
 
         torch.set_num_threads(spec.num_threads)
         self.spec = spec
@@ -78,7 +78,7 @@ class EngineReplica:
             num_threads=spec.num_threads,
         )
         await self.driver.start()
-        # issue 25: grammars arrive as specs and are compiled here (server.remote_grammar)
+        # Grammars arrive as specs and are compiled here (server.engine_client.remote_grammar).
         self.grammars = GrammarCompiler(lm.tokenizer)
         self.grammars.prepare()  # the tokenizer's trie, in the background
         self.served = 0
@@ -93,7 +93,7 @@ class EngineReplica:
         now = time.monotonic()  # the ingress's clock is another process's (or machine's)
         requests = [dataclasses.replace(r, arrival_time=now) for r in call.requests]
         try:
-            if has_pending(requests):  # issue 25 hook: compile the grammars sent as specs
+            if has_pending(requests):  # compile the grammars sent as specs, off the event loop
                 requests = await asyncio.to_thread(compile_pending, requests, self.grammars)
             stream = await self.driver.submit(requests)
         except EngineError as e:
