@@ -19,7 +19,7 @@ from models.generation_config import (
 from server.cli import build_parser, generation_defaults
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.sampling_params import chat_sampling_params, completion_sampling_params
-from tests.conftest import run_server
+from tests.helpers.servers import run_server
 
 
 def hf_like(lm: LoadedModel, directory) -> LoadedModel:

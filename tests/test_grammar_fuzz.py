@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from server.app import ServerSettings
 from server.grammar_worker import CheckBudget
-from tests.conftest import LiveServer, run_server
+from tests.helpers.servers import LiveServer, run_server
 
 EXAMPLES = int(os.environ.get("GRAMMAR_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(

@@ -11,7 +11,7 @@ from engine import ContinuousBatchEngine, Request, SamplingParams
 from engine.block_manager import BlockManager, block_keys
 from engine.request import RequestState
 from models import load_model
-from tests.engine_utils import greedy, seeded, serve, serve_individually
+from tests.helpers.engine_runs import greedy, seeded, serve, serve_individually
 
 
 @pytest.fixture(scope="module")

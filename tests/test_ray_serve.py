@@ -99,7 +99,7 @@ else:
     from server.ray.deploy import DeploySpec, build_app
     from server.ray.replica import EngineSpec
     from server.ray.wire import Probe
-    from tests.conftest import run_server
+    from tests.helpers.servers import run_server
 
     ENGINE = {"max_batch_size": 8, "kv_cache_memory_gib": 0.05}
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from server.app import ServerSettings
-from tests.conftest import StepGate, run_server
+from tests.helpers.servers import StepGate, run_server
 
 
 def open_silent_stream(base_url: str, body: dict, rcvbuf: int = 4096) -> socket.socket:

@@ -13,7 +13,7 @@ from server.app import ServerSettings
 from server.chat_template import load_chat_template
 from server.cli import build_parser
 from server.options import settings_fields
-from tests.conftest import run_server
+from tests.helpers.servers import run_server
 
 # A template that renders tools natively (so not generic mode) and a template kwarg.
 TEMPLATE = (

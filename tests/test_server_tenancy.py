@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from server.app import ServerSettings
-from tests.conftest import LiveServer, StepGate, error_of, run_server
+from tests.helpers.servers import LiveServer, StepGate, error_of, run_server
 
 
 def cached_tokens(live: LiveServer, prompt: str, **extra) -> int:

@@ -18,7 +18,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from server.tools import ToolPlan, call_schema, tool_defs
-from tests.conftest import LiveServer, run_server
+from tests.helpers.servers import LiveServer, run_server
 
 WEATHER = {
     "type": "function",

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from server.app import ServerSettings
-from tests.conftest import run_server
+from tests.helpers.servers import run_server
 
 CHROMIUM = Path("/usr/bin/chromium")
 KEY = "sk-web-test"
