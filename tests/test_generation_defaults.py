@@ -1,5 +1,5 @@
 """Per-model default sampling parameters: where they come from, the CLI flags, and that a request's
-own fields always win (issue 14, item 1)."""
+own fields always win."""
 
 from __future__ import annotations
 

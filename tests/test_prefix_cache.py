@@ -143,7 +143,7 @@ def test_requests_running_together_share_blocks(model):
     assert _accounted(engine)
 
 
-# -- keys: cryptographic, salted (issue 12) ----------------------------------------------------
+# -- keys: cryptographic, salted ----------------------------------------------------------------
 
 
 def _computed(bm: BlockManager, ids: list[int], salt: str | None = None) -> RequestState:

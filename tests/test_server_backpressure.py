@@ -1,4 +1,4 @@
-"""Backpressure and fair admission on a real server (issue 12).
+"""Backpressure and fair admission on a real server.
 
 A client that opens a stream and never reads (a raw socket with a small receive buffer) gets its
 requests paused in the engine once its unread output reaches the bound, not buffered, and

@@ -1,4 +1,4 @@
-"""The server options of issue 25 on live servers: several API keys (--api-key repeated,
+"""Server options on live servers: several API keys (--api-key repeated,
 --api-key-file), CORS off by default and on for --allowed-origins, --chat-template with the
 request's tools and chat_template_kwargs reaching the template, and --reasoning-parser."""
 

@@ -1,4 +1,4 @@
-"""Tenancy at the HTTP edge (issue 12): `cache_salt` keeps a tenant's prefix cache to itself,
+"""Tenancy at the HTTP edge: `cache_salt` keeps a tenant's prefix cache to itself,
 `priority` is accepted and checked, and a per-client concurrency limit answers 429."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Structured output (issue 14, item 2): grammar masks in the batched sampler, and the HTTP fields
+"""Structured output: grammar masks in the batched sampler, and the HTTP fields
 that ask for them.
 
 Every constrained output must parse and validate against its schema, greedy and sampled, while it

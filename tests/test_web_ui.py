@@ -1,4 +1,4 @@
-"""The web page at / and its live-stats endpoint (issue 14, item 6).
+"""The web page at / and its live-stats endpoint.
 
 The browser test drives Debian's chromium through playwright against a real server: the page
 loads, a streamed answer appears in the chat box, and the live view changes while a load runs.
