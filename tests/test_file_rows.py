@@ -11,9 +11,8 @@ import torch
 
 from models import kernels, load_model
 from models.decoder import PackedLinear
-from models.fetch import model_path
 from models.quant import GGML, GGML_A8, PanelEmbedding, gguf_rows
-from tests.test_synth_model import our_logits
+from tests.helpers.oracles import our_logits
 from tools import synth_model
 
 TINY = dict(
@@ -99,14 +98,12 @@ def _rss_mib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
-def test_loading_leaves_no_touched_file_pages_resident():
+def test_loading_leaves_no_touched_file_pages_resident(smollm2_file):
     """Pages of the file that loading read (to copy into panels, permute, ...) leave the
     resident set once the model is built; what the kernels read in place faults back in."""
-    from pathlib import Path
-
     from models.gguf_loader import _open, _release_pages
 
-    path = Path(model_path("smollm2-135m-instruct"))
+    path = smollm2_file
     reader = _open(path)
     data = np.asarray(reader.data)
     touched = _rss_mib()

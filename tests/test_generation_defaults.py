@@ -1,5 +1,5 @@
 """Per-model default sampling parameters: where they come from, the CLI flags, and that a request's
-own fields always win (issue 14, item 1)."""
+own fields always win."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from models.generation_config import (
 from server.cli import build_parser, generation_defaults
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from server.openai.sampling_params import chat_sampling_params, completion_sampling_params
-from tests.conftest import run_server
+from tests.helpers.servers import run_server
 
 
 def hf_like(lm: LoadedModel, directory) -> LoadedModel:

@@ -1,4 +1,4 @@
-"""models.gguf_quantize against two other implementations (issue 24, items 4 and 5).
+"""models.gguf_quantize against two other implementations: the `gguf` package and llama-quantize.
 
 In CI: each format's blocks decode through `gguf`'s own `dequantize` to the input within the
 format's error; the 32-value formats are byte for byte what `gguf`'s own quantizers write (which

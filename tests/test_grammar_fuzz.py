@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from server.grammars.check_worker import CheckBudget
 from server.http.app import ServerSettings
-from tests.conftest import LiveServer, run_server
+from tests.helpers.servers import LiveServer, run_server
 
 EXAMPLES = int(os.environ.get("GRAMMAR_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(

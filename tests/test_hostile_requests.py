@@ -27,8 +27,7 @@ import pytest
 from engine.grammar import client_message
 from server.grammars.check_worker import CheckBudget
 from server.http.app import ServerSettings
-from tests.conftest import LiveServer, error_of, run_server, sse_events
-from tests.test_server_faults import FailingStep
+from tests.helpers.servers import FailingStep, LiveServer, error_of, run_server, sse_events
 
 # A short check budget keeps the runaway cases quick; the response budget is small so that
 # TinyGPT's 2048-token context can exceed it.

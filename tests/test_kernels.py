@@ -29,7 +29,7 @@ from models.quant import (
     pack,
     quantize,
 )
-from tests.test_kquant import GATED
+from tests.helpers.kquant_rows import GATED
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"
@@ -647,16 +647,15 @@ def test_a_tokens_attention_is_the_same_in_a_prefill_chunk_and_as_a_decode_row(
 
 
 @pytest.mark.slow
-def test_smollm2_through_the_kernels_matches_the_float_model_of_the_same_weights():
+def test_smollm2_through_the_kernels_matches_the_float_model_of_the_same_weights(smollm2_file):
     """The GGUF's own Q4_1/Q8_0 blocks in the kernels vs the dequantized float32 model in
     pure torch: the same weights, so logits agree to float rounding (float32 KV here)."""
     from models import load_model
-    from models.fetch import smollm2_path
     from models.gguf_loader import load_gguf
 
     fast = load_model("smollm2-135m-instruct", kv_cache_dtype="float32", activations="float32")
     assert set(fast.model.weight_formats()) == {"q4_1", "q8_0"}
-    ref = load_gguf(smollm2_path())  # float32, pure torch
+    ref = load_gguf(smollm2_file)  # float32, pure torch
     ids = fast.tokenizer.encode("The capital of France is")
     n = len(ids)
     outs = []
@@ -675,7 +674,7 @@ def test_smollm2_through_the_kernels_matches_the_float_model_of_the_same_weights
 
 @needs_int8
 @pytest.mark.slow
-def test_smollm2_with_int8_activations_stays_close_to_float_activations():
+def test_smollm2_with_int8_activations_stays_close_to_float_activations(smollm2_file):
     """The default where the CPU has VNNI: the same weights with int8 activations. Not the same
     numbers (the point is to round), so: every position's greedy token equal on these texts
     and logits highly correlated (measured: max |diff| ~1.3, cosine >= 0.996). Perplexity over a
@@ -857,7 +856,7 @@ def test_the_pure_torch_fallback_and_the_avx2_capped_path_compute_the_same_model
 
 @needs_int8
 @pytest.mark.slow
-def test_smollm2_with_the_isa_capped_at_avx2_runs_what_an_avx2_cpu_runs():
+def test_smollm2_with_the_isa_capped_at_avx2_runs_what_an_avx2_cpu_runs(smollm2_file):
     """ATEN_CPU_CAPABILITY=avx2 caps our kernels too: no VNNI, so int8 activations run on the
     file's own rows (maddubs, kind GGML_A8) instead of the VNNI panels (Q4_1X / Q8_0X); with float32
     activations the capped model is the same model as float activations here."""

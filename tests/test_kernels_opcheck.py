@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType
 
 from models import kernels, ops
 from models.quant import F32, Q4_1, Q8_0, GGMLTensor, pack, pack_rows, quantize
+from tests.helpers.kquant_rows import moe_weights, routes
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"
@@ -108,8 +109,6 @@ def test_ggml_linear_opcheck(int8, act):
 
 @pytest.mark.parametrize("int8", [False, True])
 def test_moe_experts_opcheck(int8):
-    from test_moe_kernel import moe_weights, routes
-
     fused, _ = moe_weights(4, 256, 256, 256, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
     ids, weights = routes(3, 4, 2, seed=0)
     kind = ops.Kind.GGML_A8 if int8 else ops.Kind.GGML

@@ -12,11 +12,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
@@ -28,13 +26,15 @@ from models.quant import (
     Q8_0,
     Q8_0X,
     BlockEmbedding,
-    GGMLTensor,
     PanelEmbedding,
     QTensor,
     pack,
     pack_rows,
     quantize,
 )
+from tests.helpers.kquant_rows import GATED, group_of, linear, random_rows, round_activations
+from tests.helpers.model_files import random_ids, write_gguf
+from tests.helpers.oracles import our_logits
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"
@@ -42,53 +42,6 @@ pytestmark = pytest.mark.skipif(
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 TYPES += [Q.IQ4_NL, Q.IQ4_XS]
-# byte offsets of each block's fp16 scales (the other bytes: any pattern is a valid block)
-SCALES = {
-    Q.Q4_0: (0,),
-    Q.Q4_1: (0, 2),
-    Q.Q5_0: (0,),
-    Q.Q5_1: (0, 2),
-    Q.Q8_0: (0,),
-    Q.Q2_K: (80, 82),
-    Q.Q3_K: (108,),
-    Q.Q4_K: (0, 2),
-    Q.Q5_K: (0, 2),
-    Q.Q6_K: (208,),
-    Q.IQ4_NL: (0,),
-    Q.IQ4_XS: (0,),  # its sub-block scales are in the random bytes: all 64 values occur
-}
-
-
-def random_rows(qtype: Q, n: int, k: int, seed: int = 0) -> GGMLTensor:
-    """n rows of k values in `qtype`: random bytes with fp16 scales of either sign."""
-    rng = np.random.default_rng(seed)
-    values, size = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (n, k // values, size), dtype=np.uint8)
-    for off in SCALES[qtype]:
-        scale = rng.uniform(0.002, 0.01, (n, k // values)) * rng.choice([-1, 1], (n, k // values))
-        raw[..., off : off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n, -1, 2)
-    return GGMLTensor([(int(qtype), torch.from_numpy(raw.reshape(n, -1)))], k)
-
-
-def linear(x, packed, bias=None, residual=None, act=0):
-    p = packed
-    return p.op(x, p.qs, p.d, p.m, p.kind, p.out_features, bias, residual, act)
-
-
-def round_activations(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x as the kernel's int8 activations stand for it: per `group` inputs q = round(x / d),
-    d = max|x| / 127 (the kernel's own float32 arithmetic, ties to even)."""
-    m, k = x.shape
-    xb = x.view(m, k // group, group)
-    d = xb.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(d > 0, 1 / d, torch.zeros(()))
-    return (torch.round(xb * inv) * d).view(m, k)
-
-
-def group_of(qtype: Q) -> int:
-    """The inputs per int8 activation scale: 256 for the K formats (llama.cpp's Q8_K), 32 for
-    the rest (IQ4_XS's 256-value blocks have a scale per 32 values)."""
-    return 256 if qtype in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -200,13 +153,6 @@ def test_a_fused_projection_of_mixed_formats_is_its_parts_side_by_side(int8):
     }
 
 
-# Each gated epilogue and torch's own activation it must match (GeGLU: the tanh GELU).
-GATED = {
-    ops.Act.SILU_MUL: F.silu,
-    ops.Act.GELU_MUL: lambda g: F.gelu(g, approximate="tanh"),
-}
-
-
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q4_K])
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("act", list(GATED))
@@ -276,8 +222,6 @@ def test_a_gguf_in_k_and_q5_formats_loads_without_float_copies(tmp_path, monkeyp
     """A 2-layer Llama GGUF whose tensors rotate through ten formats (so q/k/v and gate/up fuse
     parts of different formats): every projection, the head and the embedding keep the file's
     blocks, float32 activations give the float model's logits, int8 activations stay close."""
-    from test_models_real import our_logits, random_ids, write_gguf
-
     from models import load_model
 
     monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))
@@ -302,13 +246,13 @@ def test_a_gguf_in_k_and_q5_formats_loads_without_float_copies(tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_smollm2_with_int8_activations_on_gguf_rows_stays_close_to_float_activations():
+def test_smollm2_with_int8_activations_on_gguf_rows_stays_close_to_float_activations(
+    smollm2_file,
+):
     """--activation-dtype int8 without AVX512-VNNI: SmolLM2's Q4_1 / Q8_0 blocks as GGUF rows
     through the vpmaddubsw kernel. Logits highly correlated with float32 activations', and the
     same greedy token wherever float32's best two are not near a tie (int8 activations move a
     logit by up to ~0.35 on these texts, so a near-tie may go either way)."""
-    from test_models_real import our_logits
-
     from models import load_model
 
     if kernels.has_int8_dot():

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 
 from models import kernels
 from models.quant import GGMLTensor, pack_rows
-from tests.test_kquant import GATED, group_of, linear, random_rows, round_activations
+from tests.helpers.kquant_rows import GATED, group_of, linear, random_rows, round_activations
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"

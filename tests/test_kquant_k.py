@@ -14,10 +14,10 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
-from test_kquant import SCALES, linear, random_rows, round_activations
 
 from models import kernels
 from models.quant import GGMLTensor, QTensor, pack, pack_rows
+from tests.helpers.kquant_rows import SCALES, linear, random_rows, round_activations
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"

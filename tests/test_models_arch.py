@@ -5,7 +5,7 @@ transformers' logits over a prompt, through a full forward and through the engin
 prefill over small blocks, then decode over the paged pool), with the CPU kernels where they run
 and without. Gemma's prompts are longer than its sliding window (8) so the window matters.
 
-Tolerance as tests/test_models_real.py: 1e-3 absolute on fp32 logits, argmax equal everywhere.
+Tolerance (tests/helpers/oracles.py): 1e-3 absolute on fp32 logits, argmax equal everywhere.
 """
 
 from __future__ import annotations
@@ -23,208 +23,42 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 
-from engine import ContinuousBatchEngine, Request, SamplingParams
 from models import AttentionMetadata, ModelLoadError, PrefillChunk, kernels, load_model, ops
-from tests.test_models_real import (
-    ATOL,
-    assert_logits_match,
-    hf_logits,
-    our_logits,
+from tests.helpers.engine_runs import engine_logits
+from tests.helpers.model_files import (
+    byte_level_tokenizer,
     random_ids,
+    randomize_,
     write_hf_checkpoint,
 )
-
-VOCAB = 272  # > the byte-level tokenizer's 259 ids: a padded embedding, as real checkpoints have
-WINDOW = 8
-
-
-def _base(**kw) -> dict:
-    base = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-    )
-    return {**base, **kw}
+from tests.helpers.oracles import ATOL, assert_logits_match, hf_logits, our_logits
+from tests.helpers.real_models import gemma3_270m_path
+from tests.helpers.tiny_archs import (
+    ARCHS,
+    LOGIT_CAP,
+    ORIGINAL,
+    SCORE_CAP,
+    VOCAB,
+    WINDOW,
+    arch_names,
+    gemma3_config,
+)
 
 
-def gemma3_config():
-    from transformers import Gemma3TextConfig
-
-    # 7 layers: the sixth global, the others windowed (transformers' default pattern); head_dim
-    # and query_pre_attn_scalar unlike hidden / heads, so each scale is checked
-    return Gemma3TextConfig(
-        **{
-            **_base(num_key_value_heads=1, head_dim=32, sliding_window=WINDOW),
-            "num_hidden_layers": 7,
-            "query_pre_attn_scalar": 24,
-            "rope_parameters": {
-                "full_attention": {"rope_type": "default", "rope_theta": 100_000.0},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 1_000.0},
-            },
-        }
-    )
-
-
-def gemma2_config():
-    from transformers import Gemma2Config
-
-    # 3 layers: windowed, global, windowed; soft caps low enough that this random model's scores
-    # and logits reach them (`test_gemma2_soft_caps_change_what_it_computes`)
-    return Gemma2Config(
-        **{**_base(head_dim=32, sliding_window=WINDOW), "num_hidden_layers": 3},
-        query_pre_attn_scalar=24,
-        attn_logit_softcapping=SCORE_CAP,
-        final_logit_softcapping=LOGIT_CAP,
-    )
-
-
-SCORE_CAP, LOGIT_CAP = 0.5, 2.0
-
-
-def qwen3_config():
-    from transformers import Qwen3Config
-
-    return Qwen3Config(**_base(head_dim=32, tie_word_embeddings=False))
-
-
-def qwen2_config():
-    from transformers import Qwen2Config
-
-    return Qwen2Config(**_base(tie_word_embeddings=True))
-
-
-def phi3_config():
-    from transformers import Phi3Config
-
-    return Phi3Config(
-        **_base(sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    )
-
-
-# LongRoPE with an original context of 16 tokens: a sequence longer than that runs transformers
-# on the long factors, one within it on the short ones. Unlike factors, so each is checked.
-ORIGINAL = 16
-
-
-def _longrope(n: int) -> dict:
-    return {
-        "rope_type": "longrope",
-        "rope_theta": 10_000.0,
-        "short_factor": [1.0 + 0.25 * i for i in range(n)],
-        "long_factor": [1.0 + 3.0 * i for i in range(n)],
-        "original_max_position_embeddings": ORIGINAL,
-    }
-
-
-# (Phi3Config's own field, which it copies over the rope parameters' one)
-_ORIGINAL = {"original_max_position_embeddings": ORIGINAL}
-
-
-def phi3_longrope_config():
-    """Phi-3.5-mini's (and Phi-3's 128k) form: LongRoPE over the whole head."""
-    from transformers import Phi3Config
-
-    return Phi3Config(**_base(pad_token_id=0, rope_parameters=_longrope(8), **_ORIGINAL))
-
-
-def phi4_mini_config():
-    """Phi-4-mini's form: LongRoPE over the first 3/4 of each head, tied embeddings."""
-    from transformers import Phi3Config
-
-    rope = {**_longrope(6), "partial_rotary_factor": 0.75}
-    return Phi3Config(
-        **_base(pad_token_id=0, rope_parameters=rope, tie_word_embeddings=True, **_ORIGINAL)
-    )
-
-
-def smollm3_config():
-    """SmolLM3: NoPE every fourth layer (the fourth of four here)."""
-    from transformers import SmolLM3Config
-
-    return SmolLM3Config(**_base(num_hidden_layers=4, pad_token_id=0))
-
-
-def llama3_config():
-    from transformers import LlamaConfig
-
-    scaling = {
-        "rope_type": "llama3",
-        "rope_theta": 500_000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16,  # short: the prompts reach the scaled range
-    }
-    return LlamaConfig(**_base(rope_parameters=scaling))
-
-
-def qwen3moe_config():
-    """Qwen3-MoE: 8 experts, 2 a token, every layer sparse; the dense size unused."""
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(
-        **_base(head_dim=32, tie_word_embeddings=False),
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        norm_topk_prob=True,
-    )
-
-
-CONFIGS = {
-    "gemma3": gemma3_config,
-    "gemma2": gemma2_config,
-    "qwen3": qwen3_config,
-    "qwen2": qwen2_config,
-    "phi3": phi3_config,
-    "llama3": llama3_config,
-    "phi3_longrope": phi3_longrope_config,
-    "phi4_mini": phi4_mini_config,
-    "smollm3": smollm3_config,
-    "qwen3moe": qwen3moe_config,
-}
-LONGROPE = ("phi3_longrope", "phi4_mini")
-
-
-@pytest.fixture(scope="module", params=list(CONFIGS))
+@pytest.fixture(scope="module")
 def checkpoint(request, tmp_path_factory):
-    """(name, HF directory, the transformers model that wrote it)."""
+    """(name, HF directory, the transformers model that wrote it), for the architecture a test's
+    `on(...)` parametrization names."""
     name = request.param
     path = tmp_path_factory.mktemp(name)
-    ref = write_hf_checkpoint(path, CONFIGS[name](), seed=len(name))
+    ref = write_hf_checkpoint(path, ARCHS[name].config(), seed=len(name))
     return name, path, ref
 
 
-def engine_logits(lm, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy continuation in the engine (prefill in chunks of 16 over blocks of 4, then decode)
-    and the logits of every sampled position, recorded at the head."""
-    rows: list[torch.Tensor] = []
-    head = lm.model.compute_logits
-
-    def recording(hidden):
-        out = head(hidden)
-        rows.append(out[-1].clone())
-        return out
-
-    engine = ContinuousBatchEngine(
-        lm.model, max_batch_size=2, block_size=4, max_num_batched_tokens=16, num_blocks=64
-    )
-    req = Request(prompt_token_ids=prompt, params=SamplingParams(max_tokens=n, ignore_eos=True))
-    engine.add_request(req)
-    out: list[int] = []
-    lm.model.compute_logits = recording
-    try:
-        with torch.inference_mode():
-            while engine.has_work():
-                out += [t for o in engine.step() for t in o.token_ids]
-    finally:
-        del lm.model.compute_logits
-    return out, rows
+def on(names: list[str]):
+    """Runs a test once per architecture in `names` (tests/helpers/tiny_archs.py's table says
+    which have what the test checks)."""
+    return pytest.mark.parametrize("checkpoint", names, indirect=True)
 
 
 def check_against(lm, ref, seed: int, short_lm=None) -> None:
@@ -247,6 +81,7 @@ def check_against(lm, ref, seed: int, short_lm=None) -> None:
     assert (torch.stack(rows) - expected).abs().max().item() <= ATOL
 
 
+@on(arch_names())
 @pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
 def test_hf_directory_matches_transformers(checkpoint, use_kernels):
     name, path, ref = checkpoint
@@ -259,7 +94,7 @@ def test_hf_directory_matches_transformers(checkpoint, use_kernels):
 
 def _short(name: str, path: Path, use_kernels: bool):
     """A LongRoPE checkpoint loaded to serve its original context (short factors), else None."""
-    if name not in LONGROPE:
+    if not ARCHS[name].longrope:
         return None
     lm = load_model(str(path), use_kernels=use_kernels, max_model_len=ORIGINAL)
     assert not lm.config.rope_long and lm.config.max_position_embeddings == ORIGINAL
@@ -301,6 +136,7 @@ def _layers_op_by_op(model, x, positions, pools, meta) -> torch.Tensor:
     return ops.rms_norm(x, model.norm.weight, eps)
 
 
+@on(arch_names(lambda arch: not arch.moe))  # (a sparse MLP's: test_moe_rows_...)
 def test_the_layer_stack_in_one_op_is_the_single_ops_bit_for_bit(checkpoint):
     """`ops.decoder_layers` (the path the engine runs) against its lists run op by op: a prefill
     chunk past Gemma's window, then a decode row, over fresh pools each; every value equal.
@@ -309,9 +145,6 @@ def test_the_layer_stack_in_one_op_is_the_single_ops_bit_for_bit(checkpoint):
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason() or "no kernels")
     model = load_model(str(path)).model
-    if model.config.num_experts:
-        assert model._plan is None
-        pytest.skip("a sparse MLP runs layer by layer")
     assert model._plan is not None
     c, t = model.config, 20
     ids = torch.tensor(random_ids(t + 1, VOCAB, seed=3))
@@ -338,10 +171,9 @@ def test_the_layer_stack_in_one_op_is_the_single_ops_bit_for_bit(checkpoint):
             assert torch.equal(model(tokens, positions, ours, meta), want)
 
 
+@on(["gemma3"])
 def test_gemma3_config_reads_windows_scales_and_rope_bases(checkpoint):
-    name, path, _ = checkpoint
-    if name != "gemma3":
-        pytest.skip("Gemma 3 only")
+    _, path, _ = checkpoint
     c = load_model(str(path), use_kernels=False).config
     assert c.layer_windows == (WINDOW,) * 5 + (0, WINDOW)
     assert (c.rope_theta, c.rope_local_theta) == (100_000.0, 1_000.0)
@@ -350,10 +182,9 @@ def test_gemma3_config_reads_windows_scales_and_rope_bases(checkpoint):
     assert c.tie_word_embeddings
 
 
+@on(["gemma2"])
 def test_gemma2_config_reads_windows_caps_and_scales(checkpoint):
-    name, path, _ = checkpoint
-    if name != "gemma2":
-        pytest.skip("Gemma 2 only")
+    _, path, _ = checkpoint
     c = load_model(str(path), use_kernels=False).config
     assert c.layer_windows == (WINDOW, 0, WINDOW) and c.rope_local_theta is None
     assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (SCORE_CAP, LOGIT_CAP)
@@ -361,15 +192,14 @@ def test_gemma2_config_reads_windows_caps_and_scales(checkpoint):
     assert c.embedding_scale == pytest.approx(8.0) and c.hidden_act == "gelu_tanh"
 
 
+@on(["gemma2"])
 @pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
 def test_gemma2_soft_caps_change_what_it_computes(checkpoint, use_kernels, monkeypatch):
     """Without either soft cap this random Gemma 2 is far from transformers (so the tests above
     would catch a cap left out), in the full forward and in the engine's paged attention."""
     from dataclasses import replace
 
-    name, path, ref = checkpoint
-    if name != "gemma2":
-        pytest.skip("Gemma 2 only")
+    _, path, ref = checkpoint
     if use_kernels and not kernels.available():
         pytest.skip(kernels.unavailable_reason() or "no kernels")
     ids = random_ids(40, VOCAB, seed=7)
@@ -388,16 +218,6 @@ def test_gemma2_soft_caps_change_what_it_computes(checkpoint, use_kernels, monke
 
 # -- GGUF files, written as llama.cpp's converter writes them ------------------------------------
 
-_GGUF_ARCH = {
-    "gemma3": "gemma3",
-    "gemma2": "gemma2",
-    "qwen3": "qwen3",
-    "qwen2": "qwen2",
-    "phi3": "phi3",
-    "phi3_longrope": "phi3",
-    "phi4_mini": "phi3",
-    "qwen3moe": "qwen3moe",
-}
 _GGUF_NAMES = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -525,16 +345,14 @@ def write_gguf_from_hf(path: Path, arch: str, ref, experts_q8_0: bool = False) -
     return path
 
 
+@on(arch_names(lambda arch: arch.gguf_arch is not None))
 @pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
 def test_gguf_file_matches_transformers(checkpoint, use_kernels, tmp_path, monkeypatch):
     name, _, ref = checkpoint
-    if name not in _GGUF_ARCH:
-        # (their q/k rows permuted: tests/test_models_real.py, tests/test_synth_model.py)
-        pytest.skip("Llama 3 and SmolLM3 GGUFs: written by tools.synth_model's tests")
     if use_kernels and not kernels.available():
         pytest.skip(kernels.unavailable_reason() or "no kernels")
     monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))
-    path = write_gguf_from_hf(tmp_path / f"{name}.gguf", _GGUF_ARCH[name], ref)
+    path = write_gguf_from_hf(tmp_path / f"{name}.gguf", ARCHS[name].gguf_arch, ref)
     lm = load_model(str(path), use_kernels=use_kernels)
     short = _short(name, path, use_kernels)
     if name in ("gemma2", "gemma3"):
@@ -547,6 +365,7 @@ def test_gguf_file_matches_transformers(checkpoint, use_kernels, tmp_path, monke
     check_against(lm, ref, seed=len(name) + 1, short_lm=short)
 
 
+@on(["gemma3"])
 def test_gemma3_gguf_as_transformers_reads_it(checkpoint, tmp_path, monkeypatch):
     """transformers' own GGUF reader (its name map and its norm - 1) on the file written here
     gives back the checkpoint's tensors: the writer above is this test's own, so a second
@@ -556,9 +375,7 @@ def test_gemma3_gguf_as_transformers_reads_it(checkpoint, tmp_path, monkeypatch)
 
     from models.gguf_reader import transformers_reads_fast
 
-    name, _, ref = checkpoint
-    if name != "gemma3":
-        pytest.skip("Gemma 3 only")
+    _, _, ref = checkpoint
     path = write_gguf_from_hf(tmp_path / "g.gguf", "gemma3", ref)
     with transformers_reads_fast():
         cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -573,13 +390,12 @@ def test_gemma3_gguf_as_transformers_reads_it(checkpoint, tmp_path, monkeypatch)
             assert torch.allclose(value, expected[key], atol=1e-6), key
 
 
+@on(arch_names(lambda arch: arch.longrope))
 def test_longrope_factors_depend_on_the_context_served(checkpoint, tmp_path):
     """Loaded for its full context a LongRoPE model runs the long factors on every sequence (as
     llama.cpp with a context beyond the original), so on a short one it is not transformers'
     (short factors): the two sets differ enough for the tests above to tell them apart."""
     name, path, ref = checkpoint
-    if name not in LONGROPE:
-        pytest.skip("LongRoPE only")
     lm = load_model(str(path), use_kernels=False)
     assert lm.config.rope_long and lm.config.rope_attention_factor > 1
     ids = random_ids(12, VOCAB, seed=5)
@@ -620,17 +436,6 @@ def test_phi_config_json_as_published_reads_longrope_and_partial_rotary():
 # -- the real Gemma 3 270M file ------------------------------------------------------------------
 
 
-def _gemma3_270m_path() -> Path:
-    """The Q4_K_M file: $CBSERVE_GEMMA3_GGUF, else where the model cache keeps it."""
-    from models.base import model_dir
-
-    env = os.environ.get("CBSERVE_GEMMA3_GGUF")
-    path = Path(env) if env else model_dir() / "gemma-3-270m-q4_k_m.gguf"
-    if not path.is_file():
-        pytest.skip(f"the Gemma 3 270M GGUF is not at {path}")
-    return path
-
-
 @pytest.fixture(scope="module")
 def gemma3_270m():
     """(our pure-torch load, transformers' Gemma3ForCausalLM reading the same file)."""
@@ -639,7 +444,7 @@ def gemma3_270m():
 
     from models.gguf_reader import transformers_reads_fast
 
-    path = _gemma3_270m_path()
+    path = gemma3_270m_path()  # fetched if missing; fails in CI without it
     with transformers_reads_fast():
         cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         with torch.device("meta"):  # skip random init; every weight is assigned below
@@ -682,8 +487,6 @@ def test_multimodal_gemma3_directory_loads_its_language_model(tmp_path):
     the language model's prefix, and the vision tower's are left out."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    from tests.test_models_real import byte_level_tokenizer, randomize_
-
     text = gemma3_config().to_dict()
     vision = dict(
         hidden_size=16,
@@ -716,7 +519,6 @@ def test_a_gemma_vocabulary_without_a_template_chats_in_gemma_turns():
     """Gemma GGUFs may carry no chat template (the 270M one does not): the turn format follows
     from the vocabulary; a system message opens the first user turn."""
     from models.hf_tokenizer import HFTokenizer
-    from tests.test_models_real import byte_level_tokenizer
 
     hf = byte_level_tokenizer()
     hf.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
@@ -739,15 +541,17 @@ def test_a_gemma_vocabulary_without_a_template_chats_in_gemma_turns():
     assert HFTokenizer(byte_level_tokenizer()).chat_template is None
 
 
+@on(arch_names(lambda arch: arch.moe))
 def test_moe_rows_do_not_depend_on_the_batch(checkpoint):
     """A token's sparse-MLP output is the same bits alone as in any batch: its experts' rows,
-    weighted and summed in expert order, whoever else the step's experts serve."""
-    name, path, _ = checkpoint
-    if name != "qwen3moe":
-        pytest.skip("mixture of experts only")
+    weighted and summed in expert order, whoever else the step's experts serve. (The layers run
+    one by one: a sparse MLP has no one-op layer plan.)"""
+    _, path, _ = checkpoint
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason() or "no kernels")
-    mlp = load_model(str(path)).model.layers[1].mlp
+    model = load_model(str(path)).model
+    assert model._plan is None
+    mlp = model.layers[1].mlp
     x = torch.randn(13, mlp.gate.in_features, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         experts, _ = mlp.route(x)
@@ -758,13 +562,12 @@ def test_moe_rows_do_not_depend_on_the_batch(checkpoint):
         assert torch.equal(mlp(x[3:9]), batch[3:9])
 
 
+@on(arch_names(lambda arch: arch.moe))
 def test_moe_experts_in_a_quantized_file_run_as_one_op(checkpoint, tmp_path, monkeypatch):
     """Experts stored in a block format run through `ops.moe_experts`; the model's logits are
     those of the same experts run one at a time (the sparse MLP's torch loop over the packed
     projections), and near transformers' (Q8_0 rounding)."""
-    name, _, ref = checkpoint
-    if name != "qwen3moe":
-        pytest.skip("mixture of experts only")
+    _, _, ref = checkpoint
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason() or "no kernels")
     monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))

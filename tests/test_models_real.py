@@ -1,14 +1,15 @@
 """Real checkpoints against an independent implementation (transformers), in fp32.
 
 SmolLM2-135M-Instruct is read from the GGUF file `python -m models.fetch` puts in the model cache
-(CI's install step runs it; a missing file fails here, loudly, instead of skipping). transformers
+(fetched if missing; where it cannot be, these tests fail in CI and skip elsewhere: see
+tests/helpers/real_models.py). transformers
 dequantizes the same file for the reference (`load_gguf_checkpoint`: the code behind
 `from_pretrained(gguf_file=...)`, which itself would need accelerate, not a dependency of ours).
 Small random Llama / Qwen2 checkpoints are written by the tests themselves (config.json +
 safetensors + a byte-level tokenizer) and small random GGUF files with `gguf.GGUFWriter`.
 
-Tolerance: logits agree within 1e-3 absolute (fp32; observed ~1e-4 on SmolLM2, whose logits
-reach ~40) and their argmax agrees everywhere.
+Tolerance (tests/helpers/oracles.py): logits agree within 1e-3 absolute (fp32; observed ~1e-4 on
+SmolLM2, whose logits reach ~40) and their argmax agrees everywhere.
 """
 
 from __future__ import annotations
@@ -24,152 +25,39 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter
-from gguf.constants import GGML_QUANT_SIZES
-from gguf.quants import quantize
 
 from engine import ContinuousBatchEngine, Request, SamplingParams
-from models import AttentionMetadata, LoadedModel, ModelLoadError, PrefillChunk, load_model
+from models import LoadedModel, ModelLoadError, load_model
 from models.gguf_reader import transformers_reads_fast
+from tests.helpers.engine_runs import engine_greedy
+from tests.helpers.model_files import (
+    byte_level_tokenizer,
+    random_ids,
+    small_config,
+    write_gguf,
+    write_hf_checkpoint,
+)
+from tests.helpers.oracles import (
+    ATOL,
+    assert_logits_match,
+    hf_from_gguf,
+    hf_greedy,
+    hf_logits,
+    our_logits,
+)
 
-ATOL = 1e-3
 MIXED_TEXT = (
     "Hello, world! Crème brûlée à Paris — naïve café. 東京の天気は晴れです。 🐙🚀👩‍💻 done."
 )
-
-
-# -- helpers --------------------------------------------------------------------------------------
-
-
-def our_logits(lm: LoadedModel, ids: list[int]) -> torch.Tensor:
-    """Full-prompt forward without a KV pool: (T, vocab) fp32."""
-    t = len(ids)
-    meta = AttentionMetadata(
-        slot_mapping=None,
-        num_decode_tokens=0,
-        decode_block_tables=None,
-        decode_context_lens=None,
-        prefills=[PrefillChunk(0, t, t, None)],
-    )
-    with torch.inference_mode():
-        hidden = lm.model(torch.tensor(ids), torch.arange(t), None, meta)
-        return lm.model.compute_logits(hidden)
-
-
-def hf_logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(torch.tensor([ids])).logits[0].float()
-
-
-def assert_logits_match(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    assert ours.shape == ref.shape
-    diff = (ours - ref).abs().max().item()
-    assert diff <= ATOL, f"max |logit difference| {diff:.2e} > {ATOL}"
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-
-
-def hf_from_gguf(path: Path):
-    """transformers' own reading of a GGUF file: its config, dequantization and Q/K un-permute."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    with transformers_reads_fast():
-        cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        with torch.device("meta"):  # skip random init; every weight is assigned below
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)
-    tensors = tensors["tensors"]
-    model.load_state_dict(tensors, strict=False, assign=True)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)  # built on meta above
-    model.tie_weights()
-    meta_left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-    assert not meta_left, f"transformers left tensors unloaded: {meta_left}"
-    return model.eval()
-
-
-def engine_greedy(lm: LoadedModel, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Greedy continuations of all prompts, batched together in the continuous-batching engine."""
-    engine = ContinuousBatchEngine(lm.model, max_batch_size=len(prompts), kv_cache_memory_gib=0.1)
-    ids = []
-    for p in prompts:
-        req = Request(prompt_token_ids=p, params=SamplingParams(max_tokens=n, ignore_eos=True))
-        engine.add_request(req)
-        ids.append(req.request_id)
-    out: dict[str, list[int]] = {i: [] for i in ids}
-    with torch.inference_mode():
-        while engine.has_work():
-            for o in engine.step():
-                out[o.request_id].extend(o.token_ids)
-    return [out[i] for i in ids]
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    model.generation_config.eos_token_id = None  # run the full n tokens, as ignore_eos does
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0
-        )
-    return out[0, len(prompt) :].tolist()
-
-
-def byte_level_tokenizer(chat_template: str | None = None):
-    """A small byte-level BPE tokenizer (259 ids) in transformers form, for written checkpoints."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {t: i for i, t in enumerate(specials + list(bytes_to_unicode().values()))}
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(specials)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        chat_template=chat_template,
-    )
-
-
-def randomize_(model, seed: int) -> None:
-    """Every parameter random (transformers initialises biases to 0 and norms to 1, which would
-    hide a dropped bias or norm)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-
-
-def write_hf_checkpoint(tmp_path: Path, config, seed: int = 0, **save_kw):
-    """A random transformers model of `config`, saved with safetensors and a tokenizer."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    randomize_(model, seed)
-    model.save_pretrained(tmp_path, **save_kw)
-    byte_level_tokenizer("{% for m in messages %}{{ m['content'] }}{% endfor %}").save_pretrained(
-        tmp_path
-    )
-    return model
-
-
-def random_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 # -- SmolLM2 from its GGUF file ----------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def smol() -> LoadedModel:
+def smol(smollm2_file) -> LoadedModel:
     # Float activations: the path that computes what transformers computes from the same file
     # (the int8-activation default is compared with it in tests/test_kernels.py).
-    # ModelLoadError says how to fetch the model if it is missing.
     return load_model("smollm2-135m-instruct", activations="float32")
 
 
@@ -241,25 +129,11 @@ def test_smollm2_tokenizer_encodes_like_transformers(smol):
 # -- Hugging Face directories ---------------------------------------------------------------------
 
 
-def _small(cls, **kw):
-    base = dict(
-        vocab_size=272,  # > the tokenizer's 259: a padded embedding, as real checkpoints have
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-    )
-    return cls(**{**base, **kw})
-
-
 def test_hf_llama_directory_sharded_untied_matches_transformers(tmp_path):
     from transformers import LlamaConfig
 
     ref = write_hf_checkpoint(
-        tmp_path, _small(LlamaConfig, tie_word_embeddings=False), max_shard_size="100KB"
+        tmp_path, small_config(LlamaConfig, tie_word_embeddings=False), max_shard_size="100KB"
     )
     assert (tmp_path / "model.safetensors.index.json").is_file()  # really sharded
     lm = load_model(str(tmp_path))
@@ -271,7 +145,7 @@ def test_hf_llama_directory_sharded_untied_matches_transformers(tmp_path):
 def test_hf_qwen2_directory_with_qkv_biases_and_tied_head_matches_transformers(tmp_path):
     from transformers import Qwen2Config
 
-    ref = write_hf_checkpoint(tmp_path, _small(Qwen2Config, tie_word_embeddings=True), seed=1)
+    ref = write_hf_checkpoint(tmp_path, small_config(Qwen2Config, tie_word_embeddings=True), seed=1)
     lm = load_model(str(tmp_path))
     assert lm.config.attention_bias and lm.config.tie_word_embeddings
     ids = random_ids(48, 272, seed=1)
@@ -288,7 +162,7 @@ def test_hf_llama3_rope_scaling_matches_transformers(tmp_path):
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32,  # short, so 96 positions reach the scaled range
     }
-    cfg = _small(LlamaConfig, rope_theta=500000.0, rope_scaling=scaling)
+    cfg = small_config(LlamaConfig, rope_theta=500000.0, rope_scaling=scaling)
     ref = write_hf_checkpoint(tmp_path, cfg, seed=2)
     lm = load_model(str(tmp_path))
     assert lm.config.rope_scaling is not None and lm.config.rope_scaling.factor == 8.0
@@ -299,7 +173,7 @@ def test_hf_llama3_rope_scaling_matches_transformers(tmp_path):
 def test_hf_directory_reports_eos_from_config_generation_config_and_tokenizer(tmp_path):
     from transformers import LlamaConfig
 
-    write_hf_checkpoint(tmp_path, _small(LlamaConfig, eos_token_id=0))
+    write_hf_checkpoint(tmp_path, small_config(LlamaConfig, eos_token_id=0))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 1]}))
     lm = load_model(str(tmp_path))
     # declared ones first (config, generation config), then the tokenizer's end-of-turn token
@@ -360,7 +234,7 @@ def test_missing_smollm2_says_how_to_fetch_it(tmp_path, monkeypatch):
 def test_directory_without_safetensors_is_refused(tmp_path):
     from transformers import LlamaConfig
 
-    _small(LlamaConfig).save_pretrained(tmp_path)
+    small_config(LlamaConfig).save_pretrained(tmp_path)
     byte_level_tokenizer().save_pretrained(tmp_path)
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(ModelLoadError, match="safetensors"):
@@ -368,124 +242,6 @@ def test_directory_without_safetensors_is_refused(tmp_path):
 
 
 # -- GGUF files written here ---------------------------------------------------------------------
-
-# Byte offsets of the fp16 scales inside one block of the types gguf cannot quantize (llama.cpp's
-# block layouts); random bytes elsewhere are valid quants, random scales could be inf/NaN.
-_SCALE_OFFSETS = {
-    Q.Q2_K: (80, 82),
-    Q.Q3_K: (108,),
-    Q.Q4_K: (0, 2),
-    Q.Q5_K: (0, 2),
-    Q.Q6_K: (208,),
-    Q.IQ4_NL: (0,),
-    Q.IQ4_XS: (0,),
-    Q.IQ3_XXS: (0,),
-}
-
-
-def _encode(arr: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
-    """`arr` (rows, cols) stored as `qtype`: quantized where gguf can, random valid blocks else."""
-    if qtype == Q.F32:
-        return arr.astype(np.float32)
-    if qtype == Q.F16:
-        return arr.astype(np.float16)
-    if qtype not in _SCALE_OFFSETS:
-        return quantize(arr.astype(np.float32), qtype)
-    block, size = GGML_QUANT_SIZES[qtype]
-    rows, cols = arr.shape
-    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    for off in _SCALE_OFFSETS[qtype]:
-        data[..., off : off + 2] = (
-            rng.uniform(0.001, 0.004, (rows, cols // block))
-            .astype(np.float16)
-            .view(np.uint8)
-            .reshape(rows, -1, 2)
-        )
-    return data.reshape(rows, -1)
-
-
-def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's converter: interleave the two rotary halves of each head's rows."""
-    return (
-        w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
-def write_gguf(
-    path: Path,
-    types: list[Q],
-    arch: str = "llama",
-    hidden: int = 256,
-    rope_freqs: np.ndarray | None = None,
-) -> Path:
-    """A random 2-layer Llama GGUF with the byte-level tokenizer; tensor i stored as types[i % n]."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    rng = np.random.default_rng(0)
-    heads, kv_heads, ffn, layers = 4, 2, 512, 2
-    w = GGUFWriter(str(path), arch)
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = specials + list(bytes_to_unicode().values()) + ["Ġt", "Ġth", "Ġthe"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3] * len(specials) + [1] * (len(tokens) - len(specials)))
-    w.add_token_merges(["Ġ t", "Ġt h", "Ġth e"])  # transformers' converter needs some merges
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    w.add_context_length(512)
-    w.add_embedding_length(hidden)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    hd = hidden // heads
-    shapes = {
-        "attn_q": (hidden, hidden),
-        "attn_k": (kv_heads * hd, hidden),
-        "attn_v": (kv_heads * hd, hidden),
-        "attn_output": (hidden, hidden),
-        "ffn_gate": (ffn, hidden),
-        "ffn_up": (ffn, hidden),
-        "ffn_down": (hidden, ffn),
-    }
-    i = 0
-
-    def add(name: str, arr: np.ndarray) -> None:
-        nonlocal i
-        if arr.ndim == 1:
-            w.add_tensor(name, arr.astype(np.float32))  # norms stay F32, as llama.cpp keeps them
-            return
-        qtype = types[i % len(types)]
-        i += 1
-        data = _encode(arr, qtype, rng)
-        w.add_tensor(name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
-
-    add("token_embd.weight", 0.05 * rng.standard_normal((len(tokens), hidden)))
-    add("output_norm.weight", 1 + 0.1 * rng.standard_normal(hidden))
-    add("output.weight", 0.05 * rng.standard_normal((len(tokens), hidden)))
-    if rope_freqs is not None:
-        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
-    for b in range(layers):
-        for n, shape in shapes.items():
-            arr = 0.05 * rng.standard_normal(shape)
-            if n == "attn_q":
-                arr = _permute(arr, heads)
-            elif n == "attn_k":
-                arr = _permute(arr, kv_heads)
-            add(f"blk.{b}.{n}.weight", arr)
-        add(f"blk.{b}.attn_norm.weight", 1 + 0.1 * rng.standard_normal(hidden))
-        add(f"blk.{b}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(hidden))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.fixture
@@ -669,7 +425,6 @@ def test_fetch_reports_a_failed_download_without_a_traceback(tmp_path, monkeypat
 def test_bfloat16_load_casts_projection_weights_only():
     import torch
 
-    from engine import ContinuousBatchEngine, Request, SamplingParams
     from models import ModelLoadError, load_model
 
     lm = load_model("tinygpt", dtype="bfloat16")
@@ -691,8 +446,7 @@ def test_bfloat16_load_casts_projection_weights_only():
 
 
 @pytest.mark.slow
-def test_smollm2_with_bfloat16_matmuls_still_answers_sensibly():
-    from engine import ContinuousBatchEngine, Request, SamplingParams
+def test_smollm2_with_bfloat16_matmuls_still_answers_sensibly(smollm2_file):
     from models import load_model
 
     lm = load_model("smollm2-135m-instruct", dtype="bfloat16")

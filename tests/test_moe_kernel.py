@@ -10,48 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
-from test_kquant import random_rows
 
 from models import kernels, ops
 from models.ops import Act, Kind
-from models.quant import GGMLTensor
+from tests.helpers.kquant_rows import moe_weights, routes
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}"
 )
-
-
-def moe_weights(n_experts: int, k: int, f: int, d: int, up_type: Q, down_type: Q, seed: int = 0):
-    """Every expert's [gate; up] (2f x k) and down (d x f) GGUF rows in one byte tensor, as a
-    file map holds them, and `ops.moe_experts`' tables; with each expert's GGMLTensors."""
-    raws, tables, experts, offset = [], {"gate_up": [], "down": []}, [], 0
-    for e in range(n_experts):
-        gate = random_rows(up_type, f, k, seed=seed + 3 * e)
-        up = random_rows(up_type, f, k, seed=seed + 3 * e + 1)
-        down = random_rows(down_type, d, f, seed=seed + 3 * e + 2)
-        rows = []
-        for w in (gate, up, down):
-            ((typ, raw),) = w.parts
-            rows.append([typ, raw.shape[0], offset])
-            raws.append(raw.reshape(-1))
-            offset += raw.numel()
-        tables["gate_up"].append(rows[:2])
-        tables["down"].append(rows[2:])
-        experts.append((GGMLTensor.cat([gate, up]), down))
-
-    def table(name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        t = tables[name]
-        index = torch.tensor([0] + [len(r) for r in t]).cumsum(0)
-        return torch.tensor([r for rows in t for r in rows]), index
-
-    return (torch.cat(raws), *table("gate_up"), *table("down"), d), experts
-
-
-def routes(t: int, n_experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(n_experts, generator=g)[:top_k] for _ in range(t)])
-    weights = torch.rand(t, top_k, generator=g) + 0.1
-    return ids, weights / weights.sum(-1, keepdim=True)
 
 
 def one_by_one(x, ids, weights, fused, kind):

@@ -1,5 +1,5 @@
 """tools.perplexity against an independent computation: transformers' own model of a tiny random
-config (as tests/test_models_arch.py builds them; nothing downloaded) scored the way
+config (tests/helpers/tiny_archs.py's; nothing downloaded) scored the way
 llama.cpp's llama-perplexity scores a text (chunks of n_ctx, BOS first, the second half scored).
 """
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from models import load_model
-from tests.test_models_arch import gemma3_config, qwen2_config
-from tests.test_models_real import write_hf_checkpoint
+from tests.helpers.model_files import write_hf_checkpoint
+from tests.helpers.tiny_archs import gemma3_config, qwen2_config
 from tools import perplexity as ppl_tool
 
 N_CTX = 32

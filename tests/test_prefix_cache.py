@@ -11,7 +11,7 @@ from engine import ContinuousBatchEngine, Request, SamplingParams
 from engine.block_manager import BlockManager, block_keys
 from engine.request import RequestState
 from models import load_model
-from tests.engine_utils import greedy, seeded, serve, serve_individually
+from tests.helpers.engine_runs import greedy, seeded, serve, serve_individually
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def test_requests_running_together_share_blocks(model):
     assert _accounted(engine)
 
 
-# -- keys: cryptographic, salted (issue 12) ----------------------------------------------------
+# -- keys: cryptographic, salted ----------------------------------------------------------------
 
 
 def _computed(bm: BlockManager, ids: list[int], salt: str | None = None) -> RequestState:

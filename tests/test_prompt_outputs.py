@@ -15,7 +15,8 @@ from engine import ContinuousBatchEngine, NaiveEngine, Request, SamplingParams
 from engine.errors import InvalidRequestError
 from engine.prompt_outputs import Pooling
 from models import load_model
-from tests.test_models_real import _small, random_ids, write_hf_checkpoint
+from tests.helpers.model_files import random_ids, small_config, write_hf_checkpoint
+from tests.helpers.oracles import hf_hidden, hf_logprobs
 
 TOL = 1e-4
 VOCAB = 272
@@ -26,18 +27,8 @@ def checkpoint(tmp_path_factory):
     from transformers import LlamaConfig
 
     path = tmp_path_factory.mktemp("tiny-llama")
-    ref = write_hf_checkpoint(path, _small(LlamaConfig, tie_word_embeddings=False))
+    ref = write_hf_checkpoint(path, small_config(LlamaConfig, tie_word_embeddings=False))
     return load_model(str(path)), ref
-
-
-def hf_logprobs(ref, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), dim=-1)  # (T, V)
-
-
-def hf_hidden(ref, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return ref.model(torch.tensor([ids])).last_hidden_state[0].double()  # (T, d)
 
 
 def run(engine, requests: list[Request]) -> dict:

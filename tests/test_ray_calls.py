@@ -4,7 +4,7 @@ tests/test_ray_serve.py):
 - every decode call and abort goes out under an internal request id of its own. Serve (2.60)
   gives each call the internal id of the HTTP request it was made for and indexes the calls waiting
   for a replica by it: two calls of one request waiting at once left one of them unrouted and
-  the router spinning, which hung the whole ingress (issue 11's CI failure of 2026-12-01);
+  the router spinning, which hung the whole ingress (a hung request in about 1 of 3 runs);
 - a call pinned to a replica that is gone is answered with the other replicas, never with no
   replica (Serve then retries at once without yielding: the same spin).
 
@@ -26,6 +26,8 @@ from server.ray.client import call_of_its_own  # noqa: E402
 from server.ray.keys import Placement  # noqa: E402
 from server.ray.router import PrefixAwareRouter  # noqa: E402
 from server.ray.wire import AbortCall, Probe, ReleaseCall  # noqa: E402
+
+pytestmark = pytest.mark.ray
 
 
 class _Method:

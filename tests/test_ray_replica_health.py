@@ -12,7 +12,7 @@ import pytest
 from engine import Request, SamplingParams, make_engine
 from server.engine_client.driver import AsyncEngineDriver
 from server.ray.replica import EngineReplica
-from tests.conftest import StepGate
+from tests.helpers.servers import StepGate
 
 
 class _Replica(EngineReplica):

@@ -31,7 +31,7 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="the [ray] extra is not installed")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 IN_NAMESPACE = os.environ.get("CBSERVE_RAY_NETNS") == "1"
 
@@ -57,7 +57,19 @@ if not IN_NAMESPACE:
         base = Path(tempfile.mkdtemp(prefix="cbray-"))
         try:
             (base / "home").mkdir()
-            env = {**os.environ, "CBSERVE_RAY_NETNS": "1", "HOME": str(base / "home")}
+            # The kernel and model caches stay where they are (they are found through HOME,
+            # which is private in the namespace): the inner run loads the kernels built for these
+            # sources instead of compiling them again inside this test's timeout.
+            from models.base import model_dir
+            from models.kernels import cache_dir
+
+            env = {
+                **os.environ,
+                "CBSERVE_KERNEL_DIR": str(cache_dir()),
+                "CBSERVE_MODEL_DIR": str(model_dir()),
+                "CBSERVE_RAY_NETNS": "1",
+                "HOME": str(base / "home"),
+            }
             env["RAY_USAGE_STATS_ENABLED"] = "0"
             env["CBSERVE_RAY_SUITE"] = str(base)
             inner = [
@@ -99,7 +111,7 @@ else:
     from server.ray.deploy import DeploySpec, build_app
     from server.ray.replica import EngineSpec
     from server.ray.wire import Probe
-    from tests.conftest import run_server
+    from tests.helpers.servers import run_server
 
     ENGINE = {"max_batch_size": 8, "kv_cache_memory_gib": 0.05}
 

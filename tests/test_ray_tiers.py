@@ -12,7 +12,7 @@ import torch
 
 from engine import EngineConfig, Request
 from engine.tiers import DecodeEngine, PrefillEngine
-from tests.engine_utils import greedy, mixed_specs, seeded, serve_individually
+from tests.helpers.engine_runs import greedy, mixed_specs, seeded, serve_individually
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -10,8 +10,9 @@ import pytest
 from engine import ContinuousBatchEngine
 from engine.disaggregated import DisaggregatedEngine
 from loadtest.trace import TraceSpec, build_trace
-from tests.test_disaggregated import one_thread  # noqa: F401  (autouse fixture)
 from tools.replay import main, replay
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SHORT = TraceSpec(num_requests=8, rate=math.inf, prompt_len=(4, 12), output_len=(3, 6), seed=3)
 

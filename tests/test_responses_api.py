@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import LiveServer, run_server
+from tests.helpers.servers import LiveServer, run_server
 
 WEATHER = {
     "type": "function",

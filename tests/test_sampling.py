@@ -11,7 +11,7 @@ from engine import ContinuousBatchEngine, Request, SamplingParams
 from engine.request import RequestState
 from engine.sampling import sample
 from models import load_model
-from tests.engine_utils import serve
+from tests.helpers.engine_runs import serve
 
 PROMPT = [72, 101, 108, 108, 111]
 

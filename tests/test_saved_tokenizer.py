@@ -10,7 +10,6 @@ import textwrap
 
 import pytest
 
-from models.fetch import model_path
 from models.hf_tokenizer import load_gguf_bpe_tokenizer, load_gguf_tokenizer
 from models.saved_tokenizer import SavedTokenizer
 from models.tokenizer import render_chat_template
@@ -29,8 +28,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    return model_path("smollm2-135m-instruct")
+def smollm2(smollm2_file):
+    return smollm2_file
 
 
 @pytest.fixture(scope="module")

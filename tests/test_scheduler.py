@@ -230,7 +230,7 @@ def test_an_identical_prompt_still_computes_its_last_token():
     assert again.num_cached_tokens == 8 and again.num_output_tokens == 1
 
 
-# -- policies: priority, fair, aging (issue 12) ---------------------------------------------------
+# -- policies: priority, fair, aging -----------------------------------------------------------------
 
 
 def test_priority_admits_the_lowest_value_first_then_the_oldest():

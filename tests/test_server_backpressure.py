@@ -1,4 +1,4 @@
-"""Backpressure and fair admission on a real server (issue 12).
+"""Backpressure and fair admission on a real server.
 
 A client that opens a stream and never reads (a raw socket with a small receive buffer) gets its
 requests paused in the engine once its unread output reaches the bound, not buffered, and
@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from server.http.app import ServerSettings
-from tests.conftest import StepGate, run_server
+from tests.helpers.servers import StepGate, run_server
 
 
 def open_silent_stream(base_url: str, body: dict, rcvbuf: int = 4096) -> socket.socket:

@@ -1,11 +1,19 @@
-"""The Docker image's recipe and the install scripts it runs.
+"""The Docker image: built and run for real where a Docker daemon answers, and its recipe and the
+install scripts it runs checked everywhere.
 
-No Docker daemon runs in CI, so: the Dockerfile is checked for what `docker run -p 8000:8000 IMAGE`
-and `docker build --build-arg ...` rely on; scripts/install.sh's choice of torch is checked with
-`--print-torch` against loopback indexes; the image's install script (scripts/docker-install.sh)
-is run for real into a temporary venv, whose pruned, installed server then starts and answers; and
-the tokenizer cache key, which the baked image relies on, is checked to ignore mtimes.
-(The image itself was built and run with ../shared/tools/verify-dockerfile.sh; see the README.)
+Where `docker version` reaches a daemon (the `DOCKER_HOST` it names, or the default socket), the
+image is built from this tree and started; it must answer /health, list its model and complete a
+prompt through the `openai` SDK, and exit 0 on `docker stop`. Where no daemon answers that test is
+skipped with the reason (../shared/tools/verify-dockerfile.sh starts one on a machine without it).
+Build arguments for that build (a torch index, a network mode) come from
+`CBSERVE_DOCKER_BUILD_ARGS`, split as a shell would.
+
+Without a daemon, what the image relies on is still checked: the Dockerfile for what
+`docker run -p 8000:8000 IMAGE` and `docker build --build-arg ...` rely on; scripts/install.sh's
+choice of torch with `--print-torch` against loopback indexes; the image's install script
+(scripts/docker-install.sh) run for real into a temporary venv, whose pruned, installed server
+then starts and answers; and the tokenizer cache key, which the baked image relies on, checked to
+ignore mtimes.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import http.server
 import os
 import platform
+import shlex
 import shutil
 import signal
 import subprocess
@@ -243,3 +252,75 @@ def test_docker_install_script_builds_a_pruned_venv_whose_server_answers(tmp_pat
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+# The image itself, where a Docker daemon answers.
+
+
+def docker_unavailable() -> str | None:
+    """Why no image can be built here, or None where a daemon answers."""
+    if shutil.which("docker") is None:
+        return "no `docker` command here"
+    try:
+        done = subprocess.run(
+            ["docker", "version", "--format", "{{.Server.Version}}"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except subprocess.TimeoutExpired:
+        return "`docker version` did not answer within 30 s"
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"no Docker daemon answers (`docker version`: {why})"
+    return None
+
+
+def docker(*args: str, timeout: float = 120) -> str:
+    done = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"docker {args[0]} failed:\n{done.stderr[-4000:]}"
+    return done.stdout.strip()
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_the_image_builds_runs_as_its_user_and_serves_the_model():
+    import openai
+
+    reason = docker_unavailable()
+    if reason:
+        pytest.skip(reason)
+    tag = f"cbserve-test:{os.getpid()}"
+    build_args = shlex.split(os.environ.get("CBSERVE_DOCKER_BUILD_ARGS", ""))
+    docker("build", "-q", *build_args, "-t", tag, str(ROOT), timeout=3300)
+    cid = None
+    try:
+        cid = docker("run", "-d", "-p", "127.0.0.1::8000", tag)
+        host_port = docker("port", cid, "8000/tcp").splitlines()[0]  # 127.0.0.1:NNNNN
+        url = f"http://{host_port}"
+        deadline = time.monotonic() + 300  # the model loads before the server listens
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            state = docker("inspect", "--format", "{{.State.Status}}", cid)
+            assert state == "running", docker("logs", cid)[-4000:]
+            assert time.monotonic() < deadline, "the container never answered /health"
+            time.sleep(0.5)
+        assert docker("inspect", "--format", "{{.Config.User}}", cid) == "cbserve"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120)
+        [model] = client.models.list().data
+        assert "smollm2" in model.id.lower()
+        reply = client.completions.create(
+            model=model.id, prompt="The capital of France is", max_tokens=4, temperature=0
+        )
+        assert reply.choices[0].text.strip() and reply.usage.completion_tokens >= 1
+        docker("stop", cid, timeout=60)
+        assert docker("inspect", "--format", "{{.State.ExitCode}}", cid) == "0"
+    finally:
+        if cid:
+            subprocess.run(["docker", "rm", "-f", cid], capture_output=True, timeout=60)
+        subprocess.run(["docker", "rmi", "-f", tag], capture_output=True, timeout=120)

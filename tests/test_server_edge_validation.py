@@ -12,7 +12,7 @@ import pytest
 
 from server.http.openapi import UNSTATED_RULE_CODES
 from server.openai.protocol import MAX_N, MAX_SEED, MAX_STOP_STRINGS
-from tests.conftest import LiveServer, error_of
+from tests.helpers.servers import LiveServer, error_of
 
 SURROGATE = "\ud800"
 OK = {"model": "tinygpt", "prompt": "Hi", "max_tokens": 2}

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from models import load_model
-from tests.conftest import run_server
-from tests.test_models_real import _small, random_ids, write_hf_checkpoint
-from tests.test_prompt_outputs import hf_hidden, hf_logprobs
+from tests.helpers.model_files import random_ids, small_config, write_hf_checkpoint
+from tests.helpers.oracles import hf_hidden, hf_logprobs
+from tests.helpers.servers import run_server
 
 TOL = 1e-4
 VOCAB = 259  # the tokenizer's ids (the model pads its embedding to 272)
@@ -26,7 +26,7 @@ def llama(tmp_path_factory):
     from transformers import LlamaConfig
 
     path = tmp_path_factory.mktemp("tiny-llama-server")
-    ref = write_hf_checkpoint(path, _small(LlamaConfig, tie_word_embeddings=False))
+    ref = write_hf_checkpoint(path, small_config(LlamaConfig, tie_word_embeddings=False))
     lm = load_model(str(path))
     # A 32-token step budget: longer prompts are prefilled in chunks.
     with run_server(lm, engine_options={"max_num_batched_tokens": 32}) as live:
@@ -35,7 +35,8 @@ def llama(tmp_path_factory):
 
 def test_sdk_embeddings_of_64_inputs_equal_transformers_mean_pooled_hidden_states(llama):
     live, lm, ref = llama
-    prompts = [random_ids(3 + 2 * i, VOCAB, seed=i) for i in range(64)]
+    # 3 to 66 tokens: the longer half is prefilled in chunks of the 32-token step budget
+    prompts = [random_ids(3 + i, VOCAB, seed=i) for i in range(64)]
     client = openai.OpenAI(base_url=live.v1, api_key="x")
     got = client.embeddings.create(model=lm.name, input=prompts)  # the SDK asks for base64
     assert [d.index for d in got.data] == list(range(64))

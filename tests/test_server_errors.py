@@ -19,7 +19,7 @@ from server.openai.protocol import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
 )
-from tests.conftest import LiveServer, StepGate, error_of, run_server
+from tests.helpers.servers import LiveServer, StepGate, error_of, run_server
 
 OK = {"model": "tinygpt", "prompt": "Hi", "max_tokens": 2}
 CHAT_OK = {"model": "tinygpt", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from models import ByteTokenizer
-from tests.conftest import StepGate, error_of, run_server, sse_events
+from tests.helpers.servers import StepGate, error_of, run_server, sse_events
 
 ROOT = Path(__file__).resolve().parents[1]
 BODY = {"model": "tinygpt", "prompt": "Hello", "temperature": 0, "ignore_eos": True}

@@ -18,7 +18,7 @@ import pytest
 
 from engine import EngineDeadError, EngineStats, Request
 from server.engine_client.interface import EngineClient, EngineObserver, Health, OutputStream
-from tests.conftest import LiveServer, run_server, sse_events
+from tests.helpers.servers import LiveServer, run_server, sse_events
 
 
 def over_the_wire(obj):

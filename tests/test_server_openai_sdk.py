@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import Request, SamplingParams, make_engine
-from tests.conftest import LiveServer
+from tests.helpers.servers import LiveServer
 
 
 def oracle_greedy(lm, prompt_ids: list[int], max_tokens: int) -> list[int]:

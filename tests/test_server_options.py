@@ -1,4 +1,4 @@
-"""The server options of issue 25 on live servers: several API keys (--api-key repeated,
+"""Server options on live servers: several API keys (--api-key repeated,
 --api-key-file), CORS off by default and on for --allowed-origins, --chat-template with the
 request's tools and chat_template_kwargs reaching the template, and --reasoning-parser."""
 
@@ -13,7 +13,7 @@ from server.cli import build_parser
 from server.http.app import ServerSettings
 from server.http.options import settings_fields
 from server.tooling.chat_template import load_chat_template
-from tests.conftest import run_server
+from tests.helpers.servers import run_server
 
 # A template that renders tools natively (so not generic mode) and a template kwarg.
 TEMPLATE = (

@@ -18,7 +18,7 @@ import sys
 import httpx
 import pytest
 
-from tests.conftest import LiveServer, run_server, sse_events
+from tests.helpers.servers import LiveServer, run_server, sse_events
 
 README_URL = "http://127.0.0.1:8000"
 

@@ -11,7 +11,13 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import AbortRecorder, FirstOutputSignal, LiveServer, run_server, sse_events
+from tests.helpers.servers import (
+    AbortRecorder,
+    FirstOutputSignal,
+    LiveServer,
+    run_server,
+    sse_events,
+)
 
 BODY = {"model": "tinygpt", "prompt": "Hello world", "temperature": 0, "ignore_eos": True}
 

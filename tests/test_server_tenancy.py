@@ -1,4 +1,4 @@
-"""Tenancy at the HTTP edge (issue 12): `cache_salt` keeps a tenant's prefix cache to itself,
+"""Tenancy at the HTTP edge: `cache_salt` keeps a tenant's prefix cache to itself,
 `priority` is accepted and checked, and a per-client concurrency limit answers 429."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from server.http.app import ServerSettings
-from tests.conftest import LiveServer, StepGate, error_of, run_server
+from tests.helpers.servers import LiveServer, StepGate, error_of, run_server
 
 
 def cached_tokens(live: LiveServer, prompt: str, **extra) -> int:

@@ -2,10 +2,10 @@
 
 The oracle is transformers reading the same GGUF file (`AutoTokenizer.from_pretrained(...,
 gguf_file=...)`, which derives a merges table and builds a `tokenizers` BPE): token ids, decoded
-text and each token's bytes must agree. In CI the file is a small synthetic Gemma-3 vocabulary
-written here with every kind of token Gemma's has (control, user-defined, byte fallback, spaces
-stored as real spaces, merges whose file order disagrees with their scores); outside CI the real
-Gemma 3 270M vocabulary too, when its file is in the model cache.
+text and each token's bytes must agree. The files: a small synthetic Gemma 3 vocabulary with
+every kind of token Gemma's has (control, user-defined, byte fallback, spaces stored as real
+spaces, merges whose file order disagrees with their scores; tests/helpers/model_files.py), and
+the real Gemma 3 270M vocabulary (fetched into the model cache if missing).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import random
 from pathlib import Path
 
 import pytest
-from gguf import GGUFWriter
 
 from models import IncrementalDetokenizer
 from models.arch.readers import GGUFMeta
@@ -30,18 +29,9 @@ from models.spm_tokenizer import (
     read_gguf_tokenizer_metadata,
     uses_spm_tokenizer,
 )
+from tests.helpers.model_files import write_gemma_vocab_gguf
+from tests.helpers.real_models import gemma3_270m_path
 
-CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
-TURNS = ["<start_of_turn>", "<end_of_turn>", "<unused0>", "<unused1>", "<unused12>"]
-USER = ["[multimodal]", "\n", "\n\n", "\n\n\n", "\t", "\t\t", "</div>", "<div>", "<b>", "</s>"]
-SPACES = ["  ", "   ", "    "]  # Gemma stores these with real spaces, as user-defined tokens
-CHARS = list("abcdehilnorstwxyzT.,!?<>/éü東京") + ["\u2581"]
-# Merged tokens in an order that is not by length, with scores that disagree with it: the
-# conversion ranks merges by file order, so a score-ranked BPE gives other ids.
-MERGED = ["\u2581the", "th", "he", "\u2581t", "\u2581th", "ll", "lo", "hello", "hell", "hel",
-          "el", "aba", "ab", "ba", "\u2581a", "\u2581b", "\u2581ab", "wor", "or",
-          "ld", "rld", "world", "\u2581world", "<d", "iv", "div", "东京", "東京", "x\u2581",
-          "Th", "Thé", "s.", "t,"]  # fmt: skip
 TEXTS = [
     "hello world",
     "the theatre, the ab aba baba abab.",
@@ -57,34 +47,6 @@ TEXTS = [
     "",
     " ",
 ]
-
-
-def write_gemma_vocab_gguf(path: Path) -> Path:
-    tokens = CONTROL + ["[multimodal]"] + TURNS + USER[1:] + SPACES
-    tokens += [f"<0x{b:02X}>" for b in range(256)] + CHARS + MERGED
-    types = [3] * len(CONTROL) + [4] + [3] * len(TURNS) + [4] * (len(USER) - 1 + len(SPACES))
-    types += [6] * 256 + [1] * (len(CHARS) + len(MERGED))
-    rng = random.Random(0)
-    scores = [0.0 if t == 1 else -1000.0 for t in types]
-    scores[-len(MERGED) :] = [-rng.uniform(0, 100) for _ in MERGED]
-    w = GGUFWriter(str(path), "gemma3")
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(2)
-    w.add_eos_token_id(1)
-    w.add_unk_token_id(3)
-    w.add_pad_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    w.add_add_space_prefix(False)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def random_texts(n: int, seed: int) -> list[str]:
@@ -229,15 +191,14 @@ def test_a_damaged_file_is_a_clear_error(tmp_path):
         read_gguf_tokenizer_metadata(path)
 
 
-# -- the real Gemma 3 270M vocabulary (outside CI: when the file is in the model cache) ---------
+# -- the real Gemma 3 270M vocabulary ------------------------------------------------------------
 
 
 @pytest.mark.slow
 def test_gemma3_270m_vocabulary_matches_transformers_conversion():
     from models.hf_tokenizer import load_gguf_tokenizer
-    from tests.test_models_arch import _gemma3_270m_path
 
-    path = _gemma3_270m_path()
+    path = gemma3_270m_path()
     ours, hf = load_spm_tokenizer(path), load_gguf_tokenizer(path)
     docs = [Path("README.md").read_text(), *(p.read_text() for p in Path("docs").glob("*.md"))]
     assert_same_as_transformers(ours, hf, docs + TEXTS + random_texts(300, seed=3), seed=4)

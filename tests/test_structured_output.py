@@ -1,4 +1,4 @@
-"""Structured output (issue 14, item 2): grammar masks in the batched sampler, and the HTTP fields
+"""Structured output: grammar masks in the batched sampler, and the HTTP fields
 that ask for them.
 
 Every constrained output must parse and validate against its schema, greedy and sampled, while it
@@ -20,8 +20,8 @@ import torch
 
 from engine import ContinuousBatchEngine, InvalidRequestError, Request, SamplingParams
 from engine.structured import GrammarCompiler, StructuredSpec, allowed_tokens, closed_objects
-from tests.conftest import run_server
-from tests.engine_utils import mixed_specs, serve_individually
+from tests.helpers.engine_runs import mixed_specs, serve_individually
+from tests.helpers.servers import run_server
 
 PERSON = {
     "type": "object",
@@ -288,7 +288,7 @@ def test_a_sentencepiece_vocabulary_constrains_by_its_pieces(tmp_path):
     """Gemma's tokenizer (models.spm_tokenizer) gives llguidance each piece's bytes: a regex
     allows the pieces that start a match (whole words, single letters, byte tokens), no others."""
     from models.spm_tokenizer import load_spm_tokenizer
-    from tests.test_spm_tokenizer import write_gemma_vocab_gguf
+    from tests.helpers.model_files import write_gemma_vocab_gguf
 
     tok = load_spm_tokenizer(write_gemma_vocab_gguf(tmp_path / "v.gguf"))
     compiler = GrammarCompiler(tok)
@@ -308,7 +308,7 @@ def test_a_grammar_names_a_special_token_by_its_text(tmp_path):
     """llguidance knows a special token by its text (`<end_of_turn>`), as a Lark grammar writes
     it: after "yes" the mask allows that token alone."""
     from models.spm_tokenizer import load_spm_tokenizer
-    from tests.test_spm_tokenizer import write_gemma_vocab_gguf
+    from tests.helpers.model_files import write_gemma_vocab_gguf
 
     tok = load_spm_tokenizer(write_gemma_vocab_gguf(tmp_path / "v.gguf"))
     compiler = GrammarCompiler(tok)

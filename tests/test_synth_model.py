@@ -1,4 +1,4 @@
-"""tools.synth_model: synthetic GGUFs of each architecture (issue 24, item 4).
+"""tools.synth_model: synthetic GGUFs of each architecture.
 
 In CI: a tiny Llama-architecture Q4_K_M / Q8_0 file loads in our loader and generates varied
 text; transformers' own tiny random Llama written to GGUF gives transformers' logits in our
@@ -7,7 +7,7 @@ table (gguf's constants) declares, in the layouts convert_hf_to_gguf.py writes (
 transformers' modules tensor by tensor). Where llama.cpp is built: each architecture loads and
 generates in llama-server, and `synth F16` + `llama-quantize Q4_K_M` (or IQ4_XS) equals
 `synth Q4_K_M` (IQ4_XS).
-The tokenizer is SmolLM2's (skipped where it was never fetched).
+The tokenizer is SmolLM2's (fetched into the model cache if missing).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import torch
 from gguf import GGUFReader
 from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES, GGMLQuantizationType
 
-from models import AttentionMetadata, PrefillChunk, gguf_loader, kernels, load_model
-from models.fetch import model_path
+from models import gguf_loader, kernels, load_model
 from models.hf_tokenizer import load_gguf_tokenizer
-from tests.test_models_arch import engine_logits
+from tests.helpers.engine_runs import engine_greedy, engine_logits
+from tests.helpers.oracles import our_logits
 from tools import synth_model
 from tools.synth_model import ARCHES, random_state_dict, write_gguf
 
@@ -48,13 +48,6 @@ TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
 
 def tiny(arch: str, **fields) -> dict:
     return {**TINY, **(TINY_MOE if arch == "qwen3moe" else {}), **fields}
-
-
-def our_logits(lm, ids: list[int]) -> torch.Tensor:
-    t = len(ids)
-    meta = AttentionMetadata(None, 0, None, None, [PrefillChunk(0, t, t, None)])
-    with torch.inference_mode():
-        return lm.model.compute_logits(lm.model(torch.tensor(ids), torch.arange(t), None, meta))
 
 
 def greedy(lm, prompts: list[str], n: int) -> list[list[int]]:
@@ -350,7 +343,7 @@ def test_cli_lists_presets_and_refuses_bad_arguments(capsys, tmp_path):
 
 
 def test_a_vocabulary_larger_than_the_tokenizer_is_padded_with_unused_tokens(
-    tmp_path, smol_tokenizer
+    tmp_path, smol_tokenizer, smollm2_file
 ):
     n = smol_tokenizer.vocab_size + 1000  # a preset's real head size, e.g. Llama 3.2's 128,256
     shape = dict(TINY, num_hidden_layers=1, hidden_size=64, head_dim=16, intermediate_size=128)
@@ -365,7 +358,7 @@ def test_a_vocabulary_larger_than_the_tokenizer_is_padded_with_unused_tokens(
     lm = load_model(str(path))
     assert lm.config.vocab_size == n
     ids = lm.tokenizer.encode("Hello world")
-    assert ids == load_gguf_tokenizer(model_path("smollm2-135m-instruct")).encode("Hello world")
+    assert ids == load_gguf_tokenizer(smollm2_file).encode("Hello world")
     assert max(ids) < smol_tokenizer.vocab_size
 
 
@@ -456,8 +449,6 @@ def test_synthetic_files_generate_as_llama_cpp(tmp_path, smol_tokenizer, preset)
     SmolLM3: its fourth layer without RoPE. Qwen3-MoE: each token's experts as llama.cpp routes
     them (softmax, top k, renormalized). Gemma 2: soft caps low enough to bend this model's
     scores and logits, and a window the longer prompt passes."""
-    from tests.test_models_real import engine_greedy
-
     llama_cpp_tool("llama-server")
     shape = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=2,
                  num_key_value_heads=1, intermediate_size=512)  # fmt: skip

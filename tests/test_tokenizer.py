@@ -18,7 +18,6 @@ import pytest
 from gguf import GGUFWriter
 
 from models import ByteTokenizer, IncrementalDetokenizer, Tokenizer
-from models.fetch import smollm2_path
 from models.hf_tokenizer import HFTokenizer, end_token_ids, load_gguf_tokenizer
 
 MIXED_TEXT = (
@@ -38,8 +37,8 @@ def stream(
 
 
 @pytest.fixture(scope="module")
-def smol_tok() -> HFTokenizer:
-    hf = load_gguf_tokenizer(smollm2_path())
+def smol_tok(smollm2_file) -> HFTokenizer:
+    hf = load_gguf_tokenizer(smollm2_file)
     return HFTokenizer(hf, end_token_ids(hf, [2]))
 
 

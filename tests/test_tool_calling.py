@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from enum import StrEnum
 
 import httpx
@@ -18,7 +19,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from server.tooling.plan import ToolPlan, call_schema, tool_defs
-from tests.conftest import LiveServer, run_server
+from tests.helpers.servers import LiveServer, run_server
 
 WEATHER = {
     "type": "function",
@@ -387,19 +388,26 @@ def test_pydantic_tool_calls_whole_and_streamed_parse_into_the_model(smol, smoll
         temperature=0,
     )
     client = sdk(smol)
-    whole = client.chat.completions.create(**args).choices[0]
+
+    def stream() -> dict[int, str]:
+        streamed: dict[int, str] = {}
+        for chunk in client.chat.completions.create(**args, stream=True):
+            for choice in chunk.choices:
+                for d in choice.delta.tool_calls or []:
+                    streamed[d.index] = streamed.get(d.index, "") + (d.function.arguments or "")
+        return streamed
+
+    # Both at once: the server batches them (greedy output does not depend on the batch).
+    with ThreadPoolExecutor(2) as pool:
+        streaming = pool.submit(stream)
+        whole = client.chat.completions.create(**args).choices[0]
+        streamed = streaming.result()
     assert whole.finish_reason == "tool_calls", whole
     for call in whole.message.tool_calls:
         assert call.function.name == "forecast"
         # nested models, a list of them, an enum, optionals: all parse into the model
         Forecast.model_validate_json(call.function.arguments)
         jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
-
-    streamed: dict[int, str] = {}
-    for chunk in client.chat.completions.create(**args, stream=True):
-        for choice in chunk.choices:
-            for d in choice.delta.tool_calls or []:
-                streamed[d.index] = streamed.get(d.index, "") + (d.function.arguments or "")
     assert list(streamed.values()) == [c.function.arguments for c in whole.message.tool_calls]
 
 

@@ -1,4 +1,4 @@
-"""The web page at / and its live-stats endpoint (issue 14, item 6).
+"""The web page at / and its live-stats endpoint.
 
 The browser test drives Debian's chromium through playwright against a real server: the page
 loads, a streamed answer appears in the chat box, and the live view changes while a load runs.
@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from server.http.app import ServerSettings
-from tests.conftest import run_server
+from tests.helpers.servers import run_server
 
 CHROMIUM = Path("/usr/bin/chromium")
 KEY = "sk-web-test"
