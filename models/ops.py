@@ -171,8 +171,19 @@ def moe_experts(
     Kind.GGML or Kind.GGML_A8. `gate_up_bias` (E, 2 f) and `down_bias` (E, d) float32: each
     expert's biases (gpt-oss), added before the act and before the weighting."""
     return _moe_experts(
-        x, experts, weights, qs, gate_up, gate_up_index, down, down_index, out_features, kind, act,
-        gate_up_bias, down_bias,
+        x,
+        experts,
+        weights,
+        qs,
+        gate_up,
+        gate_up_index,
+        down,
+        down_index,
+        out_features,
+        kind,
+        act,
+        gate_up_bias,
+        down_bias,
     )
 
 
