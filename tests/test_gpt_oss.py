@@ -182,15 +182,18 @@ def test_without_its_sinks_the_model_is_not_transformers(checkpoint, use_kernels
     assert (rows[0] - hf_logits(ref, ids + [0])[len(ids) - 1]).abs().max().item() > 20 * ATOL
 
 
-@pytest.mark.parametrize("source", ["hf", "gguf"])
+@pytest.mark.parametrize("source", ["hf", "gguf", "hf-mxfp4"])
 def test_greedy_in_the_engine_through_preemption_and_prefix_hits_is_transformers(
-    checkpoint, gguf_file, source
+    request, checkpoint, gguf_file, source
 ):
     """Five prompts (some past the window), 32 greedy tokens each, float32 activations and KV,
     in a pool small enough that requests are preempted and recomputed, then the same prompts
-    again from the prefix cache: every token transformers' own greedy."""
+    again from the prefix cache: every token transformers' own greedy (for the MXFP4
+    checkpoint, transformers' model of what it holds, its experts multiplied in place)."""
     path, ref = checkpoint
-    lm = _load(path if source == "hf" else gguf_file, kernels.available(),
+    if source == "hf-mxfp4":
+        path, ref = request.getfixturevalue("mxfp4_checkpoint")
+    lm = _load(gguf_file if source == "gguf" else path, kernels.available(),
                activations="float32", kv_cache_dtype="float32")  # fmt: skip
     prompts = [random_ids(n, VOCAB, seed=20 + n) for n in (5, 11, 17, 23, 30)]
     want = [hf_greedy(ref, p, 32) for p in prompts]
