@@ -477,8 +477,7 @@ GEMMA2_CAPS = (2.0, 1.0)
 @pytest.mark.parametrize(
     "preset,fmt",
     [("phi-3.5-mini", "F32"), ("phi-4-mini", "F32"), ("smollm3-3b", "F32"),
-     ("qwen3-30b-a3b", "F32"), ("gemma-2-2b", "F32"), ("gpt-oss-20b", "F32"),
-     ("gpt-oss-20b", "MXFP4_MOE")],
+     ("qwen3-30b-a3b", "F32"), ("gemma-2-2b", "F32"), ("gpt-oss-20b", "F32")],
 )  # fmt: skip
 def test_synthetic_files_generate_as_llama_cpp(tmp_path, smol_tokenizer, preset, fmt):
     """Greedy 16 tokens equal to llama-server's on each prompt. LongRoPE (and Phi-4-mini's
@@ -488,8 +487,9 @@ def test_synthetic_files_generate_as_llama_cpp(tmp_path, smol_tokenizer, preset,
     them (softmax, top k, renormalized). Gemma 2: soft caps low enough to bend this model's
     scores and logits, and a window the longer prompt passes. gpt-oss: sinks, biases, YaRN (the
     file's rounded correction range, as ggml's), a window the longer prompt passes, the clamped
-    SwiGLU; in F32 and as published (MXFP4 experts, the rest Q8_0: llama.cpp multiplies both
-    with Q8_0 activations, we with int8 ones per 32)."""
+    SwiGLU, in F32. (As published, MXFP4_MOE, the tokens part after a few: this random model's
+    near ties flip under int8 activation rounding, ours against our own float32 activations as
+    much as llama.cpp's Q8_0 ones; tests/test_gpt_oss.py checks that file against exact oracles.)"""
     from tests.test_models_real import engine_greedy
 
     llama_cpp_tool("llama-server")
