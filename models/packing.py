@@ -18,6 +18,8 @@ from torch import nn
 from models.base import CausalLM, is_stand_in
 from models.quant import (
     F32,
+    GGML,
+    GGML_A8,
     QB,
     SCHEME_KINDS,
     GGMLTensor,
@@ -104,6 +106,8 @@ class Packer:
         packed = self.packed_weight(linear.weight, sources, gate_up=gate_up, rows=rows)
         bias = linear.bias
         if gate_up and bias is not None:  # (gpt-oss's experts: in the panels' order)
+            if packed.kind not in (GGML, GGML_A8) and (bias.shape[0] // 2) % 8:
+                return linear  # (a partial last panel's epilogue would miss up's bias)
             bias = gate_up_bias(bias.detach(), packed)
         return PackedLinear(packed, bias)
 

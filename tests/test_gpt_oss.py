@@ -442,3 +442,25 @@ def test_the_published_harmony_chat_template_renders_as_transformers_renders_it(
     tool_turn = "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
     assert f"{tool_turn}{result}<|end|>" in ours
     assert ours.endswith("<|start|>assistant")
+
+
+@pytest.mark.parametrize("f", [32, 12])
+def test_a_biased_gate_up_projection_packs_as_it_computes(f):
+    """gpt-oss's experts of a float checkpoint: their fused [gate; up] bias follows the panels'
+    row order (gate 8p..8p+8, then up), so the packed clamped SwiGLU is the float one's; an
+    expert size that leaves a partial last panel stays unpacked rather than miss up's bias."""
+    from models.decoder import Linear, PackedLinear
+    from models.ops import Act
+    from models.packing import Packer
+
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason() or "no kernels")
+    torch.manual_seed(f)
+    linear = Linear(64, 2 * f, bias=True)
+    with torch.no_grad():
+        linear.bias.normal_()
+    packed = Packer("none", None, "float32")(linear, [["unused"]], gate_up=True)
+    assert isinstance(packed, PackedLinear) == (f % 8 == 0)
+    x = 3 * torch.randn(5, 64)
+    want = linear.gated(x, Act.SWIGLU_OAI)
+    torch.testing.assert_close(packed.gated(x, Act.SWIGLU_OAI), want, rtol=1e-5, atol=1e-5)
