@@ -124,24 +124,32 @@ def _sdpa(
     softcap: float,
     attn_mask: torch.Tensor | None = None,
     is_causal: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention (q (..., H, n, hd), k/v (..., KV, L, hd), bool masks: True
-    attends), with Gemma 2's soft-capped scores when `softcap` > 0, which torch's fused kernel
-    does not take: then scores, cap, mask and softmax are spelled out."""
-    if not softcap:
+    attends), with Gemma 2's soft-capped scores when `softcap` > 0 and gpt-oss's attention sinks
+    when `sinks` (H,) is given, which torch's fused kernel does not take: then scores, cap, mask
+    and softmax are spelled out. A sink is a logit that joins its head's softmax as one more
+    column and has no value: the column is dropped after the softmax."""
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=True
         )
     rep = q.shape[-3] // k.shape[-3]
     k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
     scores = q @ k.transpose(-1, -2) * scale
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     if is_causal:
         n, length = scores.shape[-2:]
         attn_mask = torch.ones(n, length, dtype=torch.bool).tril(length - n)
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1) @ v
+    sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)  # (..., H, n, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return probs @ v
 
 
 def paged_attention(
@@ -153,6 +161,7 @@ def paged_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for a flat batch. q: (T, heads, hd); k, v: (T, kv_heads, hd). Returns (T, heads, hd).
 
@@ -161,6 +170,7 @@ def paged_attention(
     recompute), each prefill chunk attends causally over its own K/V. `window` > 0 is sliding-window
     attention: the query at position p sees keys at positions in (p - window, p]. `softcap` > 0:
     scores soft-capped (softcap * tanh(score / softcap)) before the softmax, as Gemma 2.
+    `sinks` (heads,): a logit per head that joins its softmax without a value, as gpt-oss's.
 
     Attention computes in float32 whatever the pool stores (a float16 pool is widened as read);
     int8 pools hold scaled rows only the cbserve kernel reads.
@@ -196,7 +206,7 @@ def paged_attention(
                 ]
             mask = meta.decode_mask  # (B, 1, 1, L)
         qd = q[:nd].unsqueeze(2)  # (B, heads, 1, hd)
-        o = _sdpa(qd, keys, vals, scale, softcap, attn_mask=mask)  # (B, heads, 1, hd)
+        o = _sdpa(qd, keys, vals, scale, softcap, mask, sinks=sinks)  # (B, heads, 1, hd)
         out[:nd] = o.squeeze(2)
 
     for chunk in meta.prefills:
@@ -213,10 +223,10 @@ def paged_attention(
         vc = vc.transpose(0, 1).unsqueeze(0)  # (1, kv, L, hd)
         if window and chunk.context_len > window:
             mask = _window_mask(torch.arange(past, chunk.context_len), chunk.context_len, window)
-            o = _sdpa(qc, kc, vc, scale, softcap, attn_mask=mask)
+            o = _sdpa(qc, kc, vc, scale, softcap, mask, sinks=sinks)
         elif past == 0:
-            o = _sdpa(qc, kc, vc, scale, softcap, is_causal=True)
+            o = _sdpa(qc, kc, vc, scale, softcap, is_causal=True, sinks=sinks)
         else:
-            o = _sdpa(qc, kc, vc, scale, softcap, attn_mask=chunk.mask)
+            o = _sdpa(qc, kc, vc, scale, softcap, chunk.mask, sinks=sinks)
         out[s : s + n] = o[0].transpose(0, 1)
     return out.to(out_dtype)

@@ -22,6 +22,23 @@ class RopeScaling:
 
 
 @dataclass(frozen=True, slots=True)
+class YarnScaling:
+    """YaRN RoPE scaling ("rope_type": "yarn"; gpt-oss, long-context Qwen): frequencies whose
+    wavelength fits in the original context many times (above `beta_fast` rotations) are kept,
+    those rotating fewer than `beta_slow` times are divided by `factor`, and a linear ramp over
+    the dims between blends the two. `truncate`: that range's ends rounded out to whole dims, as
+    ggml always does and transformers by default (gpt-oss's config says False: the exact ends).
+    The attention factor (0.1 ln(factor) + 1 unless the checkpoint gives another) multiplies cos
+    and sin: `ModelConfig.rope_attention_factor`."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class KVLayout:
     """How the KV pool stores one token: K and V of `num_kv_heads x head_dim` per layer.
 
@@ -66,6 +83,7 @@ class ModelConfig:
     max_position_embeddings: int
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    rope_yarn: YarnScaling | None = None
     # llama.cpp's per-frequency RoPE divisors (GGUF tensor rope_freqs, how Llama 3.x GGUFs carry
     # their rope scaling): inv_freq[i] /= rope_freq_factors[i]. None = no scaling by factors.
     rope_freq_factors: tuple[float, ...] | None = None
@@ -86,8 +104,15 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q/k/v projections
+    attention_out_bias: bool = False  # gpt-oss: a bias on the output projection too
+    # gpt-oss: a learned logit per query head and layer that joins the head's softmax with no
+    # value (the "sink" column is dropped after the softmax), so a head may attend to nothing
+    attention_sinks: bool = False
     qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each q and k head before RoPE
-    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    # the gated MLP's activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU) or "swiglu_oai" (gpt-oss:
+    # gate <= 7, -7 <= up <= 7, (up + 1) * gate * sigmoid(1.702 gate))
+    hidden_act: str = "silu"
+    mlp_bias: bool = False  # biases on the MLP's (every expert's) gate, up and down projections
     attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
     # Sliding-window attention per layer: layer i's queries at position p see keys in
     # (p - layer_windows[i], p]; 0 = the whole context. None: every layer sees the whole context.
@@ -101,14 +126,18 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     # Gemma 2: attention scores (after the scale) = cap * tanh(scores / cap) before the softmax
     attn_logit_softcapping: float | None = None
-    # Mixture of experts (Qwen3-MoE): every layer's MLP is `num_experts` gated MLPs of
-    # `moe_intermediate_size`, of which a router picks `num_experts_per_tok` per token (softmax
-    # over all experts, then the top k; `norm_topk_prob`: their weights rescaled to sum to 1).
-    # 0 experts: the dense MLP of `intermediate_size`.
+    # Mixture of experts (Qwen3-MoE, gpt-oss): every layer's MLP is `num_experts` gated MLPs of
+    # `moe_intermediate_size`, of which a router picks `num_experts_per_tok` per token. Gating
+    # "softmax": softmax over all experts, then the top k (`norm_topk_prob`: their weights
+    # rescaled to sum to 1); "topk_softmax": the top k scores, then a softmax over those k
+    # (gpt-oss). `moe_router_bias`: the router has a bias. 0 experts: the dense MLP of
+    # `intermediate_size`.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    moe_gating: str = "softmax"
+    moe_router_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -145,8 +174,14 @@ class ModelConfig:
                 f"{self.num_experts} experts, {self.num_experts_per_tok} a token, "
                 f"expert size {self.moe_intermediate_size}: not a mixture of experts"
             )
-        if self.hidden_act not in ("silu", "gelu_tanh"):
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_tanh)")
+        if self.hidden_act not in ("silu", "gelu_tanh", "swiglu_oai"):
+            raise ValueError(
+                f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_tanh, swiglu_oai)"
+            )
+        if self.moe_gating not in ("softmax", "topk_softmax"):
+            raise ValueError(f"moe_gating {self.moe_gating!r} is not softmax or topk_softmax")
+        if self.rope_yarn is not None and self.rope_scaling is not None:
+            raise ValueError("YaRN and Llama 3 RoPE scaling are not supported together")
 
     @property
     def rope_dims(self) -> int:

@@ -26,7 +26,7 @@ from torch import nn
 from models import ops
 from models.attention import AttentionMetadata, paged_attention
 from models.base import is_stand_in
-from models.config import ModelConfig, RopeScaling
+from models.config import ModelConfig, RopeScaling, YarnScaling
 from models.cpu import has_native_bf16
 from models.ops import Act, Kind
 from models.quant import (
@@ -69,12 +69,34 @@ def _inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         scaled = torch.where(mid, (1 - smooth) * inv / rs.factor + smooth * inv, scaled)
         inv = scaled
+    if config.rope_yarn is not None:
+        inv = _yarn(inv, config.rope_yarn, hd, theta)
     factors = config.rope_long_factors if config.rope_long else config.rope_freq_factors
     if factors is not None:
         if len(factors) != hd // 2:
             raise ValueError(f"RoPE frequency factors: {len(factors)} entries, not {hd // 2}")
         inv = inv / torch.tensor(factors, dtype=torch.float64)
     return inv
+
+
+def _yarn(inv: torch.Tensor, y: YarnScaling, dim: int, theta: float) -> torch.Tensor:
+    """YaRN's frequencies (transformers' _compute_yarn_parameters, ggml's rope_yarn): each
+    `inv` kept (extrapolated) below the correction range's low dim, divided by the factor
+    (interpolated) above its high one, blended linearly between."""
+
+    def correction_dim(rotations: float) -> float:  # the dim that turns `rotations` times
+        original = y.original_max_position_embeddings
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (as both do: no division by zero)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp  # the share of the original frequency
+    return inv / y.factor * ramp + inv * extrapolated
 
 
 def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -163,6 +185,22 @@ def apply_rotary(
 
 _NATIVE_BF16 = has_native_bf16()
 
+# The gated MLPs' activations by `ModelConfig.hidden_act`, as the kernels' epilogue codes.
+GATED_ACTS = {"silu": Act.SILU_MUL, "gelu_tanh": Act.GELU_MUL, "swiglu_oai": Act.SWIGLU_OAI}
+# gpt-oss's clamped SwiGLU (transformers' swiglu_alpha / swiglu_limit; llama.cpp's constants)
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
+
+
+def gated_act(act: int, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up for a gated MLP (`Act` code): what the kernels' epilogues compute."""
+    if act == Act.SWIGLU_OAI:
+        gate = gate.clamp(max=SWIGLU_OAI_LIMIT)
+        up = up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+        return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA))
+    if act == Act.GELU_MUL:
+        return F.gelu(gate, approximate="tanh") * up
+    return F.silu(gate) * up
+
 
 class Linear(nn.Linear):
     """nn.Linear whose matmul may run in a narrower dtype than the activations around it.
@@ -189,6 +227,11 @@ class Linear(nn.Linear):
         else:
             y = F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
         return y if residual is None else residual + y
+
+    def gated(self, x: torch.Tensor, act: int) -> torch.Tensor:
+        """act(gate) * up for a fused [gate; up] projection (`gated_act`)."""
+        gate, up = self(x).chunk(2, dim=-1)
+        return gated_act(act, gate, up)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for a fused [gate; up] projection."""
@@ -221,6 +264,9 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return self._run(x, residual, Act.NONE)
+
+    def gated(self, x: torch.Tensor, act: int) -> torch.Tensor:
+        return self._run(x, None, act)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, None, Act.SILU_MUL)
@@ -269,7 +315,9 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+        # gpt-oss's attention sinks: a logit per query head (`paged_attention`'s `sinks`)
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if config.attention_sinks else None
         self.scale = config.attention_scale or self.hd**-0.5
         self.window = config.window(layer)
         self.softcap = config.attn_logit_softcapping or 0.0
@@ -325,6 +373,7 @@ class Attention(nn.Module):
                 qkv, rope.cos_half, rope.sin_half, *kv_cache, *meta.kernel_args(),
                 num_heads=self.n_heads, num_kv_heads=self.n_kv, head_dim=self.hd, scale=self.scale,
                 window=self.window, interleaved=self.rope_interleaved, softcap=self.softcap,
+                sinks=self.sinks,
             )  # fmt: skip
         t = qkv.shape[0]
         # Rotate q and k in one go: they are adjacent columns of the fused projection.
@@ -337,7 +386,7 @@ class Attention(nn.Module):
         q, k = qk.split([self.n_heads, self.n_kv], dim=1)  # (T, H, hd), (T, KV, hd)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.n_kv, self.hd)  # (T, KV, hd)
         o = paged_attention(
-            q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap
+            q, k, v, kv_cache, meta, self.scale, self.window, self.softcap, self.sinks
         )
         return o.reshape(t, self.q_size)
 
@@ -345,12 +394,17 @@ class Attention(nn.Module):
 
     @staticmethod
     def hf_weight_names(config: ModelConfig, prefix: str) -> set[str]:
-        """q/k/v apart (Llama, Qwen) or fused (Phi-3's qkv_proj), o; Qwen2's q/k/v biases and
-        Qwen3's / Gemma 3's QK-norm weights where the config has them."""
+        """q/k/v apart (Llama, Qwen) or fused (Phi-3's qkv_proj), o; Qwen2's q/k/v biases,
+        gpt-oss's o bias and sinks (named `sinks`, or `sinks.weight` as a GGUF's), and Qwen3's /
+        Gemma 3's QK-norm weights where the config has them."""
         a = f"{prefix}self_attn."
         names = {f"{a}{proj}_proj.weight" for proj in ("q", "k", "v", "o", "qkv")}
         if config.attention_bias:
             names.update(f"{a}{proj}_proj.bias" for proj in ("q", "k", "v", "qkv"))
+        if config.attention_out_bias:
+            names.add(f"{a}o_proj.bias")
+        if config.attention_sinks:
+            names.update((f"{a}sinks", f"{a}sinks.weight"))
         if config.qk_norm:
             names.update(f"{a}{n}_norm.weight" for n in "qk")
         return names
@@ -367,6 +421,10 @@ class Attention(nn.Module):
             loader.put(f"{d}q_norm.weight", loader.norm(f"{a}q_norm.weight"))
             loader.put(f"{d}k_norm.weight", loader.norm(f"{a}k_norm.weight"))
         loader.put(f"{d}o_proj.weight", loader.take(f"{a}o_proj.weight"))
+        if self.o_proj.bias is not None:
+            loader.put(f"{d}o_proj.bias", loader.take(f"{a}o_proj.bias"))
+        if self.sinks is not None:
+            loader.put(f"{d}sinks", loader.fused(f"{a}sinks", [f"{a}sinks.weight"]))
 
     def pack(self, packer: Packer, src: str) -> None:
         """Its projections packed from the checkpoint tensors below `src`."""
@@ -379,32 +437,43 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """The gated MLP: down(act(gate) * up) with SiLU (SwiGLU) or tanh GELU (GeGLU)."""
+    """The gated MLP: down(act(gate) * up) with SiLU (SwiGLU), tanh GELU (GeGLU) or gpt-oss's
+    clamped SwiGLU (`gated_act`), with biases where the config has them (`mlp_bias`)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.ffn = config.intermediate_size
-        self.gelu = config.hidden_act == "gelu_tanh"
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.ffn, bias=False)
-        self.down_proj = Linear(self.ffn, config.hidden_size, bias=False)
+        self.act = GATED_ACTS[config.hidden_act]
+        bias = config.mlp_bias
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.ffn, bias=bias)
+        self.down_proj = Linear(self.ffn, config.hidden_size, bias=bias)
+
+    @property
+    def gelu(self) -> bool:
+        return self.act == Act.GELU_MUL
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        up = self.gate_up_proj
-        return self.down_proj(up.gelu_mul(x) if self.gelu else up.silu_mul(x), residual)
+        return self.down_proj(self.gate_up_proj.gated(x, self.act), residual)
 
     # -- its checkpoint tensors, under Hugging Face's names below `prefix` ("model.layers.N.mlp.",
     # or an expert's "model.layers.N.mlp.experts.E.") ----------------------------------------------
 
     @staticmethod
     def hf_weight_names(config: ModelConfig, prefix: str) -> set[str]:
-        """gate/up apart (Llama, Qwen) or fused (Phi-3's gate_up_proj), and down."""
-        return {f"{prefix}{proj}_proj.weight" for proj in ("gate", "up", "down", "gate_up")}
+        """gate/up apart (Llama, Qwen) or fused (Phi-3's gate_up_proj), and down; their biases
+        where the config has them."""
+        projs = ("gate", "up", "down", "gate_up")
+        suffixes = ("weight", "bias") if config.mlp_bias else ("weight",)
+        return {f"{prefix}{proj}_proj.{s}" for proj in projs for s in suffixes}
 
     def load(self, loader: HFLoader, src: str, dst: str) -> None:
         """Take its parameters (below `dst`) from the checkpoint's tensors below `src`."""
-        gate_up = [f"{src}{n}_proj.weight" for n in ("gate", "up")]
-        loader.put(f"{dst}gate_up_proj.weight", loader.fused(f"{src}gate_up_proj.weight", gate_up))
-        loader.put(f"{dst}down_proj.weight", loader.take(f"{src}down_proj.weight"))
+        kinds = ("weight", "bias") if self.down_proj.bias is not None else ("weight",)
+        for kind in kinds:
+            gate_up = [f"{src}{n}_proj.{kind}" for n in ("gate", "up")]
+            fused = loader.fused(f"{src}gate_up_proj.{kind}", gate_up)
+            loader.put(f"{dst}gate_up_proj.{kind}", fused)
+            loader.put(f"{dst}down_proj.{kind}", loader.take(f"{src}down_proj.{kind}"))
 
     def pack(self, packer: Packer, src: str, rows: bool = False) -> None:
         """Its projections packed from the checkpoint tensors below `src` (`rows`: see
@@ -706,8 +775,8 @@ class DecoderForCausalLM(nn.Module):
             if not isinstance(mlp, MLP):  # (a sparse MLP runs layer by layer)
                 return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(m, PackedLinear) for m in linears):
-                return None
+            if not all(isinstance(m, PackedLinear) for m in linears) or attn.sinks is not None:
+                return None  # (the one op takes no attention sinks)
             norms = [getattr(layer, n) for n in layer.NORMS]
             qk_norms = [] if attn.q_norm is None else [attn.q_norm, attn.k_norm]
             first = self.layers[0].self_attn
@@ -722,7 +791,7 @@ class DecoderForCausalLM(nn.Module):
                     qk_norm=attn.qk_weight(),
                     local_rope=attn.local_rope,
                     window=attn.window,
-                    ffn_act=Act.GELU_MUL if mlp.gelu else Act.SILU_MUL,
+                    ffn_act=mlp.act,
                     rope_interleaved=attn.rope_interleaved,
                 )
             )

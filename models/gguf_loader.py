@@ -67,15 +67,17 @@ SUPPORTED_TYPES = frozenset(
         Q.Q6_K,
         Q.IQ4_NL,
         Q.IQ4_XS,
+        Q.MXFP4,
     }
 )
 
 # A layer's tensor: blk.N.<name>[.weight|.bias] (a name may hold dots, and a few tensors have no
 # suffix, as llama.cpp names them); the name maps to the Hugging Face one, the suffix stays.
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+?)(\.weight|\.bias)?")
-# A mixture of experts' stacked projections, (experts, rows, in) each: one Hugging Face tensor
-# per expert (`_ExpertSlice`).
-_EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+# A mixture of experts' stacked projections, (experts, rows, in) each, and their biases (experts,
+# rows) where the architecture has them (gpt-oss): one Hugging Face tensor per expert
+# (`_ExpertSlice`).
+_EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)")
 
 
 def _open(path: Path) -> GGUFReader:
@@ -123,14 +125,14 @@ def _dequantize(t: Any, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _ExpertSlice:
-    """One expert's (rows, in) matrix of a stacked (experts, rows, in) GGUF tensor, with the
-    reader tensor's attributes this module reads (`tensor_type`, `shape` innermost first, `data`
-    a view of the file's bytes)."""
+    """One expert's (rows, in) matrix (or (rows,) bias) of a stacked (experts, rows, in) GGUF
+    tensor, with the reader tensor's attributes this module reads (`tensor_type`, `shape`
+    innermost first, `data` a view of the file's bytes)."""
 
     def __init__(self, t: Any, expert: int) -> None:
         self.name = f"{t.name}[{expert}]"
         self.tensor_type = t.tensor_type
-        self.shape = t.shape[:2]
+        self.shape = t.shape[:-1]
         self.data = t.data[expert]
 
 
@@ -139,12 +141,14 @@ def _expert_slices(t: Any, path: Path, arch: str, stacked: bool) -> dict[str, _E
     m = _EXPERTS_RE.fullmatch(t.name)
     if m is None or not stacked:
         raise ModelLoadError(f"{path.name}: tensor {t.name!r} has no place in a {arch} decoder")
-    layer, proj = m.groups()
-    if len(t.shape) != 3 or t.data.shape[0] != int(t.shape[2]):
-        raise ModelLoadError(f"{path.name}: {t.name} is not (experts, rows, in)")
+    layer, proj, suffix = m.groups()
+    dims = 3 if suffix == "weight" else 2
+    if len(t.shape) != dims or t.data.shape[0] != int(t.shape[-1]):
+        what = "(experts, rows, in)" if dims == 3 else "(experts, rows)"
+        raise ModelLoadError(f"{path.name}: {t.name} is not {what}")
     return {
-        f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight": _ExpertSlice(t, e)
-        for e in range(int(t.shape[2]))
+        f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.{suffix}": _ExpertSlice(t, e)
+        for e in range(int(t.shape[-1]))
     }
 
 
@@ -242,7 +246,7 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
 
     def blocks(self, name: str) -> GGMLTensor | None:
         """The tensor's own quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K,
-        IQ4_NL, IQ4_XS), byte for byte, row-permuted like `self[name]` (q/k rows un-permuted
+        IQ4_NL, IQ4_XS, MXFP4), byte for byte, row-permuted like `self[name]` (q/k rows un-permuted
         unless `rope_interleaved`) but never dequantized; None for other formats or names."""
         t = self._tensors.get(name)
         if t is None or self._map.transform(name) is not None:

@@ -1,8 +1,8 @@
 """Reference GGUF quantizers: float32 tensors -> Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K,
-IQ4_NL, IQ4_XS blocks, byte for byte what llama.cpp's `llama-quantize` writes without an importance
-matrix, and which of those formats each tensor of a Q4_K_M / Q5_K_M / IQ4_NL / IQ4_XS (or
-single-format) file gets (without an importance matrix, the IQ4 formats' scale search weighs
-each value by x * x).
+IQ4_NL, IQ4_XS, MXFP4 blocks, byte for byte what llama.cpp's `llama-quantize` writes without an
+importance matrix, and which of those formats each tensor of a Q4_K_M / Q5_K_M / IQ4_NL / IQ4_XS /
+MXFP4_MOE (or single-format) file gets (without an importance matrix, the IQ4 formats' scale
+search weighs each value by x * x).
 
 Owns: `quantize(array, qtype)` (the blocks, as `gguf.quants.quantize` lays them out: the last axis
 in bytes) and `mix_types(tensors, ftype)` (llama-quantize's per-tensor choice of format for the
@@ -31,6 +31,7 @@ Q = GGMLQuantizationType
 F32 = np.float32
 
 FORMATS = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
+FORMATS += (Q.MXFP4,)
 
 # What `llama-quantize IN OUT TYPE` takes -> the file type it writes and its default tensor format.
 FTYPES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
@@ -46,6 +47,8 @@ FTYPES: dict[str, tuple[LlamaFileType, GGMLQuantizationType]] = {
     "Q6_K": (LlamaFileType.MOSTLY_Q6_K, Q.Q6_K),
     "IQ4_NL": (LlamaFileType.MOSTLY_IQ4_NL, Q.IQ4_NL),
     "IQ4_XS": (LlamaFileType.MOSTLY_IQ4_XS, Q.IQ4_XS),
+    # gpt-oss as published: the experts MXFP4, every other quantizable tensor Q8_0
+    "MXFP4_MOE": (LlamaFileType.MOSTLY_MXFP4_MOE, Q.MXFP4),
 }
 
 # Values per numpy pass: the temporaries (a few dozen float32 copies of a chunk) stay in cache.
@@ -451,6 +454,29 @@ def _iq4_xs(x: np.ndarray) -> np.ndarray:
     return np.concatenate([_f16(d), scales_h, scales_l, qs], axis=1)
 
 
+# MXFP4 (OCP microscaling FP4, gpt-oss's experts): ggml's kvalues_mxfp4, the E2M1 values doubled.
+_MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=F32)
+
+
+def _e8m0_half(e: np.ndarray) -> np.ndarray:
+    """ggml_e8m0_to_fp32_half: 2^(e - 128) as float32 (e 0 and 1 the denormals)."""
+    e = e.astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(F32)
+
+
+def _mxfp4(x: np.ndarray) -> np.ndarray:
+    """quantize_row_mxfp4_ref: e = floor(log2 max|x|) - 2 + 127 (0 for an all-zero block), then
+    each value's nearest level of kvalues * 2^(e - 128), the first of equally near ones."""
+    amax = np.abs(x).max(axis=1)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.floor(np.log2(amax)) - F32(2) + F32(127), F32(0))
+    e = np.clip(e, 0, 255).astype(np.uint8)
+    levels = _e8m0_half(e)[:, None, None] * _MXFP4_VALUES  # (blocks, 1, 16)
+    best = np.argmin(np.abs(levels - x[:, :, None]), axis=-1)  # (the first minimum, as C's `<`)
+    return np.concatenate([e[:, None], _pack_nibbles(best)], axis=1)
+
+
 _QUANTIZERS = {
     Q.Q8_0: _q8_0,
     Q.Q4_0: _q4_0,
@@ -462,6 +488,7 @@ _QUANTIZERS = {
     Q.Q6_K: _q6_k,
     Q.IQ4_NL: _iq4_nl,
     Q.IQ4_XS: _iq4_xs,
+    Q.MXFP4: _mxfp4,
 }
 
 
@@ -580,7 +607,8 @@ def mix_types(
     head and ffn_down of the first eighth of the layers in Q5_K; and a 32-value format where a
     row length does not split into 256. `n_expert` (default: from layer 0's stacked experts):
     with exactly eight experts (Mixtral's count) attn_k and attn_v go to Q8_0 and, in the Q4_K
-    and IQ4 mixes, attn_output to Q5_K, as llama-quantize special-cases.
+    and IQ4 mixes, attn_output to Q5_K, as llama-quantize special-cases. MXFP4_MOE (gpt-oss's
+    published form): stacked experts MXFP4, every other quantizable tensor (the head too) Q8_0.
     """
     if ftype not in FTYPES:
         raise ValueError(f"unknown file type {ftype!r}; choose one of {list(FTYPES)}")
@@ -609,6 +637,11 @@ def mix_types(
         ncols = int(shape[-1])
         cat = cats[name]
         new = default
+        if ftype == "MXFP4_MOE":
+            # stacked experts (3-D, more than one) MXFP4; the head and everything else Q8_0
+            experts = len(shape) == 3 and int(shape[0]) > 1 and cat != "output"
+            out[name] = _fallback(Q.MXFP4 if experts else Q.Q8_0, ncols)
+            continue
         if cat == "output" or (tied and cat == "token_embd"):
             if ncols % GGML_QUANT_SIZES[new][0] != 0:
                 new = Q.Q8_0

@@ -6,8 +6,9 @@ Owns: turning a `config.json` into a `ModelConfig` through its architecture's sp
 and the tokenizer, and checking tensor names against what the model class takes
 (`check_weight_names`), which both loaders use to refuse tensors the decoder would silently drop.
 
-Refused by name: model types no spec reads, quantized checkpoints, directories without
-safetensors, and what each spec's config reader refuses.
+Refused by name: model types no spec reads, quantized checkpoints (but the quantizations a spec
+reads, as gpt-oss's MXFP4: its `hf_checkpoint` maps the blocks, which the kernels then take as
+they are), directories without safetensors, and what each spec's config reader refuses.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from models.arch import specs
 from models.base import CausalLM, LoadedModel, ModelLoadError
 from models.config import ModelConfig
 from models.hf_tokenizer import HFTokenizer, end_token_ids, load_hf_tokenizer
+from models.packing import pack_for_kernels
+from models.quant import KernelOptions
 from models.registry import hf_spec
 
 # Tensors some checkpoints carry that hold nothing the decoder needs (recomputed RoPE tables).
@@ -74,7 +77,8 @@ def config_from_hf(cfg: dict, name: str, where: str) -> ModelConfig:
     spec = hf_spec(cfg.get("model_type"), where)  # refused before its fields are read
     if outer.get("quantization_config"):
         method = outer["quantization_config"].get("quant_method", "?")
-        raise ModelLoadError(f"{where}: quantized checkpoints ({method}) are not supported")
+        if method not in spec.hf_quantizations:
+            raise ModelLoadError(f"{where}: quantized checkpoints ({method}) are not supported")
     assert spec.hf_config is not None
     try:
         return ModelConfig(name=name, dtype=torch.float32, **spec.hf_config(cfg, where))
@@ -168,8 +172,14 @@ class LanguageModelWeights(Mapping[str, torch.Tensor]):
         return len(self._names)
 
 
-def load_hf_directory(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a Hugging Face Llama-family directory: config, safetensors, tokenizer, EOS ids."""
+def load_hf_directory(
+    path: str | Path, dtype: torch.dtype = torch.float32, kernels: KernelOptions | None = None
+) -> LoadedModel:
+    """Load a Hugging Face Llama-family directory: config, safetensors, tokenizer, EOS ids.
+
+    `kernels`: for a checkpoint its spec maps (`ArchSpec.hf_checkpoint`: quantized blocks), the
+    model is packed here, taking those blocks as they are; other checkpoints are packed by the
+    caller."""
     directory = Path(path)
     t0 = time.perf_counter()
     cfg = _read_json(directory / "config.json")
@@ -194,7 +204,13 @@ def load_hf_directory(path: str | Path, dtype: torch.dtype = torch.float32) -> L
     arch = text_config(cfg)["model_type"]
     if cfg.get("model_type") != arch:  # a multimodal checkpoint: its language model's tensors
         weights = LanguageModelWeights(weights)
-    cls = hf_spec(arch, str(directory)).model_class
+    spec = hf_spec(arch, str(directory))
+    cls = spec.model_class
+    blocks = None
+    if spec.hf_checkpoint is not None:
+        in_place = kernels is not None and kernels.quantization == "auto"
+        weights = spec.hf_checkpoint(weights, in_place)
+        blocks = getattr(weights, "blocks", None)
     check_weight_names(weights, config, str(directory), cls)
     model = cls.without_weights(config)
     try:
@@ -202,5 +218,10 @@ def load_hf_directory(path: str | Path, dtype: torch.dtype = torch.float32) -> L
     except ValueError as e:
         raise ModelLoadError(f"{directory}: {e}") from e
     model.eval().requires_grad_(False)
+    if kernels is not None and blocks is not None:
+        try:
+            model = pack_for_kernels(model, kernels, blocks)
+        except ValueError as e:
+            raise ModelLoadError(f"{directory}: {e}") from e
     config.extra["load_seconds"] = round(time.perf_counter() - t0, 3)
     return LoadedModel(config.name, model, HFTokenizer(tok, eos), config)

@@ -153,7 +153,10 @@ def _gguf_cache_dir(path: Path) -> Path:
 
 # GGUF architectures transformers does not read, whose tokenizer it converts as another's:
 # SmolLM3's is Llama 3's byte-level BPE (its split rule comes from tokenizer.ggml.pre either way).
-GGUF_TOKENIZER_ALIASES = {"smollm3": "llama"}
+# gpt-oss's it reads, but its reader of the gpt-oss.rope.scaling.* keys (which every gpt-oss file
+# has) takes each field's first part, the key's length, for the value and fails: the tokenizer is
+# a byte-level BPE like any other.
+GGUF_TOKENIZER_ALIASES = {"smollm3": "llama", "gpt-oss": "llama"}
 
 
 def load_gguf_tokenizer(path: Path) -> Any:

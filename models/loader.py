@@ -160,8 +160,9 @@ def _return_freed_memory() -> None:
 
 
 def _load(name_or_path: str, kernels: KernelOptions | None) -> LoadedModel:
-    """The model as its checkpoint holds it; a GGUF file's loader also packs its own blocks
-    for the kernels when `kernels` is given."""
+    """The model as its checkpoint holds it; a GGUF file's loader (and a Hugging Face
+    directory's, for a checkpoint of quantized blocks) also packs its own blocks for the kernels
+    when `kernels` is given."""
     key = str(name_or_path).strip()
     if (spec := builtin(key.lower())) is not None and spec.builtin is not None:
         return spec.builtin()
@@ -178,7 +179,7 @@ def _load(name_or_path: str, kernels: KernelOptions | None) -> LoadedModel:
     if path.is_file() and (path.suffix == ".gguf" or is_gguf_file(path)):
         return load_gguf(path, name=path.stem, kernels=kernels)
     if path.is_dir() and (path / "config.json").is_file():
-        return load_hf_directory(path)
+        return load_hf_directory(path, kernels=kernels)
     if path.exists():
         raise ModelLoadError(f"cannot load {key!r}: expected {SUPPORTED}")
     if path.suffix == ".gguf" or "/" in key or "\\" in key:

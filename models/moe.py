@@ -1,8 +1,10 @@
-"""Mixture-of-experts decoders: Qwen3-MoE (Qwen3-30B-A3B, Qwen3-Coder-30B-A3B, Qwen3-235B-A22B).
+"""Mixture-of-experts decoders: Qwen3-MoE (Qwen3-30B-A3B, Qwen3-Coder-30B-A3B, Qwen3-235B-A22B),
+and the sparse MLP gpt-oss's layer (`models.gpt_oss`) builds on.
 
-Owns: the sparse MLP (`SparseMoeBlock`: a router scoring every expert, the top k per token, each
-expert a gated MLP of `moe_intermediate_size`), its decoder class and what differs in its tensor
-names and packing. Attention, norms and RoPE are the Llama layer's (`models.llama`).
+Owns: the sparse MLP (`SparseMoeBlock`: a router scoring every expert, the top k per token by the
+config's gating, each expert a gated MLP of `moe_intermediate_size`, with biases where the
+config has them), its decoder class and what differs in its tensor names and packing. Attention,
+norms and RoPE are the Llama layer's (`models.llama`).
 
 Tokens are grouped by expert: each expert that has tokens in the step multiplies just their rows
 (the kernels' packed projections, each expert's blocks where they lie in the file), so a step
@@ -24,7 +26,7 @@ from models import ops
 from models.config import ModelConfig
 from models.decoder import MLP, DecoderForCausalLM, HFLoader, Linear, PackedLinear
 from models.llama import LlamaDecoderLayer
-from models.ops import Act, Kind
+from models.ops import Kind
 from models.quant import F32, pack, quantize
 
 if TYPE_CHECKING:
@@ -42,14 +44,18 @@ class FusedExperts(NamedTuple):
     out_features: int
     kind: int
     act: int
+    gate_up_bias: torch.Tensor | None  # (E, 2 f): every expert's, or None
+    down_bias: torch.Tensor | None  # (E, d)
 
 
 def _fuse(experts: list[MLP]) -> FusedExperts | None:
     """The experts' packed projections as one op's tables, or None unless all are GGUF rows of
     one kind in one storage (a GGUF file's map; the tables' offsets are then into all of it)."""
     linears = [m for e in experts for m in (e.gate_up_proj, e.down_proj)]
-    if not all(isinstance(m, PackedLinear) and m.bias is None for m in linears):
+    if not all(isinstance(m, PackedLinear) for m in linears):
         return None
+    if len({m.bias is None for m in linears}) != 1:
+        return None  # (biases on some projections only: the torch loop takes them)
     kinds = {m.packed.kind for m in linears}
     storage = linears[0].packed.qs.untyped_storage()
     if len(kinds) != 1 or kinds & {Kind.GGML, Kind.GGML_A8} != kinds:
@@ -69,20 +75,28 @@ def _fuse(experts: list[MLP]) -> FusedExperts | None:
 
     gate_up, gate_up_index = table([e.gate_up_proj for e in experts])
     down, down_index = table([e.down_proj for e in experts])
-    act = Act.GELU_MUL if experts[0].gelu else Act.SILU_MUL
     out = experts[0].down_proj.out_features
-    return FusedExperts(base, gate_up, gate_up_index, down, down_index, out, kinds.pop(), act)
+    biased = linears[0].bias is not None
+    gate_up_bias = torch.stack([e.gate_up_proj.bias for e in experts]) if biased else None
+    down_bias = torch.stack([e.down_proj.bias for e in experts]) if biased else None
+    return FusedExperts(
+        base, gate_up, gate_up_index, down, down_index, out, kinds.pop(), experts[0].act,
+        gate_up_bias, down_bias,
+    )  # fmt: skip
 
 
 class SparseMoeBlock(nn.Module):
-    """The MLP of a mixture-of-experts layer (Hugging Face's names: `gate` the router,
-    `experts.{e}` the gated MLPs)."""
+    """The MLP of a mixture-of-experts layer (Hugging Face's names: `gate` the router, `ROUTER`
+    in the checkpoint, `experts.{e}` the gated MLPs)."""
+
+    ROUTER = "gate"  # the router's name in the checkpoint
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
-        self.gate = Linear(config.hidden_size, self.num_experts, bias=False)
+        self.topk_softmax = config.moe_gating == "topk_softmax"
+        self.gate = Linear(config.hidden_size, self.num_experts, bias=config.moe_router_bias)
         expert = replace(config, intermediate_size=config.moe_intermediate_size)
         self.experts = nn.ModuleList(MLP(expert) for _ in range(self.num_experts))
         self.fused: FusedExperts | None = None  # set by `fuse` once the experts are packed
@@ -92,8 +106,13 @@ class SparseMoeBlock(nn.Module):
         self.fused = _fuse(list(self.experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T, k) expert ids and their weights: softmax over every expert's score, the k best."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        """(T, k) expert ids and their weights: softmax over every expert's score, the k best;
+        or (`topk_softmax`) the k best scores, softmax over them."""
+        scores = self.gate(x).float()
+        if self.topk_softmax:
+            top, experts = torch.topk(scores, self.top_k, dim=-1)
+            return experts, torch.softmax(top, dim=-1).to(x.dtype)
+        probs = torch.softmax(scores, dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -124,22 +143,27 @@ class SparseMoeBlock(nn.Module):
 
     # -- its checkpoint tensors, under Hugging Face's names below `prefix` ("model.layers.N.mlp.")
 
-    @staticmethod
-    def hf_weight_names(config: ModelConfig, prefix: str) -> set[str]:
-        names = {f"{prefix}gate.weight"}
+    @classmethod
+    def hf_weight_names(cls, config: ModelConfig, prefix: str) -> set[str]:
+        names = {f"{prefix}{cls.ROUTER}.weight"}
+        if config.moe_router_bias:
+            names.add(f"{prefix}{cls.ROUTER}.bias")
         for e in range(config.num_experts):
             names |= MLP.hf_weight_names(config, f"{prefix}experts.{e}.")
         return names
 
     def load(self, loader: HFLoader, src: str, dst: str) -> None:
-        loader.put(f"{dst}gate.weight", loader.take(f"{src}gate.weight"))
+        loader.put(f"{dst}gate.weight", loader.take(f"{src}{self.ROUTER}.weight"))
+        if self.gate.bias is not None:
+            loader.put(f"{dst}gate.bias", loader.take(f"{src}{self.ROUTER}.bias"))
         for e, expert in enumerate(self.experts):
             expert.load(loader, f"{src}experts.{e}.", f"{dst}experts.{e}.")
 
     def pack(self, packer: Packer, src: str) -> None:
         if not isinstance(self.gate, PackedLinear):
             # the router in float32 panels whatever the scheme: its scores pick the experts
-            self.gate = PackedLinear(pack(quantize(self.gate.weight.float(), F32)), None)
+            weights = pack(quantize(self.gate.weight.float(), F32))
+            self.gate = PackedLinear(weights, self.gate.bias)
         # the file's rows in every format (no panels of Q4_0/Q8_0 experts): one op takes them all
         for e, expert in enumerate(self.experts):
             expert.pack(packer, f"{src}experts.{e}.", rows=True)

@@ -38,6 +38,8 @@ class Act(IntEnum):
     NONE = 0  # x @ W^T (+ bias) (+ residual)
     SILU_MUL = 1  # silu(gate) * up of a gate/up panel layout (`models.quant.pack(gate_up=True)`)
     GELU_MUL = 2  # gelu_tanh(gate) * up (GeGLU), the same layout
+    # gpt-oss's clamped SwiGLU: gate <= 7, -7 <= up <= 7, (up + 1) * gate * sigmoid(1.702 gate)
+    SWIGLU_OAI = 3
 
 
 _lock = threading.Lock()
@@ -158,15 +160,30 @@ def moe_experts(
     out_features: int,
     kind: int,
     act: int = Act.SILU_MUL,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A mixture of experts' MLP outputs (T, d) for x (T, K): per token, the sum over its experts
     (`experts` (T, k) int64 ids, `weights` (T, k) float32) of weight x down(act(gate) * up) of its
     row. Every expert's weights are GGUF rows of `qs`: expert e's gate/up parts are rows
     gate_up_index[e]:gate_up_index[e + 1] of the (parts, 3) table `gate_up` (`ggml_linear`'s `m`
     rows, gate then up), its down projection's likewise (`out_features` rows: d); `kind`
-    Kind.GGML or Kind.GGML_A8."""
+    Kind.GGML or Kind.GGML_A8. `gate_up_bias` (E, 2 f) and `down_bias` (E, d) float32: each
+    expert's biases (gpt-oss), added before the act and before the weighting."""
     return _moe_experts(
-        x, experts, weights, qs, gate_up, gate_up_index, down, down_index, out_features, kind, act
+        x,
+        experts,
+        weights,
+        qs,
+        gate_up,
+        gate_up_index,
+        down,
+        down_index,
+        out_features,
+        kind,
+        act,
+        gate_up_bias,
+        down_bias,
     )
 
 
@@ -230,6 +247,7 @@ def attention(
     window: int = 0,
     interleaved: bool = False,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RoPE, the K/V write and paged attention of one step's flat batch, in one op.
 
@@ -245,12 +263,14 @@ def attention(
     float16 or int8 (`models.config.KVLayout`). `window` > 0: a sliding window, a query at position
     p attends to the keys at positions (p - window, p] only (decode rows and chunks alike).
     `softcap` > 0: each scaled score becomes softcap * tanh(score / softcap) before the softmax
-    (Gemma 2's attention logit soft-capping). Returns (T, H * D) float32.
+    (Gemma 2's attention logit soft-capping). `sinks` (H,) float32: a logit per query head that
+    joins its softmax without a value (gpt-oss's attention sinks); None: no sinks. Returns
+    (T, H * D) float32.
     """
     return _attention(
         qkv, cos, sin, k_cache, v_cache, slots, num_decode, decode_tables, decode_lens,
         chunk_meta, chunk_tables, num_heads, num_kv_heads, head_dim, scale, window, interleaved,
-        softcap,
+        softcap, sinks,
     )  # fmt: skip
 
 

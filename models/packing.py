@@ -18,12 +18,15 @@ from torch import nn
 from models.base import CausalLM, is_stand_in
 from models.quant import (
     F32,
+    GGML,
+    GGML_A8,
     QB,
     SCHEME_KINDS,
     GGMLTensor,
     KernelOptions,
     PackedWeight,
     QTensor,
+    gate_up_bias,
     pack,
     quantize,
 )
@@ -101,7 +104,12 @@ class Packer:
         if isinstance(linear, PackedLinear) or linear.weight.shape[1] % QB:
             return linear
         packed = self.packed_weight(linear.weight, sources, gate_up=gate_up, rows=rows)
-        return PackedLinear(packed, linear.bias)
+        bias = linear.bias
+        if gate_up and bias is not None:  # (gpt-oss's experts: in the panels' order)
+            if packed.kind not in (GGML, GGML_A8) and (bias.shape[0] // 2) % 8:
+                return linear  # (a partial last panel's epilogue would miss up's bias)
+            bias = gate_up_bias(bias.detach(), packed)
+        return PackedLinear(packed, bias)
 
 
 def pack_for_kernels(
@@ -111,7 +119,7 @@ def pack_for_kernels(
     `options.quantization`:
 
     - auto: the checkpoint's own blocks where `blocks(name)` has them (GGUF Q4_0, Q4_1, Q5_0,
-      Q5_1, Q8_0, Q2_K .. Q6_K, IQ4_NL, IQ4_XS, so the model computes exactly what the file
+      Q5_1, Q8_0, Q2_K .. Q6_K, IQ4_NL, IQ4_XS, MXFP4, so the model computes exactly what the file
       holds; a fused projection may mix them), else the float weights;
     - none: the float weights (float32 panels: the same numbers as F.linear);
     - q8_0 / q4_1: that format, quantized from the float weights unless the checkpoint already

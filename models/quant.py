@@ -7,7 +7,7 @@ Formats (32 inputs per block, one scale per block and output row, as llama.cpp d
   the Q4_1 block with m = -8 d, exact in fp16, so it needs no kernel of its own.)
 - F32: float weights in the same panel layout (for models kept in float).
 
-Every other GGUF block format (Q5_0, Q5_1, Q2_K .. Q6_K, IQ4_NL, IQ4_XS), and Q4_0 / Q4_1 / Q8_0 where the
+Every other GGUF block format (Q5_0, Q5_1, Q2_K .. Q6_K, IQ4_NL, IQ4_XS, MXFP4), and Q4_0 / Q4_1 / Q8_0 where the
 activations are int8 on a CPU without AVX512-VNNI, is a `GGMLTensor`: the file's own rows of
 blocks, byte for byte, multiplied in place by `models.ops.ggml_linear`
 (models/csrc/kquant.cpp) with float32 or int8 activations (kinds GGML / GGML_A8). Its memory is
@@ -173,6 +173,7 @@ def quantize(w: torch.Tensor, kind: int) -> QTensor:
 GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 2, 3, 8
 GGML_Q5_0, GGML_Q5_1, GGML_Q4_K, GGML_Q5_K, GGML_Q6_K = 6, 7, 12, 13, 14
 GGML_Q2_K, GGML_Q3_K, GGML_IQ4_NL, GGML_IQ4_XS = 10, 11, 20, 23
+GGML_MXFP4 = 39
 # type -> (values, bytes) a block, and the name weight_formats() reports
 GGML_BLOCKS = {
     GGML_Q4_0: (32, 18),
@@ -187,6 +188,7 @@ GGML_BLOCKS = {
     GGML_Q6_K: (256, 210),
     GGML_IQ4_NL: (32, 18),
     GGML_IQ4_XS: (256, 136),
+    GGML_MXFP4: (32, 17),
 }
 GGML_NAMES = {
     GGML_Q4_0: "q4_0",
@@ -201,6 +203,7 @@ GGML_NAMES = {
     GGML_Q6_K: "q6_k",
     GGML_IQ4_NL: "iq4_nl",
     GGML_IQ4_XS: "iq4_xs",
+    GGML_MXFP4: "mxfp4",
 }
 
 
@@ -470,6 +473,17 @@ def _gate_up_order(n: int) -> torch.Tensor:
         gate = [i if i < f else -1 for i in range(8 * p, 8 * p + 8)]
         order += gate + [f + i if i >= 0 else -1 for i in gate]
     return torch.tensor(order)
+
+
+def gate_up_bias(bias: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """A fused [gate; up] projection's bias (2 f,) in the order `packed` multiplies its outputs:
+    the panels' (gate 8p..8p+8 then up 8p..8p+8, as `pack(gate_up=True)` lays the rows; the
+    epilogue adds bias[16 p + j] to panel p's output j), or as it is for GGUF rows, whose
+    gated epilogue reads gate and up apart."""
+    if packed.kind in (GGML, GGML_A8):
+        return bias
+    order = _gate_up_order(bias.shape[0])
+    return _take_rows(bias.float(), order, len(order)).contiguous()
 
 
 def _take_rows(t: torch.Tensor, order: torch.Tensor | None, rows: int) -> torch.Tensor:

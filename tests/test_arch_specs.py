@@ -49,11 +49,11 @@ def test_lookups_and_refusals_come_from_the_specs():
         if s.gguf_architecture:
             assert registry.gguf_spec(s.gguf_architecture, "x") is s
     with pytest.raises(ModelLoadError) as e:
-        registry.gguf_spec("gpt-oss", "f.gguf")
+        registry.gguf_spec("rwkv7", "f.gguf")
     for s in registry.gguf_architectures():
         assert s.gguf_architecture in str(e.value)
     with pytest.raises(ModelLoadError) as e:
-        registry.hf_spec("gpt_oss", "dir")
+        registry.hf_spec("rwkv7", "dir")
     for t in registry.hf_architectures():
         assert t in str(e.value)
     assert registry.builtin("tinygpt") is not None and registry.builtin("llama") is None

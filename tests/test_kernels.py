@@ -241,10 +241,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-def _check_fused_attention(pool_dtype, H, KVH, D, window=0, softcap=0.0, ref_softcap=None):  # noqa: N803
+def _check_fused_attention(
+    pool_dtype, H, KVH, D, window=0, softcap=0.0, ref_softcap=None, sinks=None, ref_sinks=...
+):  # noqa: N803
     """Two decode rows, a chunk with a cached past and a fresh prompt, in one flat batch: the op
     against RoPE in torch and `paged_attention` over the float32 pool holding the same values
-    (soft-capped by `ref_softcap` if given, else as the op)."""
+    (soft-capped by `ref_softcap` if given, else as the op; with `ref_sinks` if given, else the
+    op's `sinks`)."""
     torch.manual_seed(5)
     seqs = {  # name: (block table, tokens already in the pool, new tokens this step)
         "dec_a": ([3, 9, 1 + 20], 9, 1),
@@ -293,11 +296,12 @@ def _check_fused_attention(pool_dtype, H, KVH, D, window=0, softcap=0.0, ref_sof
     # (the AVX-512 int8 kernels, which round the query, take the tokens that see every key
     # when scores are not soft-capped)
     rounded = _query_as_the_kernel_reads_it(q, pool_dtype, D**-0.5)
-    if not softcap:
+    if not softcap and sinks is None:
         q = torch.where(((window == 0) | (lens <= window))[:, None, None], rounded, q)
     ref_cache = (kpool.clone(), vpool.clone())
     ref_cap = softcap if ref_softcap is None else ref_softcap
-    want = paged_attention(q, k, v, ref_cache, meta(), D**-0.5, window=window, softcap=ref_cap)
+    ref_sink = sinks if ref_sinks is ... else ref_sinks
+    want = paged_attention(q, k, v, ref_cache, meta(), D**-0.5, window, ref_cap, ref_sink)
     want = want.reshape(t, H * D)
 
     cache = (_to_pool(kpool, pool_dtype), _to_pool(vpool, pool_dtype))
@@ -305,7 +309,7 @@ def _check_fused_attention(pool_dtype, H, KVH, D, window=0, softcap=0.0, ref_sof
     got = ops.attention(
         qkv.clone(), cos, sin, cache[0], cache[1], m.slot_mapping, 2,
         m.decode_block_tables, m.decode_context_lens, m.chunk_meta(), m.chunk_tables(),
-        H, KVH, D, D**-0.5, window, softcap=softcap,
+        H, KVH, D, D**-0.5, window, softcap=softcap, sinks=sinks,
     )  # fmt: skip
     # With a float16 pool a chunk without a past attends over its own unrounded K/V (the kernel
     # never reads them back), the reference over rounded ones: float16 rounding apart.
@@ -460,6 +464,60 @@ def test_fused_attention_soft_caps_scores_as_the_reference(pool_dtype, shape, wi
     _check_fused_attention(pool_dtype, *shape, window=window, softcap=1.5)
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         _check_fused_attention(pool_dtype, *shape, window=window, softcap=1.5, ref_softcap=0.0)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.int8])
+@pytest.mark.parametrize(
+    "shape", [(4, 2, 64), (8, 1, 64), (6, 2, 32)], ids=lambda s: f"{s[0]}q{s[1]}kv{s[2]}"
+)
+@pytest.mark.parametrize("window", [0, 6])
+def test_fused_attention_takes_attention_sinks_as_the_reference(pool_dtype, shape, window):
+    """gpt-oss's sinks (a logit per query head joining its softmax without a value) in decode
+    rows and prefill chunks, with and without a window, head_dim 64 (whose AVX-512 kernels have
+    no sinks and give way) and 32, against the reference; large enough that without them the
+    results differ."""
+    sinks = torch.linspace(-1.0, 3.0, shape[0])
+    _check_fused_attention(pool_dtype, *shape, window=window, sinks=sinks)
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        _check_fused_attention(pool_dtype, *shape, window=window, sinks=sinks, ref_sinks=None)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float16, torch.int8])
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("heads", [(4, 2), (8, 1), (6, 2)])
+def test_with_sinks_a_prefill_chunk_and_decode_rows_give_the_same_bits(pool_dtype, window, heads):
+    """The sinks enter every path's softmax alike: a prompt as one chunk, as chunks of 3 and
+    token by token gives bit-identical outputs."""
+    H, KVH = heads  # noqa: N806
+    D, n = 64, 29  # noqa: N806
+    torch.manual_seed(9)
+    table = torch.tensor([5, 2, 9, 17, 3, 30, 22, 11])  # 8 blocks of 4
+    qkv = torch.randn(n, (H + 2 * KVH) * D)
+    cos, sin = _rope_tables(torch.arange(n), D)
+    slots = table[torch.arange(n) // BS] * BS + torch.arange(n) % BS
+    sinks = torch.randn(H) + 1
+    none2, none1 = torch.empty(0, 1, dtype=torch.long), torch.empty(0, dtype=torch.long)
+
+    def run(pieces):
+        k = _to_pool(torch.zeros(NB, BS, KVH, D), pool_dtype)
+        v = _to_pool(torch.zeros(NB, BS, KVH, D), pool_dtype)
+        outs = []
+        for start, size, as_decode in pieces:
+            sl = slice(start, start + size)
+            if as_decode:
+                args = (1, table.view(1, -1), torch.tensor([start + 1]),
+                        torch.empty(0, 3, dtype=torch.long), none2)  # fmt: skip
+            else:
+                args = (0, none2, none1, torch.tensor([[0, size, start + size]]), table.view(1, -1))
+            outs.append(ops.attention(
+                qkv[sl].clone(), cos[sl], sin[sl], k, v, slots[sl], *args, H, KVH, D, D**-0.5,
+                window, sinks=sinks,
+            ))  # fmt: skip
+        return torch.cat(outs)
+
+    whole = run([(0, n, False)])
+    assert torch.equal(run([(i, min(3, n - i), False) for i in range(0, n, 3)]), whole)
+    assert torch.equal(run([(0, 4, False)] + [(i, 1, True) for i in range(4, n)]), whole)
 
 
 def test_int8_rounding_ties_extremes_and_denormals_in_pool_rows_and_queries():

@@ -116,6 +116,20 @@ def test_moe_experts_opcheck(int8):
     torch.library.opcheck(OP["moe_experts"], args)
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_moe_experts_with_biases_and_mxfp4_opcheck(int8):
+    """gpt-oss's experts: MXFP4 rows, biases, the clamped SwiGLU."""
+    from tests.helpers.kquant_rows import moe_weights, routes
+
+    mx = GGMLQuantizationType.MXFP4
+    fused, _ = moe_weights(4, 64, 32, 64, mx, mx)
+    ids, weights = routes(3, 4, 2, seed=0)
+    kind = ops.Kind.GGML_A8 if int8 else ops.Kind.GGML
+    biases = (torch.randn(4, 64), torch.randn(4, 64))
+    args = (torch.randn(3, 64), ids, weights, *fused, kind, ops.Act.SWIGLU_OAI, *biases)
+    torch.library.opcheck(OP["moe_experts"], args)
+
+
 def test_ggml_rows_opcheck():
     table = _gguf_rows(10, 256)
     ((typ, raw),) = table.parts
@@ -201,6 +215,13 @@ def _attention_args(pool_dtype: torch.dtype, decode: bool, window: int = 0) -> t
 @pytest.mark.parametrize("window", [0, 2])
 def test_attention_opcheck(pool_dtype, decode, window):
     torch.library.opcheck(OP["attention"], _attention_args(pool_dtype, decode, window))
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_attention_with_sinks_opcheck(pool_dtype, decode):
+    args = _attention_args(pool_dtype, decode, 2)
+    torch.library.opcheck(OP["attention"], (*args, False, 0.0, torch.randn(4)))
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])

@@ -41,7 +41,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
-TYPES += [Q.IQ4_NL, Q.IQ4_XS]
+TYPES += [Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4]
 
 
 @pytest.mark.parametrize("qtype", TYPES)

@@ -31,7 +31,7 @@ from tests.helpers.model_files import (
     randomize_,
     write_hf_checkpoint,
 )
-from tests.helpers.oracles import ATOL, assert_logits_match, hf_logits, our_logits
+from tests.helpers.oracles import ATOL, assert_logits_match, check_against, hf_logits, our_logits
 from tests.helpers.real_models import gemma3_270m_path
 from tests.helpers.tiny_archs import (
     ARCHS,
@@ -59,26 +59,6 @@ def on(names: list[str]):
     """Runs a test once per architecture in `names` (tests/helpers/tiny_archs.py's table says
     which have what the test checks)."""
     return pytest.mark.parametrize("checkpoint", names, indirect=True)
-
-
-def check_against(lm, ref, seed: int, short_lm=None) -> None:
-    """Full forward and engine against transformers; `short_lm`: the model loaded for contexts
-    within LongRoPE's original one, for the sequences within it (transformers' short factors)."""
-    ids = random_ids(40, VOCAB, seed=seed)  # 40 > WINDOW
-    assert_logits_match(our_logits(lm, ids), hf_logits(ref, ids))
-    # the engine: the same tokens as transformers' greedy continuation, and its logits at each
-    prompt = ids[:30]
-    got, rows = engine_logits(lm, prompt, 6)
-    seq = prompt + got
-    expected = hf_logits(ref, seq)[len(prompt) - 1 : -1]
-    assert torch.equal(torch.stack(rows).argmax(-1), expected.argmax(-1))
-    assert (torch.stack(rows) - expected).abs().max().item() <= ATOL
-    # a prompt shorter than the window whose decode grows past it (K/V written while the
-    # window masks nothing are read once it does)
-    got, rows = engine_logits(short_lm or lm, ids[:5], 8)
-    expected = hf_logits(ref, ids[:5] + got)[4:-1]
-    assert torch.equal(torch.stack(rows).argmax(-1), expected.argmax(-1))
-    assert (torch.stack(rows) - expected).abs().max().item() <= ATOL
 
 
 @on(arch_names())

@@ -100,3 +100,36 @@ def test_bad_ids_and_tables_are_refused():
         ops.moe_experts(x, ids, weights, qs, gu, gu_index, dn, dn_index, 32, Kind.GGML, 1)
     with pytest.raises(RuntimeError, match="gated"):
         ops.moe_experts(x, ids, weights, *fused, Kind.GGML, Act.NONE)
+
+
+@pytest.mark.parametrize("kind", [Kind.GGML, Kind.GGML_A8], ids=["f32-acts", "int8-acts"])
+@pytest.mark.parametrize("act", [Act.SILU_MUL, Act.SWIGLU_OAI])
+def test_expert_biases_and_the_clamped_swiglu(kind, act):
+    """gpt-oss's experts: MXFP4 gate/up and down with a bias each (gate/up's added before the
+    act, down's before the router weight), the clamped SwiGLU: each token's experts one by one
+    through `ggml_linear` with those biases, and the tokens' bits alone and in a batch."""
+    n_experts, k, f, d = 5, 96, 64, 96
+    fused, _ = moe_weights(n_experts, k, f, d, Q.MXFP4, Q.MXFP4, seed=11)
+    qs, gu, gu_index, dn, dn_index, _ = fused
+    g = torch.Generator().manual_seed(12)
+    gate_up_bias, down_bias = torch.randn(n_experts, 2 * f, generator=g), torch.randn(n_experts, d)
+    x = 3 * torch.randn(19, k, generator=g)  # large enough that the clamps at 7 bite
+    ids, weights = routes(19, n_experts, 2, seed=13)
+    got = ops.moe_experts(x, ids, weights, *fused, kind, act, gate_up_bias, down_bias)
+    want = torch.zeros(19, d)
+    for t in range(19):
+        for j in sorted(range(2), key=lambda j: int(ids[t, j])):
+            e = int(ids[t, j])
+            rows = gu[gu_index[e] : gu_index[e + 1]]
+            h = ops.ggml_linear(x[t : t + 1], qs, None, rows, kind, 2 * f, gate_up_bias[e], act=act)
+            down = dn[dn_index[e] : dn_index[e + 1]]
+            want[t] += weights[t, j] * ops.ggml_linear(h, qs, None, down, kind, d, down_bias[e])[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    without = ops.moe_experts(x, ids, weights, *fused, kind, act)
+    assert (without - got).abs().max() > 0.1  # the biases matter
+    for i in (0, 7, 18):
+        one = ops.moe_experts(x[i : i + 1], ids[i : i + 1], weights[i : i + 1], *fused, kind, act,
+                              gate_up_bias, down_bias)  # fmt: skip
+        assert torch.equal(one, got[i : i + 1])
+    with pytest.raises(RuntimeError, match="gate_up_bias must be"):
+        ops.moe_experts(x, ids, weights, *fused, kind, act, down_bias, down_bias)

@@ -41,13 +41,17 @@ TINY = dict(
 )  # fmt: skip
 PRESET = {"llama": "smollm2-360m", "qwen2": "qwen2.5-0.5b", "qwen3": "qwen3-0.6b",
           "qwen3moe": "qwen3-30b-a3b", "phi3": "phi-3-mini", "smollm3": "smollm3-3b",
-          "gemma2": "gemma-2-2b", "gemma3": "gemma-3-270m"}  # fmt: skip
-# a mixture of experts' tiny experts (rows of 256 for the K-quant blocks)
+          "gemma2": "gemma-2-2b", "gemma3": "gemma-3-270m", "gpt-oss": "gpt-oss-20b"}  # fmt: skip
+# a mixture of experts' tiny experts (rows of 256 for the K-quant blocks); gpt-oss's size is
+# its intermediate_size
 TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
+TINY_GPT_OSS = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=256)
+MOE = ("qwen3moe", "gpt-oss")
 
 
 def tiny(arch: str, **fields) -> dict:
-    return {**TINY, **(TINY_MOE if arch == "qwen3moe" else {}), **fields}
+    moe = {"qwen3moe": TINY_MOE, "gpt-oss": TINY_GPT_OSS}.get(arch, {})
+    return {**TINY, **moe, **fields}
 
 
 def greedy(lm, prompts: list[str], n: int) -> list[list[int]]:
@@ -121,13 +125,13 @@ def test_each_architecture_multiplies_its_file_blocks_in_place(
     floats = [name for name, dims in dequantized if dims > 1]
     assert dequantized and all(n.endswith("ffn_gate_inp.weight") for n in floats), dequantized
     formats = packed.model.weight_formats()
-    if arch == "qwen3moe":  # (the router: float32 panels, its scores choose the experts)
+    if arch in MOE:  # (the router: float32 panels, its scores choose the experts)
         assert formats.pop("f32") > 0
         assert all(layer.mlp.fused is not None for layer in packed.model.layers)  # one op
     assert formats and all(name.startswith("q") for name in formats), formats
     assert type(packed.model.embed_tokens).__name__ in ("RowsEmbedding", "PanelEmbedding")
     # the module-free layer loop (a sparse MLP's layers run as modules)
-    assert (packed.model._plan is not None) == (arch != "qwen3moe")
+    assert (packed.model._plan is not None) == (arch not in MOE)
     floats = load_model(str(path), use_kernels=False)
     ids = [1, *range(40, 70)]  # 31 tokens: past the window of 8
     want = our_logits(floats, ids)
@@ -232,6 +236,9 @@ def _hf_model(arch: str):
                    {"head_dim": 32, "sliding_window": 16, "query_pre_attn_scalar": 32}),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
                    {"head_dim": 32, "sliding_window": 16, "query_pre_attn_scalar": 32}),
+        "gpt-oss": (tf.GptOssConfig, tf.GptOssForCausalLM,
+                    {"head_dim": 32, "sliding_window": 16, "num_local_experts": 4,
+                     "num_experts_per_tok": 2, "intermediate_size": 32}),
     }  # fmt: skip
     config_cls, model_cls, extra = classes[arch]
     torch.manual_seed(1)
@@ -251,7 +258,7 @@ def test_each_architecture_has_the_tensors_keys_and_layouts_of_llama_cpp(
     # Every tensor is one llama.cpp's table declares for the architecture.
     declared = {
         TENSOR_NAMES[t].format(bid=i) + suffix
-        for t in MODEL_TENSORS[getattr(MODEL_ARCH, arch.upper())]
+        for t in MODEL_TENSORS[getattr(MODEL_ARCH, arch.upper().replace("-", "_"))]
         for i in range(model.config.num_hidden_layers)
         for suffix in (".weight", ".bias")
     }
@@ -292,6 +299,27 @@ def test_each_architecture_has_the_tensors_keys_and_layouts_of_llama_cpp(
         for key, value in (("expert_count", 4), ("expert_used_count", 2),
                            ("expert_feed_forward_length", 32)):  # fmt: skip
             assert reader.fields[f"qwen3moe.{key}"].contents() == value
+    if arch == "gpt-oss":  # transformers' (experts, d, 2f), gate and up interleaved by column
+        gate_up = hf["model.layers.1.mlp.experts.gate_up_proj"]
+        np.testing.assert_array_equal(
+            tensors["blk.1.ffn_gate_exps.weight"], gate_up[..., 0::2].transpose(0, 2, 1)
+        )
+        np.testing.assert_array_equal(
+            tensors["blk.1.ffn_up_exps.weight"], gate_up[..., 1::2].transpose(0, 2, 1)
+        )
+        bias = hf["model.layers.1.mlp.experts.gate_up_proj_bias"]
+        np.testing.assert_array_equal(tensors["blk.1.ffn_up_exps.bias"], bias[..., 1::2])
+        down = hf["model.layers.1.mlp.experts.down_proj"]
+        np.testing.assert_array_equal(
+            tensors["blk.1.ffn_down_exps.weight"], down.transpose(0, 2, 1)
+        )
+        sinks = hf["model.layers.0.self_attn.sinks"]
+        np.testing.assert_array_equal(tensors["blk.0.attn_sinks.weight"], sinks)
+        for key, value in (("expert_count", 4), ("expert_feed_forward_length", 32),
+                           ("attention.sliding_window", 16), ("rope.scaling.factor", 32.0),
+                           ("rope.scaling.original_context_length", 4096)):  # fmt: skip
+            assert reader.fields[f"gpt-oss.{key}"].contents() == value
+        assert reader.fields["gpt-oss.rope.scaling.type"].contents() == "yarn"
     if arch == "phi3":
         assert tensors["blk.1.ffn_up.weight"].shape == (256, 64)  # gate and up, as HF fuses them
         assert reader.fields["phi3.rope.dimension_count"].contents() == 16
@@ -440,15 +468,21 @@ GEMMA2_CAPS = (2.0, 1.0)
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "preset", ["phi-3.5-mini", "phi-4-mini", "smollm3-3b", "qwen3-30b-a3b", "gemma-2-2b"]
-)
-def test_synthetic_files_generate_as_llama_cpp(tmp_path, smol_tokenizer, preset):
+    "preset,fmt",
+    [("phi-3.5-mini", "F32"), ("phi-4-mini", "F32"), ("smollm3-3b", "F32"),
+     ("qwen3-30b-a3b", "F32"), ("gemma-2-2b", "F32"), ("gpt-oss-20b", "F32")],
+)  # fmt: skip
+def test_synthetic_files_generate_as_llama_cpp(tmp_path, smol_tokenizer, preset, fmt):
     """Greedy 16 tokens equal to llama-server's on each prompt. LongRoPE (and Phi-4-mini's
     partial rotary): served within the original context (4096; llama-server -c 4096) both take
     the short factors, beyond it (-c 8192) the long ones, and the two contexts' tokens differ.
     SmolLM3: its fourth layer without RoPE. Qwen3-MoE: each token's experts as llama.cpp routes
     them (softmax, top k, renormalized). Gemma 2: soft caps low enough to bend this model's
-    scores and logits, and a window the longer prompt passes."""
+    scores and logits, and a window the longer prompt passes. gpt-oss: sinks, biases, YaRN (the
+    file's rounded correction range, as ggml's), a window the longer prompt passes, the clamped
+    SwiGLU, in F32. (As published, MXFP4_MOE, the tokens part after a few: this random model's
+    near ties flip under int8 activation rounding, ours against our own float32 activations as
+    much as llama.cpp's Q8_0 ones; tests/test_gpt_oss.py checks that file against exact oracles.)"""
     llama_cpp_tool("llama-server")
     shape = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=2,
                  num_key_value_heads=1, intermediate_size=512)  # fmt: skip
@@ -458,6 +492,8 @@ def test_synthetic_files_generate_as_llama_cpp(tmp_path, smol_tokenizer, preset)
     if preset == "gemma-2-2b":
         shape |= dict(attn_logit_softcapping=GEMMA2_CAPS[0], final_logit_softcapping=GEMMA2_CAPS[1],
                       sliding_window=16)  # fmt: skip
+    if preset == "gpt-oss-20b":
+        shape |= dict(TINY_GPT_OSS, head_dim=64, sliding_window=16)
     arch, config = synth_model.make_config(preset, vocab_size=512, **shape)
     lazy = random_state_dict(arch, config, seed=3)
     state = {name: lazy[name] for name in lazy}
@@ -466,7 +502,7 @@ def test_synthetic_files_generate_as_llama_cpp(tmp_path, smol_tokenizer, preset)
     head = "lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"
     state[head] = state[head].copy()
     state[head][:17] = 0
-    path = write_gguf(tmp_path / f"{preset}.gguf", arch, config, state, smol_tokenizer, "F32")
+    path = write_gguf(tmp_path / f"{preset}.gguf", arch, config, state, smol_tokenizer, fmt)
     rng = np.random.default_rng(7)
     prompts = [[int(i) for i in rng.integers(17, 512, n)] for n in (12, 30)]
     longrope = preset.startswith("phi")

@@ -288,8 +288,20 @@ def _gguf_tensors(
     n_head = int(config["num_attention_heads"])
     n_kv = int(config["num_key_value_heads"])
     out: dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]] = {}
+    synth = _synth(arch)
+
+    def shape_of(name: str) -> tuple[int, ...]:
+        return _shape(state_dict, name)
+
+    def read(name: str) -> np.ndarray:
+        return _float32(state_dict[name])
+
     for hf_name in state_dict:
         if hf_name == "lm_head.weight" and config.get("tie_word_embeddings", False):
+            continue
+        own = synth.tensor(config, shape_of, read, hf_name)
+        if own is not None:  # (the family's converter writes it its own way)
+            out.update({n: (s, lambda v=v: np.ascontiguousarray(v())) for n, (s, v) in own.items()})
             continue
         if ".mlp.experts." in hf_name:
             out.update(_experts(state_dict, hf_name))
@@ -353,6 +365,12 @@ def _float32(x: Any) -> np.ndarray:
     )
 
 
+def _f16_source(name: str, shape: tuple[int, ...]) -> bool:
+    """The converter writes the tensor in float16 with --outtype f16: 2-D and up, a name ending
+    in .weight, not a router (convert_hf_to_gguf's float32 list)."""
+    return len(shape) >= 2 and name.endswith(".weight") and "ffn_gate_inp" not in name
+
+
 def write_gguf(
     path: str | Path,
     arch: str,
@@ -374,8 +392,9 @@ def write_gguf(
     tok = (tokenizer or default_tokenizer(arch)).resized(vocab)
     tensors = _gguf_tensors(arch, config, state_dict)
     ftype, _ = FTYPES[fmt]
-    # As from llama.cpp's converter with --outtype f16: 2-D weights float16, the rest float32.
-    source = {n: (s, Q.F16 if len(s) >= 2 else Q.F32) for n, (s, _) in tensors.items()}
+    # As from llama.cpp's converter with --outtype f16: 2-D weights float16, the rest float32
+    # (and the tensors it always keeps in float32: biases, a mixture of experts' router).
+    source = {n: (s, Q.F16 if _f16_source(n, s) else Q.F32) for n, (s, _) in tensors.items()}
     if fmt == "F32":
         types = {n: Q.F32 for n in tensors}
     else:
@@ -388,7 +407,9 @@ def write_gguf(
     w.add_name(name)
     for key, value in _metadata(arch, config, vocab):
         full = f"{arch}.{key}"
-        if isinstance(value, float):
+        if isinstance(value, str):
+            w.add_string(full, value)
+        elif isinstance(value, float):
             w.add_float32(full, value)
         else:
             w.add_uint32(full, value)
@@ -410,7 +431,7 @@ def write_gguf(
     for i, n in enumerate(order):
         shape, values = tensors[n]
         x = values()
-        if len(shape) >= 2 and fmt != "F32":
+        if source[n][1] == Q.F16 and fmt != "F32":
             x = x.astype(np.float16).astype(np.float32)
         w.write_tensor_data(quantize(x, types[n]))
         if progress:

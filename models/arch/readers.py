@@ -18,7 +18,7 @@ from gguf.quants import dequantize
 
 from models.arch.spec import Fields
 from models.base import ModelLoadError
-from models.config import RopeScaling
+from models.config import RopeScaling, YarnScaling
 
 
 class GGUFMeta:
@@ -76,7 +76,7 @@ def gguf_decoder_fields(
 ) -> Fields:
     """The fields every decoder's GGUF file gives by the same `{arch}.*` keys, as llama.cpp reads
     them: shape, context, RoPE (base, partial rotary dimensions, llama.cpp's frequency factors,
-    LongRoPE's two sets), norm epsilon, a tied head, q/k/v biases.
+    LongRoPE's two sets, YaRN), norm epsilon, a tied head, q/k/v biases.
 
     `permuted_qk`: the converter permuted q/k rows for GGML's RoPE pairs (then a partial rotary
     embedding cannot be undone, and is refused); `experts`: the architecture is a mixture of
@@ -110,11 +110,14 @@ def gguf_decoder_fields(
         )
     scaling = meta.get(a + "rope.scaling.type")
     factor = float(meta.get(a + "rope.scaling.factor", 1.0))
-    linear_factor = 1.0
+    linear_factor, yarn, yarn_mscale = 1.0, None, 1.0
     if scaling not in (None, "none") and factor != 1.0:
-        if not (linear_rope_scaling and scaling == "linear"):
+        if scaling == "yarn":
+            yarn, yarn_mscale = _gguf_yarn(meta, factor)
+        elif linear_rope_scaling and scaling == "linear":
+            linear_factor = factor
+        else:
             raise ModelLoadError(f"{path.name}: RoPE scaling {scaling!r} is not supported")
-        linear_factor = factor
     # Llama 3.x carries its rope scaling as per-frequency divisors (llama.cpp's freq_factors),
     # LongRoPE (Phi-3.5, Phi-4-mini) two sets of them, for short and long contexts.
     freq_factors = _factors(tensors, "rope_freqs.weight")
@@ -156,13 +159,43 @@ def gguf_decoder_fields(
         )
         if long_factors is not None
         else None,
-        rope_attention_factor=float(meta.get(a + "rope.scaling.attn_factor") or 1.0),
+        rope_attention_factor=float(meta.get(a + "rope.scaling.attn_factor") or 1.0) * yarn_mscale,
+        rope_yarn=yarn,
         rotary_dim=rot if rot != head_dim else None,
         rope_linear_factor=linear_factor,
         rms_norm_eps=float(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=qkv_bias,
     )
+
+
+def _gguf_yarn(meta: GGUFMeta, factor: float) -> tuple[YarnScaling, float]:
+    """A file's YaRN as llama.cpp runs it: its correction range always rounded out to whole
+    dims (ggml_rope_yarn_corr_dims: transformers' truncate=True, whatever the checkpoint's config
+    said), betas 32 and 1 unless the file gives them, and cos and sin times 0.1 ln(factor) + 1
+    (llama_context recomputes that factor: a yarn_attn_factor key is not read). Returns the
+    scaling and that attention factor."""
+    a = meta.arch + "."
+    ext = meta.get(a + "rope.scaling.yarn_ext_factor")
+    if ext is not None and float(ext) >= 0 and float(ext) != 1.0:
+        raise ModelLoadError(f"{meta.path.name}: YaRN extrapolation factor {ext} is not supported")
+    if float(meta.get(a + "rope.scaling.yarn_log_multiplier") or 0.0):
+        raise ModelLoadError(f"{meta.path.name}: YaRN's log multiplier is not supported")
+    yarn = YarnScaling(
+        factor=factor,
+        original_max_position_embeddings=int(
+            meta.require(a + "rope.scaling.original_context_length")
+        ),
+        beta_fast=float(meta.get(a + "rope.scaling.yarn_beta_fast", 32.0)),
+        beta_slow=float(meta.get(a + "rope.scaling.yarn_beta_slow", 1.0)),
+        truncate=True,
+    )
+    return yarn, _yarn_mscale(factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor for a context scale `factor` (transformers' yarn_get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 # -- Hugging Face config.json ----------------------------------------------------------------------
@@ -222,7 +255,7 @@ def hf_rope(
     linear_scaling: bool = False,
 ) -> Fields:
     """The `ModelConfig` RoPE fields of the config, or of `params` (one layer type's entry of a
-    per-layer-type `rope_parameters`): base, Llama 3 / LongRoPE scaling (and linear where
+    per-layer-type `rope_parameters`): base, Llama 3 / LongRoPE / YaRN scaling (and linear where
     `linear_scaling`, as Gemma 3's), rotated dims."""
     # transformers 5 writes rope_parameters {rope_theta, rope_type, ...}; 4.x rope_theta + rope_scaling.
     if params is None:
@@ -248,12 +281,40 @@ def hf_rope(
             return {**fields, "rope_scaling": scaling}
         if kind in ("longrope", "su"):  # ("su": its name in Phi-3's first configs)
             return {**fields, **_longrope(cfg, scaling)}
+        if kind == "yarn":
+            return {**fields, **_hf_yarn(cfg, scaling)}
     except KeyError as e:
         raise ModelLoadError(f"{where}: {kind} rope scaling lacks {e}") from e
     raise ModelLoadError(
-        f"{where}: RoPE scaling {kind!r} is not supported (only 'llama3', 'longrope', and "
-        "'linear' for Gemma 3)"
+        f"{where}: RoPE scaling {kind!r} is not supported (only 'llama3', 'longrope', 'yarn', "
+        "and 'linear' for Gemma 3)"
     )
+
+
+def _hf_yarn(cfg: dict, scaling: dict) -> Fields:
+    """YaRN's fields as transformers' _compute_yarn_parameters reads them: the factor (or max /
+    original context), betas 32 and 1 by default, the correction range truncated unless
+    `truncate` is False (gpt-oss), and the attention factor given or from the factor (and
+    mscale / mscale_all_dim where both are given)."""
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    factor = float(factor if factor is not None else cfg["max_position_embeddings"] / original)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all:
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+        else:
+            attention = _yarn_mscale(factor)
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    yarn = YarnScaling(
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(scaling.get("beta_fast") or 32.0),
+        beta_slow=float(scaling.get("beta_slow") or 1.0),
+        truncate=bool(rope.get("truncate", True)),
+    )
+    return dict(rope_yarn=yarn, rope_attention_factor=float(attention))
 
 
 def _longrope(cfg: dict, scaling: dict) -> Fields:

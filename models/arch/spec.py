@@ -96,6 +96,10 @@ class SynthSpec:
     after "{arch}.", value). `tensors`: tensors the converter adds that the checkpoint does not
     hold (RoPE factor tables), name -> float32 array. `norm_mean`: what a random RMSNorm weight
     is drawn around in the Hugging Face checkpoint (0 where it multiplies by 1 + w).
+    `tensor(config, shape_of, read, hf_name)`: a checkpoint tensor the family's converter writes
+    its own way (gpt-oss's interleaved experts), as {GGUF name: (shape, values function)}, or
+    None for the generic rules (`shape_of(name)` its shape, `read(name)` its float32 values).
+    Metadata values may be ints, floats or strings.
     """
 
     presets: Mapping[str, Mapping[str, Any]]
@@ -104,6 +108,7 @@ class SynthSpec:
     metadata: Callable[[Mapping[str, Any]], list[tuple[str, Any]]] = lambda config: []
     tensors: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda config: {}
     norm_mean: float = 1.0
+    tensor: Callable[..., dict[str, Any] | None] = lambda config, shape_of, read, name: None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +122,12 @@ class ArchSpec:
     does not support. `gguf_config(meta, tensors)`: the same from a GGUF file's metadata and its
     tensors by GGUF name. `builtin`: a model loaded by `name` alone, without a file.
     `describes`: the checkpoints it covers, for messages ("Llama 2/3, SmolLM2").
+    `hf_quantizations`: the `quantization_config.quant_method`s of Hugging Face checkpoints it
+    reads (others are refused); `hf_checkpoint(tensors, in_place)`: the checkpoint's tensors as
+    the model loads them, where they are stored quantized (gpt-oss's MXFP4 experts): a mapping
+    under the model's names, with `blocks(name)` (`models.packing.Blocks`) for the tensors the
+    kernels may take as they are; `in_place`: they will, so those names may be stand-ins
+    (`models.base.is_stand_in`) instead of dequantized.
     """
 
     name: str
@@ -130,3 +141,5 @@ class ArchSpec:
     gguf_tensors: GGUFTensorMap | None = None
     synth: SynthSpec | None = None
     builtin: Callable[[], LoadedModel] | None = None
+    hf_quantizations: tuple[str, ...] = ()
+    hf_checkpoint: Callable[[Mapping[str, Any], bool], Mapping[str, Any]] | None = None

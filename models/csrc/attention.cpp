@@ -18,8 +18,20 @@ inline int64_t first_key(int64_t L, int64_t window) { return window > 0 ? std::m
 inline float capped(float v, float softcap) { return softcap > 0 ? softcap * std::tanh(v / softcap) : v; }
 
 // The AVX-512 head_dim-64 kernels (decode_group_avx512, and over int8 pools with VNNI the whole
-// rows and prefill groups) take this attention: they have no soft cap.
-inline bool avx512_head64(int64_t D, float softcap) { return D == 64 && softcap <= 0 && cpu_has_avx512(); }
+// rows and prefill groups) take this attention: they have no soft cap and no sinks.
+inline bool avx512_head64(int64_t D, float softcap, const float* sinks) {
+  return D == 64 && softcap <= 0 && !sinks && cpu_has_avx512();
+}
+
+// A query head's softmax over its scores s[0, n) (max mx) and, where the head has one, its
+// attention sink (gpt-oss): a learned logit that joins the denominator and has no value, so the
+// head may attend to nothing. The scores' exps in place, relative to max(mx, sink); returns
+// 1 / (their sum + exp(sink - that max)). No sink (nullptr): softmax_exp as it is.
+inline float softmax_inv(float* s, int64_t n, float mx, const float* sink) {
+  if (!sink) return softmax_exp(s, n, mx);
+  const float m = std::max(mx, *sink);
+  return softmax_exp(s, n, m, std::exp(*sink - m));
+}
 
 // G query heads of one kv head (q: G * D floats, roped; out likewise) over keys [j0, L): scores,
 // softmax, weighted sum of values. The generic path: any head_dim (a multiple of 8), AVX2. Each K
@@ -29,8 +41,8 @@ inline bool avx512_head64(int64_t D, float softcap) { return D == 64 && softcap 
 // j0) floats of scratch. Blocks are prefetched one ahead as the AVX-512 kernels do (prefetch_next).
 template <typename C, int G>
 void decode_group(const float* q, const C* kc, const C* vc, const int64_t* table, int64_t j0, int64_t L, int64_t bs,
-                  int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float softcap, float* out,
-                  float* s, bool streamed) {
+                  int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float softcap, const float* sinks,
+                  float* out, float* s, bool streamed) {
   const int64_t n = L - j0, nb = (L + bs - 1) / bs;
   const int64_t b0 = j0 / bs;
   prefetch_rows(vc + table[b0] * blk_stride, std::min(bs, L - b0 * bs), tok_stride, D);  // V's first block
@@ -66,7 +78,7 @@ void decode_group(const float* q, const C* kc, const C* vc, const int64_t* table
     }
   }
   float inv[G];
-  for (int g = 0; g < G; ++g) inv[g] = softmax_exp(s + g * n, n, mx[g]);
+  for (int g = 0; g < G; ++g) inv[g] = softmax_inv(s + g * n, n, mx[g], sinks ? sinks + g : nullptr);
   // values: TV vectors of 8 values a head a pass, so the G x TV accumulators stay in registers;
   // each block's rows take every pass while they are in L1, the running sums kept in `out`
   constexpr int TV = G == 1 ? 8 : G == 2 ? 4 : G <= 4 ? 2 : 1;
@@ -108,18 +120,18 @@ void decode_group(const float* q, const C* kc, const C* vc, const int64_t* table
 
 // One sequence's G query heads of one kv head (adjacent in q and out) over keys [first_key(L,
 // window), L): the AVX-512 group kernel for head_dim 64, groups of up to 8 and every key, else
-// the generic one, up to 8 heads at a time.
+// the generic one, up to 8 heads at a time. sinks: the G heads' sink logits, or nullptr.
 template <typename C>
 void decode_heads(const float* q, int64_t G, const C* kc, const C* vc, const int64_t* table, int64_t L,
                   int64_t window, int64_t bs, int64_t tok_stride, int64_t blk_stride, int64_t D, float scale,
-                  float softcap, float* out, float* s, bool streamed) {
+                  float softcap, const float* sinks, float* out, float* s, bool streamed) {
   const int64_t j0 = first_key(L, window);
-  if (j0 == 0 && G <= 8 && avx512_head64(D, softcap))
+  if (j0 == 0 && G <= 8 && avx512_head64(D, softcap, sinks))
     return decode_group_avx512<C>(G, q, kc, vc, table, L, bs, tok_stride, blk_stride, scale, out, s, streamed);
   for (int64_t g0 = 0; g0 < G; g0 += 8) {
     with_count<8>(G - g0, [&](auto g) {
       decode_group<C, g>(q + g0 * D, kc, vc, table, j0, L, bs, tok_stride, blk_stride, D, scale, softcap,
-                         out + g0 * D, s, streamed);
+                         sinks ? sinks + g0 : nullptr, out + g0 * D, s, streamed);
     });
   }
 }
@@ -226,11 +238,12 @@ inline void tile_scores(const float* q, int64_t q_stride, const C* kr, int64_t D
 // head), step for step in the same order, so each result is bit-identical to the token's own
 // decode_group; but each K and V row is loaded and widened once for the R tokens instead of
 // once each (the widening of int8 rows was ~45% of a long prompt's attention). q, out: token r's
-// heads at + r * q_stride / out_stride. s: R * G * (L0 + R - 1) floats of scratch.
+// heads at + r * q_stride / out_stride. s: R * G * (L0 + R - 1) floats of scratch. sinks: the G
+// heads' sink logits, or nullptr.
 template <typename C, int G, int R>
 void prefill_tile(const float* q, int64_t q_stride, const C* kc, const C* vc, const int64_t* table, int64_t L0,
                   int64_t bs, int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float softcap,
-                  float* out, int64_t out_stride, float* s) {
+                  const float* sinks, float* out, int64_t out_stride, float* s) {
   constexpr int NA = G <= 2 ? 2 : 1;  // as decode_group
   const int64_t n = L0 + R - 1, nb = (n + bs - 1) / bs;
   float mx[R][G];
@@ -250,7 +263,8 @@ void prefill_tile(const float* q, int64_t q_stride, const C* kc, const C* vc, co
   }
   float inv[R][G];
   for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) inv[r][g] = softmax_exp(s + (r * G + g) * n, L0 + r, mx[r][g]);
+    for (int g = 0; g < G; ++g)
+      inv[r][g] = softmax_inv(s + (r * G + g) * n, L0 + r, mx[r][g], sinks ? sinks + g : nullptr);
   for (int r = 0; r < R; ++r)
     for (int64_t i = 0; i < G * D; i += 8) _mm256_storeu_ps(out + r * out_stride + i, _mm256_setzero_ps());
   // values: one 8-value slice of every (token, head) a pass over a block's rows (R * G
@@ -314,7 +328,7 @@ template <typename C>
 void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t bs, int64_t num_decode,
             const at::Tensor& dec_tables_, const at::Tensor& dec_lens_, const at::Tensor& chunk_meta_,
             const at::Tensor& chunk_tables_, int64_t H, int64_t KVH, int64_t D, float scale, int64_t window,
-            float softcap) {
+            float softcap, const float* sinks) {
   const int64_t width = (H + 2 * KVH) * D;
   const int64_t W = row_width<C>(D), tok_stride = KVH * W, blk_stride = bs * KVH * W;
   const int64_t G = H / KVH;
@@ -328,7 +342,7 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
     bool whole_rows = false;
     if constexpr (std::is_same_v<C, int8_t>) {
       // (every key of every row: the whole-row kernel has no window)
-      whole_rows = G <= 8 && H <= 64 && num_decode >= kRowsForWholeRowItems && avx512_head64(D, softcap) &&
+      whole_rows = G <= 8 && H <= 64 && num_decode >= kRowsForWholeRowItems && avx512_head64(D, softcap, sinks) &&
                    cpu_has_vnni() && (window <= 0 || max_len <= window);
       if (whole_rows)
         decode_whole_rows_int8(qp, op, kbase, vbase, bs, num_decode, tp, lp, maxb, H, KVH, tok_stride, blk_stride,
@@ -345,7 +359,7 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
           const float* q = qp + b * width + kvh * G * D;
           float* o = op + b * H * D + kvh * G * D;
           decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, tp + b * maxb, L, window, bs, tok_stride,
-                          blk_stride, D, scale, softcap, o, s.data(), true);
+                          blk_stride, D, scale, softcap, sinks ? sinks + kvh * G : nullptr, o, s.data(), true);
         }
       });
     }
@@ -365,7 +379,7 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
     int64_t max_len = 1;
     for (int64_t c = 0; c < NC; ++c) max_len = std::max(max_len, mp[c * 3 + 2]);
     if constexpr (std::is_same_v<C, int8_t>) {
-      if (G <= 8 && avx512_head64(D, softcap) && cpu_has_vnni() && (window <= 0 || max_len <= window)) {
+      if (G <= 8 && avx512_head64(D, softcap, sinks) && cpu_has_vnni() && (window <= 0 || max_len <= window)) {
         prefill_groups_int8(qp, op, kbase, vbase, bs, mp, NC, ctp, cmaxb, H, KVH, tok_stride, blk_stride, scale,
                             max_len);
         return;
@@ -374,7 +388,7 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
     // Tokens whose keys all start at the first and whose decode_heads is decode_group (not the
     // AVX-512 head_dim-64 kernel) go R at a time (prefill_tile, the same results); the rest,
     // and a chunk's last tokens short of a tile, one at a time. Items: (first row, count).
-    const int R = avx512_head64(D, softcap) || (window > 0 && max_len > window) ? 1 : tile_tokens(G);
+    const int R = avx512_head64(D, softcap, sinks) || (window > 0 && max_len > window) ? 1 : tile_tokens(G);
     std::vector<int64_t> row, len, chunk, count;
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t start = mp[c * 3], n = mp[c * 3 + 1], L = mp[c * 3 + 2];
@@ -403,12 +417,13 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
           with_tile(G, [&](auto g, auto rr) {
             prefill_tile<C, decltype(g)::value, decltype(rr)::value>(q, width, kbase + kvh * W, vbase + kvh * W, table,
                                                                      L, bs, tok_stride, blk_stride, D, scale,
-                                                                     softcap, o, H * D, s.data());
+                                                                     softcap, sinks ? sinks + kvh * G : nullptr, o,
+                                                                     H * D, s.data());
           });
           continue;
         }
         decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, table, L, window, bs, tok_stride, blk_stride, D,
-                        scale, softcap, o, s.data(), false);
+                        scale, softcap, sinks ? sinks + kvh * G : nullptr, o, s.data(), false);
       }
     });
   }
@@ -419,7 +434,7 @@ void rope_write_attend(float* qkv, float* out, const at::Tensor& cos, const at::
                        const at::Tensor& vcache, const at::Tensor& slots, int64_t T, int64_t num_decode,
                        const at::Tensor& dec_tables, const at::Tensor& dec_lens, const at::Tensor& chunk_meta,
                        const at::Tensor& chunk_tables, int64_t H, int64_t KVH, int64_t D, float scale,
-                       int64_t window, bool interleaved, float softcap) {
+                       int64_t window, bool interleaved, float softcap, const float* sinks) {
   TORCH_CHECK(kcache.size(3) == row_width<C>(D) && vcache.sizes() == kcache.sizes(),
               "the KV pool's rows do not fit head_dim ", D);
   C* kc = kcache.data_ptr<C>();
@@ -427,7 +442,7 @@ void rope_write_attend(float* qkv, float* out, const at::Tensor& cos, const at::
   rope_and_write<C>(qkv, T, H, KVH, D, cos.size(1), cos.data_ptr<float>(), sin.data_ptr<float>(), interleaved,
                     slots.data_ptr<int64_t>(), kc, vc);
   attend<C>(qkv, out, kc, vc, kcache.size(1), num_decode, dec_tables, dec_lens, chunk_meta, chunk_tables, H, KVH, D,
-            scale, window, softcap);
+            scale, window, softcap, sinks);
 }
 
 // Every pool row the step writes or reads lies inside the pools: a bad slot or block id would
@@ -476,6 +491,7 @@ void check_pool_indices(const at::Tensor& slots, int64_t T, int64_t num_decode, 
 // window > 0: a query at position p attends to keys at positions (p - window, p] only.
 // interleaved: RoPE rotates adjacent pairs (GGML's order, `rope_pairs`), else the halves.
 // softcap > 0: each scaled score becomes softcap * tanh(score / softcap) before the softmax.
+// sinks: (H,) float32 logits, one per query head, each joining its head's softmax without a value.
 // cos/sin: (T, R/2) for the first R <= D values of each q/k head (R < D: a partial rotary
 // embedding; the pairs are then (i, i + R/2), or (2i, 2i + 1) interleaved).
 // The pools: (num_blocks, block_size, KVH, row width) of float32, float16 or int8 (`row_width`).
@@ -483,7 +499,8 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos_, const at::Te
                      const at::Tensor& kcache, const at::Tensor& vcache, const at::Tensor& slots_,
                      int64_t num_decode, const at::Tensor& dec_tables, const at::Tensor& dec_lens,
                      const at::Tensor& chunk_meta, const at::Tensor& chunk_tables, int64_t H,
-                     int64_t KVH, int64_t D, double scale_, int64_t window, bool interleaved, double softcap) {
+                     int64_t KVH, int64_t D, double scale_, int64_t window, bool interleaved, double softcap,
+                     const c10::optional<at::Tensor>& sinks_) {
   // qkv is roped in place (the schema declares it written): the caller's own buffer, so it must be
   // one block of memory rather than a view the op would have to copy.
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.is_contiguous(),
@@ -503,6 +520,13 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos_, const at::Te
               "cos and sin must be (T, R/2) float32, R <= D the rotated values of a head");
   check_pool_indices(slots, T, num_decode, dec_tables, dec_lens, chunk_meta, chunk_tables, kcache.size(0),
                      kcache.size(1));
+  at::Tensor sinks;
+  if (sinks_.has_value() && sinks_->defined()) {
+    sinks = sinks_->contiguous();
+    TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.dim() == 1 && sinks.size(0) == H,
+                "sinks must be (H,) float32: one logit per query head");
+  }
+  const float* sp = sinks.defined() ? sinks.data_ptr<float>() : nullptr;
   const float scale = static_cast<float>(scale_);
   at::Tensor out = at::empty({T, H * D}, qkv.options());
   float* qp = qkv.data_ptr<float>();
@@ -512,7 +536,7 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos_, const at::Te
     if constexpr (std::is_same_v<C, int8_t>)
       TORCH_CHECK(D % 32 == 0, "an int8 KV pool needs head_dim to be a multiple of 32");
     rope_write_attend<C>(qp, op, cos, sin, kcache, vcache, slots, T, num_decode, dec_tables, dec_lens, chunk_meta,
-                         chunk_tables, H, KVH, D, scale, window, interleaved, static_cast<float>(softcap));
+                         chunk_tables, H, KVH, D, scale, window, interleaved, static_cast<float>(softcap), sp);
   });
   return out;
 }

@@ -83,16 +83,28 @@ inline __m256 gelu8(__m256 g) {
   return _mm256_mul_ps(g, sigmoid8(_mm256_mul_ps(inner, _mm256_set1_ps(2.f * 0.7978845608028654f))));
 }
 
-// A gated MLP's act(gate) * up (act SILU_MUL or GELU_MUL, enums.h).
+// gpt-oss's gated activation (transformers' GptOssExperts._apply_gate, llama.cpp's swiglu_oai):
+// gate clamped above at 7, up to [-7, 7], then (up + 1) * gate * sigmoid(1.702 gate).
+constexpr float kSwigluOaiAlpha = 1.702f, kSwigluOaiLimit = 7.f;
+inline __m256 swiglu_oai8(__m256 gate, __m256 up) {
+  const __m256 limit = _mm256_set1_ps(kSwigluOaiLimit);
+  gate = _mm256_min_ps(gate, limit);
+  up = _mm256_max_ps(_mm256_min_ps(up, limit), _mm256_set1_ps(-kSwigluOaiLimit));
+  const __m256 glu = _mm256_mul_ps(gate, sigmoid8(_mm256_mul_ps(gate, _mm256_set1_ps(kSwigluOaiAlpha))));
+  return _mm256_mul_ps(_mm256_add_ps(up, _mm256_set1_ps(1.f)), glu);
+}
+
+// A gated MLP's act(gate) * up (act SILU_MUL, GELU_MUL or SWIGLU_OAI, enums.h).
 inline __m256 gated8(int64_t act, __m256 gate, __m256 up) {
+  if (act == SWIGLU_OAI) return swiglu_oai8(gate, up);
   return _mm256_mul_ps(act == GELU_MUL ? gelu8(gate) : silu8(gate), up);
 }
 
 // A linear's result width for `act` (enums.h) over N outputs: N, or N / 2 for a gated act of
 // [gate; up] rows; `op` names the linear in the error.
 inline int64_t act_outputs(int64_t act, int64_t N, const char* op) {
-  TORCH_CHECK(act == NONE || ((act == SILU_MUL || act == GELU_MUL) && N % 2 == 0), op, ": bad act ", act,
-              " for ", N, " outputs");
+  TORCH_CHECK(act == NONE || ((act == SILU_MUL || act == GELU_MUL || act == SWIGLU_OAI) && N % 2 == 0), op,
+              ": bad act ", act, " for ", N, " outputs");
   return act == NONE ? N : N / 2;
 }
 

@@ -11,8 +11,9 @@ namespace cbserve {
 // GGML and GGML_A8 are GGUF rows as the file holds them (kquant.cpp), float32 or int8 activations.
 #define CBSERVE_KINDS(X) X(F32, 0) X(Q8_0, 1) X(Q4_1, 2) X(Q8_0X, 3) X(Q4_1X, 4) \
   X(GGML, 5) X(GGML_A8, 6)
-// What a packed linear's epilogue emits: the plain result, or a gated MLP's act(gate) * up.
-#define CBSERVE_ACTS(X) X(NONE, 0) X(SILU_MUL, 1) X(GELU_MUL, 2)
+// What a packed linear's epilogue emits: the plain result, or a gated MLP's act(gate) * up
+// (SWIGLU_OAI: gpt-oss's clamped SwiGLU, common.h's swiglu_oai8).
+#define CBSERVE_ACTS(X) X(NONE, 0) X(SILU_MUL, 1) X(GELU_MUL, 2) X(SWIGLU_OAI, 3)
 
 // decoder_layers' strides (layers.cpp): entries a layer in its `weights` and `layout` lists.
 #define CBSERVE_LAYER(X) X(TENSORS, 21) X(INTS, 12)

@@ -1,5 +1,5 @@
 // GGUF block formats multiplied in place: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
-// Q6_K, IQ4_NL, IQ4_XS.
+// Q6_K, IQ4_NL, IQ4_XS, MXFP4.
 // AVX2 + FMA + F16C (x86-64-v3); registered as torch.ops.cbserve.ggml_linear / ggml_rows.
 //
 // The weights are the file's own bytes, one row per output (a row is K / block_size blocks laid
@@ -146,7 +146,7 @@ void tile_f32(const Part& p, int64_t n0, int64_t n1, const Acts& a, int64_t M, f
 }
 
 TileFn tile_for(int64_t type, bool int8) {
-  if (int8) return k_family(type) ? tile_k_a8(type) : tile_b32_a8(type);
+  if (int8) return type == MXFP4 ? tile_mxfp4_a8() : k_family(type) ? tile_k_a8(type) : tile_b32_a8(type);
   TileFn f = nullptr;
   with_type(type, [&](auto t) { f = tile_f32<decltype(t)::value>; });
   return f;

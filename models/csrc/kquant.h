@@ -6,7 +6,8 @@
 // epilogue) and the float32-activation path; kquant_b32.cpp the int8 dots of the 32-value formats
 // (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, and IQ4_XS as eight 32-value sub-blocks with a scale each;
 // kquant_b32_vnni.cpp their AVX512-VNNI panels for many activation rows);
-// kquant_k.cpp those of the 256-value K formats (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K).
+// kquant_k.cpp those of the 256-value K formats (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K); kquant_mxfp4.cpp
+// those of MXFP4 (OCP microscaled FP4).
 // A family may tile its work as it likes, with one rule: an activation row's result does not depend
 // on how many rows the call has (the same operations in the same order for any M).
 #pragma once
@@ -28,13 +29,14 @@ namespace cbserve_kquant {
 // ggml type ids (ggml.h / gguf.GGMLQuantizationType).
 enum Type : int64_t {
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
-  IQ4_XS = 23
+  IQ4_XS = 23, MXFP4 = 39
 };
 
 // f(std::integral_constant<int64_t, T>{}) for the format T = t; false for a type not read in place.
 template <typename F>
 inline bool with_type(int64_t t, F&& f) {
-  return cbserve::with_value<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS>(t, std::forward<F>(f));
+  return cbserve::with_value<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4>(
+      t, std::forward<F>(f));
 }
 // The kinds (GGUF rows, float32 or int8 activations) and epilogues shared with the other ops.
 constexpr int64_t GGML_F32 = cbserve::GGML, GGML_A8 = cbserve::GGML_A8;
@@ -67,6 +69,7 @@ constexpr int64_t block_bytes(int64_t t) {
     case Q2_K: return 84;
     case IQ4_NL: return 18;
     case IQ4_XS: return 136;
+    case MXFP4: return 17;
     default: return 0;
   }
 }
@@ -112,6 +115,21 @@ inline __m256i iq4_table() {
   return _mm256_broadcastsi128_si256(_mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
 }
 inline __m256i iq4_values(const uint8_t* p) { return _mm256_shuffle_epi8(iq4_table(), nibbles32(p)); }
+
+// MXFP4: a block is {uint8 e; 16 bytes of nibbles}, value j = kvalues_mxfp4[nibble j] * 2^(e - 128),
+// kvalues_mxfp4 the E2M1 values doubled (so every value is an integer, -12..12) and the scale
+// halved to match (ggml-common.h, ggml_e8m0_to_fp32_half). The nibbles index the table as IQ4's do.
+inline __m256i mxfp4_table() {
+  return _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
+}
+inline __m256i mxfp4_values(const uint8_t* b) { return _mm256_shuffle_epi8(mxfp4_table(), nibbles32(b + 1)); }
+// 2^(e - 128) as float32, bit for bit ggml's (e 0 and 1: the denormals 2^-128 and 2^-127).
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? uint32_t(0x00200000) << e : uint32_t(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 // IQ4_XS: sub-block j's (of 8) scale in units of d: six bits (four from scales_l, two from
 // scales_h) minus 32.
@@ -305,6 +323,8 @@ inline void decode_block(const uint8_t* b, float* dst) {
         }
       }
     }
+  } else if constexpr (T == MXFP4) {
+    store_floats<true>(mxfp4_values(b), _mm256_set1_ps(e8m0_half(b[0])), _mm256_setzero_ps(), dst);
   } else if constexpr (T == IQ4_XS) {
     const float d = fp16(b);
     for (int j = 0; j < 8; ++j)
@@ -420,6 +440,7 @@ struct QuantizedRows {
 // The families' tiles for int8 activations (the float32 path is kquant.cpp's).
 TileFn tile_b32_a8(int64_t type);  // kquant_b32.cpp
 TileFn tile_k_a8(int64_t type);    // kquant_k.cpp
+TileFn tile_mxfp4_a8();            // kquant_mxfp4.cpp
 // The AVX512-VNNI panels those tiles use for more than MR activation rows (call only where
 // cbserve::cpu_has_vnni()).
 TileFn panels_b32_vnni(int64_t type);  // kquant_b32_vnni.cpp

@@ -6,8 +6,9 @@
 
 namespace cbserve {
 
-// Softmax's exponentials in place: s[j] = exp(s[j] - mx) over [0, L); returns 1 / their sum.
-inline float softmax_exp(float* s, int64_t L, float mx) {
+// Softmax's exponentials in place: s[j] = exp(s[j] - mx) over [0, L); returns 1 / (their sum +
+// `extra`) (extra: the exponential of a logit with no value, an attention sink's; 0: none).
+inline float softmax_exp(float* s, int64_t L, float mx, float extra = 0.f) {
   const __m256 vmx = _mm256_set1_ps(mx);
   __m256 vsum = _mm256_setzero_ps();
   int64_t j = 0;
@@ -18,7 +19,7 @@ inline float softmax_exp(float* s, int64_t L, float mx) {
   }
   float sum = hsum(vsum);
   for (; j < L; ++j) { s[j] = std::exp(s[j] - mx); sum += s[j]; }
-  return 1.f / sum;
+  return 1.f / (sum + extra);
 }
 
 // One kv head's row of K or V in the pool. float32 and float16 rows are its D values. An int8 row

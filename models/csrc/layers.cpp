@@ -91,7 +91,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, const Weights& weights, at::IntA
       RECORD_FUNCTION("cbserve::attention", std::vector<c10::IValue>());
       o = attention(qkv, local ? local_cos : cos, local ? local_sin : sin, k_caches[l], v_caches[l], slots,
                     num_decode, dec_tables, dec_lens, chunk_meta, chunk_tables, H, KVH, D, scale, ints[WINDOW],
-                  ints[ROPE_INTERLEAVED] != 0, softcap);
+                  ints[ROPE_INTERLEAVED] != 0, softcap, c10::nullopt);
     }
     if (llama) {  // x + o_proj(o), x + down(act(gate_up(norm(x))))
       x = linear(O, o, x, NONE);

@@ -1,6 +1,7 @@
 // A mixture-of-experts MLP's experts in one op (torch.ops.cbserve.moe_experts): every token's k
 // experts, each a gated MLP whose gate/up and down weights are GGUF rows read in place (the
-// kquant.cpp families' tiles), weighted and summed per token.
+// kquant.cpp families' tiles), with optional biases per expert (gpt-oss), weighted and summed per
+// token.
 //
 // The (token, expert) pairs are grouped by expert, so each expert multiplies the rows of the
 // tokens that chose it, once. All experts' work of a projection runs in one parallel region whose
@@ -62,10 +63,12 @@ void for_each_item(int64_t n, const F& fn) {
 at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& experts_, const at::Tensor& weights_,
                        const at::Tensor& qs, const at::Tensor& gate_up, const at::Tensor& gate_up_index,
                        const at::Tensor& down, const at::Tensor& down_index, int64_t out_features, int64_t kind,
-                       int64_t act) {
+                       int64_t act, const c10::optional<at::Tensor>& gate_up_bias_,
+                       const c10::optional<at::Tensor>& down_bias_) {
   TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.dim() == 2, "moe_experts: x must be a 2-D float32 tensor");
   TORCH_CHECK(kind == GGML_F32 || kind == GGML_A8, "moe_experts: unknown kind ", kind);
-  TORCH_CHECK(act == SILU_MUL || act == GELU_MUL, "moe_experts: act must be a gated one");
+  TORCH_CHECK(act == SILU_MUL || act == GELU_MUL || act == cbserve::SWIGLU_OAI,
+              "moe_experts: act must be a gated one");
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous(), "moe_experts: qs must be contiguous uint8");
   TORCH_CHECK(experts_.scalar_type() == at::kLong && experts_.dim() == 2 && experts_.size(0) == x_.size(0),
               "moe_experts: experts must be (T, k) int64");
@@ -82,6 +85,16 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& experts_, const a
   TORCH_CHECK(D == out_features, "moe_experts: the down projections have ", D, " rows, not ", out_features);
   for (int64_t e = 0; e < E; ++e)
     TORCH_CHECK(up[e].N == 2 * F && dn[e].N == D, "moe_experts: expert ", e, " is not shaped as expert 0");
+  // Each expert's biases: gate_up_bias (E, 2F) [gate; up], down_bias (E, D); either may be absent.
+  auto bias_of = [&](const c10::optional<at::Tensor>& b, int64_t n, const char* what) -> at::Tensor {
+    if (!b.has_value() || !b->defined()) return at::Tensor();
+    TORCH_CHECK(b->scalar_type() == at::kFloat && b->dim() == 2 && b->size(0) == E && b->size(1) == n,
+                "moe_experts: ", what, " must be (", E, ", ", n, ") float32");
+    return b->contiguous();
+  };
+  const at::Tensor gub = bias_of(gate_up_bias_, 2 * F, "gate_up_bias"), db = bias_of(down_bias_, D, "down_bias");
+  const float* gubp = gub.defined() ? gub.data_ptr<float>() : nullptr;
+  const float* dbp = db.defined() ? db.data_ptr<float>() : nullptr;
   at::Tensor out = at::zeros({T, D}, x.options());
   if (T == 0) return out;
 
@@ -127,7 +140,8 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& experts_, const a
       const auto [e, c] = list[i];
       const int64_t r0 = start[e], M = start[e + 1] - r0, end = std::min(F, c + width), g = gated_chunk(M);
       const Acts a = rows.from_row(r0);
-      for (int64_t c2 = c; c2 < end; c2 += g) up[e].gated(c2, std::min(g, end - c2), a, M, act, nullptr, h + r0 * F, F);
+      const float* bias = gubp ? gubp + e * 2 * F : nullptr;
+      for (int64_t c2 = c; c2 < end; c2 += g) up[e].gated(c2, std::min(g, end - c2), a, M, act, bias, h + r0 * F, F);
     });
   }
   {
@@ -136,8 +150,11 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& experts_, const a
     const auto list = items(D, width);
     for_each_item(static_cast<int64_t>(list.size()), [&](int64_t i) {
       const auto [e, c] = list[i];
-      const int64_t r0 = start[e], M = start[e + 1] - r0;
-      dn[e].outputs(c, std::min(D, c + width), rows.from_row(r0), M, y + r0 * D, D);
+      const int64_t r0 = start[e], M = start[e + 1] - r0, end = std::min(D, c + width);
+      dn[e].outputs(c, end, rows.from_row(r0), M, y + r0 * D, D);
+      if (dbp)
+        for (int64_t r = r0; r < r0 + M; ++r)
+          for (int64_t j = c; j < end; ++j) y[r * D + j] += dbp[e * D + j];
     });
   }
   // out[t] = sum of weight x down output over t's pairs, in expert order (the grouped order).
@@ -160,8 +177,9 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& experts_, const a
 namespace cbserve {
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights, const at::Tensor& qs,
                        const at::Tensor& gate_up, const at::Tensor& gate_up_index, const at::Tensor& down,
-                       const at::Tensor& down_index, int64_t out_features, int64_t kind, int64_t act) {
+                       const at::Tensor& down_index, int64_t out_features, int64_t kind, int64_t act,
+                       const c10::optional<at::Tensor>& gate_up_bias, const c10::optional<at::Tensor>& down_bias) {
   return cbserve_kquant::moe_experts(x, experts, weights, qs, gate_up, gate_up_index, down, down_index, out_features,
-                                     kind, act);
+                                     kind, act, gate_up_bias, down_bias);
 }
 }  // namespace cbserve

@@ -41,10 +41,12 @@ TORCH_LIBRARY(cbserve, m) {
   // A mixture of experts' experts: for each token (row of x) the sum over its k experts (ids in
   // `experts`, (T, k)) of weight x down(act(gate) * up) of x, each expert's gate_up and down
   // weights GGUF rows of `qs` listed by rows [gate_up_index[e], gate_up_index[e + 1]) of the
-  // (parts, 3) table `gate_up` (and likewise `down`, out_features rows each); kind GGML or GGML_A8.
+  // (parts, 3) table `gate_up` (and likewise `down`, out_features rows each); kind GGML or GGML_A8;
+  // gate_up_bias (E, 2F) and down_bias (E, out_features): each expert's biases, where it has them.
   m.def(
       "moe_experts(Tensor x, Tensor experts, Tensor weights, Tensor qs, Tensor gate_up, Tensor gate_up_index, "
-      "Tensor down, Tensor down_index, int out_features, int kind, int act) -> Tensor");
+      "Tensor down, Tensor down_index, int out_features, int kind, int act, Tensor? gate_up_bias=None, "
+      "Tensor? down_bias=None) -> Tensor");
   // Rows `ids` of an embedding table of GGUF blocks of `type`, K values a row, as float32.
   m.def("ggml_rows(Tensor qs, int type, int K, Tensor ids) -> Tensor");
   // x / rms(x) * w per row, plus `residual` when given (a branch normed before it joins the stream).
@@ -63,11 +65,12 @@ TORCH_LIBRARY(cbserve, m) {
   // > 0: a query at position p sees the keys at positions (p - window, p] only. interleaved: RoPE
   // rotates adjacent pairs (a llama-architecture GGUF's q/k rows as the file holds them), else halves.
   // softcap > 0: scores are soft-capped, softcap * tanh(score / softcap), before the softmax (Gemma 2).
+  // sinks: (H,) logits that join each query head's softmax without a value (gpt-oss's attention sinks).
   m.def(
       "attention(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
       "Tensor slots, int num_decode, Tensor dec_tables, Tensor dec_lens, Tensor chunk_meta, "
       "Tensor chunk_tables, int H, int KVH, int D, float scale, int window=0, bool interleaved=False, "
-      "float softcap=0.) -> Tensor");
+      "float softcap=0., Tensor? sinks=None) -> Tensor");
   // A decoder's whole layer stack (norms, projections, QK-norm, attention over the pools written in
   // place) then the final norm: what those ops compute one by one, in one call (layers.cpp).
   m.def(

@@ -17,7 +17,7 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
                      int64_t num_decode, const at::Tensor& dec_tables, const at::Tensor& dec_lens,
                      const at::Tensor& chunk_meta, const at::Tensor& chunk_tables, int64_t H,
                      int64_t KVH, int64_t D, double scale, int64_t window, bool interleaved,
-                     double softcap);
+                     double softcap, const c10::optional<at::Tensor>& sinks);
 
 // A decoder's layer stack over the paged pools (layers.cpp): `weights` LAYER_TENSORS a layer,
 // `layout` LAYER_INTS a layer, as that file lays them out.
@@ -39,7 +39,8 @@ at::Tensor ggml_rows(const at::Tensor& qs, int64_t type, int64_t K, const at::Te
 // A mixture of experts' experts over GGUF rows (moe.cpp): see its schema in ops.cpp.
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights, const at::Tensor& qs,
                        const at::Tensor& gate_up, const at::Tensor& gate_up_index, const at::Tensor& down,
-                       const at::Tensor& down_index, int64_t out_features, int64_t kind, int64_t act);
+                       const at::Tensor& down_index, int64_t out_features, int64_t kind, int64_t act,
+                       const c10::optional<at::Tensor>& gate_up_bias, const c10::optional<at::Tensor>& down_bias);
 
 // A linear's (M, N) float32 result (misc.cpp): large ones reuse one buffer that no earlier result
 // still holds, so a result stays valid for as long as it is referenced.

@@ -28,6 +28,7 @@ SCALES = {
     Q.Q6_K: (208,),
     Q.IQ4_NL: (0,),
     Q.IQ4_XS: (0,),  # its sub-block scales are in the random bytes: all 64 values occur
+    Q.MXFP4: (),  # its scale is a power of two: an exponent byte (`random_rows`)
 }
 
 
@@ -39,6 +40,8 @@ def random_rows(qtype: Q, n: int, k: int, seed: int = 0) -> GGMLTensor:
     for off in SCALES[qtype]:
         scale = rng.uniform(0.002, 0.01, (n, k // values)) * rng.choice([-1, 1], (n, k // values))
         raw[..., off : off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n, -1, 2)
+    if qtype == Q.MXFP4:  # scales 2^-12 .. 2^-8 (times values up to 12)
+        raw[..., 0] = rng.integers(116, 121, (n, k // values), dtype=np.uint8)
     return GGMLTensor([(int(qtype), torch.from_numpy(raw.reshape(n, -1)))], k)
 
 

@@ -14,6 +14,9 @@ import torch
 
 from models import AttentionMetadata, LoadedModel, PrefillChunk
 from models.gguf_reader import transformers_reads_fast
+from tests.helpers.engine_runs import engine_logits
+from tests.helpers.model_files import random_ids
+from tests.helpers.tiny_archs import VOCAB
 
 ATOL = 1e-3
 
@@ -83,3 +86,23 @@ def hf_from_gguf(path: Path):
     meta_left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     assert not meta_left, f"transformers left tensors unloaded: {meta_left}"
     return model.eval()
+
+
+def check_against(lm, ref, seed: int, short_lm=None) -> None:
+    """Full forward and engine against transformers; `short_lm`: the model loaded for contexts
+    within LongRoPE's original one, for the sequences within it (transformers' short factors)."""
+    ids = random_ids(40, VOCAB, seed=seed)  # 40 > WINDOW
+    assert_logits_match(our_logits(lm, ids), hf_logits(ref, ids))
+    # the engine: the same tokens as transformers' greedy continuation, and its logits at each
+    prompt = ids[:30]
+    got, rows = engine_logits(lm, prompt, 6)
+    seq = prompt + got
+    expected = hf_logits(ref, seq)[len(prompt) - 1 : -1]
+    assert torch.equal(torch.stack(rows).argmax(-1), expected.argmax(-1))
+    assert (torch.stack(rows) - expected).abs().max().item() <= ATOL
+    # a prompt shorter than the window whose decode grows past it (K/V written while the
+    # window masks nothing are read once it does)
+    got, rows = engine_logits(short_lm or lm, ids[:5], 8)
+    expected = hf_logits(ref, ids[:5] + got)[4:-1]
+    assert torch.equal(torch.stack(rows).argmax(-1), expected.argmax(-1))
+    assert (torch.stack(rows) - expected).abs().max().item() <= ATOL
