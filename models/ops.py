@@ -245,7 +245,12 @@ def attention(
     float16 or int8 (`models.config.KVLayout`). `window` > 0: a sliding window, a query at position
     p attends to the keys at positions (p - window, p] only (decode rows and chunks alike).
     `softcap` > 0: each scaled score becomes softcap * tanh(score / softcap) before the softmax
-    (Gemma 2's attention logit soft-capping). Returns (T, H * D) float32.
+    (Gemma 2's attention logit soft-capping). Returns (T, H * D) float32. D: a multiple of 8
+    up to 512.
+
+    qkv of H * D columns (the queries alone): a layer that attends over K/V an earlier layer
+    wrote this step and before (Gemma 4's shared-KV layers): the queries are roped and attend
+    over the pools, which are read only.
     """
     return _attention(
         qkv, cos, sin, k_cache, v_cache, slots, num_decode, decode_tables, decode_lens,
