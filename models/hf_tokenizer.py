@@ -152,8 +152,10 @@ def _gguf_cache_dir(path: Path) -> Path:
 
 
 # GGUF architectures transformers does not read, whose tokenizer it converts as another's:
-# SmolLM3's is Llama 3's byte-level BPE (its split rule comes from tokenizer.ggml.pre either way).
-GGUF_TOKENIZER_ALIASES = {"smollm3": "llama"}
+# SmolLM3's is Llama 3's byte-level BPE (its split rule comes from tokenizer.ggml.pre either way);
+# Gemma 4's config reader refuses its per-layer FFN widths (an array), and its tokenizer is
+# Gemma 3's class either way (the builder follows tokenizer.ggml.model).
+GGUF_TOKENIZER_ALIASES = {"smollm3": "llama", "gemma4": "gemma3"}
 
 
 def load_gguf_tokenizer(path: Path) -> Any:
