@@ -362,3 +362,77 @@ def test_a_synthetic_file_generates_as_llama_cpp(tmp_path):
     theirs = [llama_server_greedy(path, p, 16, ctx=1024) for p in prompts]
     assert ours == theirs
     assert json.dumps(ours)  # (printable for the report)
+
+
+# -- the attention kernel at Gemma 4's shapes ------------------------------------------------------
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.int8])
+@pytest.mark.parametrize("shape", [(8, 1, 512), (8, 1, 256)], ids=["global", "sliding"])
+@pytest.mark.parametrize("window", [0, 6])
+def test_fused_attention_at_e2b_head_sizes(pool_dtype, shape, window):
+    """E2B's attention shapes (8 query heads on one kv head; 512-dim global, 256-dim sliding
+    heads) through the C++ op: decode rows and prefill chunks with and without a past, against
+    RoPE in torch and `paged_attention` (the checks of tests/test_kernels.py)."""
+    _kernels(True)
+    from tests.test_kernels import _check_fused_attention
+
+    _check_fused_attention(pool_dtype, *shape, window=window)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.int8])
+@pytest.mark.parametrize("head_dim", [64, 512])
+@pytest.mark.parametrize("window", [0, 6])
+def test_queries_only_attention_reads_the_pool_and_writes_nothing(pool_dtype, head_dim, window):
+    """A shared-KV layer's step: the op given queries alone (H * D columns) ropes them and
+    attends over K/V its source layer already wrote to the pool this step (decode rows, a chunk
+    with a past, a fresh chunk), against `paged_attention` with no K/V of its own over the same
+    pool; the pool is left byte for byte as it was."""
+    _kernels(True)
+    from models import ops
+    from models.attention import AttentionMetadata, PrefillChunk, paged_attention
+    from tests.test_kernels import _from_pool, _rope_tables, _rotate, _to_pool
+
+    torch.manual_seed(7)
+    h, kvh, d, bs, nb = 4, 2, head_dim, 4, 40
+    seqs = {  # name: (block table, tokens before this step, new tokens this step)
+        "dec_a": ([3, 9, 21], 9, 1),
+        "dec_b": ([7], 2, 1),
+        "chunk": ([11, 12, 30, 31], 6, 5),
+        "fresh": ([14, 15], 0, 7),
+    }
+    kvals, vvals = torch.zeros(nb, bs, kvh, d), torch.zeros(nb, bs, kvh, d)
+    positions, slots, prefills, token = [], [], [], 0
+    for name, (table, past, n) in seqs.items():
+        for p in range(past + n):  # the source layer's K/V, this step's included
+            kvals[table[p // bs], p % bs] = torch.randn(kvh, d)
+            vvals[table[p // bs], p % bs] = torch.randn(kvh, d)
+        pos = list(range(past, past + n))
+        positions += pos
+        slots += [table[p // bs] * bs + p % bs for p in pos]
+        if not name.startswith("dec"):
+            nbk = -(-(past + n) // bs)
+            prefills.append(PrefillChunk(token, n, past + n, torch.tensor(table[:nbk])))
+        token += n
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        num_decode_tokens=2,
+        decode_block_tables=torch.tensor([[3, 9, 21], [7, 0, 0]]),
+        decode_context_lens=torch.tensor([10, 3]),
+        prefills=prefills,
+    )
+    kpool, vpool = _to_pool(kvals, pool_dtype), _to_pool(vvals, pool_dtype)
+    before = (kpool.clone(), vpool.clone())
+    q = torch.randn(token, h * d)
+    cos, sin = _rope_tables(torch.tensor(positions), d)
+    scale = d**-0.5
+    ref_pools = (_from_pool(kpool, d), _from_pool(vpool, d))
+    roped = _rotate(q.view(token, h, d), cos, sin)
+    want = paged_attention(roped, None, None, ref_pools, meta, scale, window=window)
+    got = ops.attention(
+        q.clone(), cos, sin, kpool, vpool, meta.slot_mapping, 2, meta.decode_block_tables,
+        meta.decode_context_lens, meta.chunk_meta(), meta.chunk_tables(), h, kvh, d, scale,
+        window,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want.reshape(token, h * d), rtol=1e-4, atol=1e-4)
+    assert torch.equal(kpool, before[0]) and torch.equal(vpool, before[1])
