@@ -34,6 +34,7 @@ from tests.test_models_arch import check_against
 from tests.test_models_real import (
     assert_logits_match,
     byte_level_tokenizer,
+    hf_greedy,
     hf_logits,
     our_logits,
     random_ids,
@@ -215,14 +216,6 @@ def test_each_feature_changes_what_it_computes(checkpoint):
 # -- the engine -----------------------------------------------------------------------------------
 
 
-def transformers_greedy(ref, prompt: list[int], n: int) -> list[int]:
-    """Greedy continuation by transformers' full forward over the sequence at each step."""
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(hf_logits(ref, seq)[-1].argmax()))
-    return seq[len(prompt) :]
-
-
 def serve(engine, prompts: list[list[int]], n: int) -> list[list[int]]:
     reqs = [Request(list(p), SamplingParams(max_tokens=n, ignore_eos=True)) for p in prompts]
     out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
@@ -241,9 +234,14 @@ AGAIN = PROMPTS[3][:24] + random_ids(6, VOCAB, seed=99)  # 24 tokens (6 blocks) 
 
 @pytest.fixture(scope="module")
 def greedy_want(checkpoint) -> list[list[int]]:
-    """transformers' 32 greedy tokens of each prompt, then of AGAIN."""
+    """transformers' 32 greedy tokens of each prompt, then of AGAIN (its `generate`, over its
+    own cache of shared and sliding layers; the full forward's argmaxes are checked on the first
+    prompt, which `generate` matches)."""
     _, ref = checkpoint
-    return [transformers_greedy(ref, p, 32) for p in [*PROMPTS, AGAIN]]
+    want = [hf_greedy(ref, p, 32) for p in [*PROMPTS, AGAIN]]
+    seq = PROMPTS[0] + want[0]
+    assert hf_logits(ref, seq)[len(PROMPTS[0]) - 1 : -1].argmax(-1).tolist() == want[0]
+    return want
 
 
 @pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
@@ -288,6 +286,17 @@ def test_shared_layers_read_their_source_pools_and_own_none(checkpoint):
     assert runner.kv is None
     with pytest.raises(ValueError, match="several shapes"):
         runner.read_blocks([1])
+
+
+def test_engines_that_move_kv_between_pools_refuse_it_plainly(checkpoint):
+    """The disaggregated engine moves K/V as one tensor of every layer's blocks, which a pool of
+    several shapes is not: it refuses the model when built, not at a request."""
+    from engine import DisaggregatedEngine
+
+    path, _ = checkpoint
+    lm = load_model(str(path), use_kernels=False)
+    with pytest.raises(ValueError, match="cannot move between pools"):
+        DisaggregatedEngine(lm.model, block_size=4, num_blocks=10)
 
 
 # -- GGUF tables ----------------------------------------------------------------------------------
