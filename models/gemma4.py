@@ -263,6 +263,8 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
                 f"{PLE_TABLE}: {rows.width} values a row, not {c.num_layers} x "
                 f"{c.per_layer_input_size}"
             )
+        if rows.num_rows < c.vocab_size:  # (every token id the model takes is a row of it)
+            raise ValueError(f"{PLE_TABLE}: {rows.num_rows} rows for {c.vocab_size} tokens")
         self.embed_tokens_per_layer = rows
 
     def _make_plan(self) -> None:

@@ -344,6 +344,64 @@ def test_the_per_layer_table_is_read_by_rows_where_it_lies(checkpoint, tmp_path,
 # -- llama.cpp (outside CI) -----------------------------------------------------------------------
 
 
+def llama_style_tokenizer():
+    """A SentencePiece-style BPE vocabulary of VOCAB tokens with byte fallback, as Gemma's
+    tokenizer.json is (what llama.cpp's Gemma 4 converter reads; nothing fetched)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{b:02X}>" for b in range(256))]
+    pieces += ["\u2581", "\u2581t", "\u2581th", "\u2581the", "t", "h", "e"]
+    pieces += [f"<unused{i}>" for i in range(VOCAB - len(pieces))]
+    merges = [("\u2581", "t"), ("\u2581t", "h"), ("\u2581th", "e")]
+    bpe = models.BPE({p: i for i, p in enumerate(pieces)}, merges, byte_fallback=True,
+                     unk_token="<unk>", fuse_unk=True)  # fmt: skip
+    tok = Tokenizer(bpe)
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", unk_token="<unk>")  # fmt: skip
+
+
+def test_llama_cpp_converters_file_matches_transformers(checkpoint, tmp_path, monkeypatch):
+    """llama.cpp's own convert_hf_to_gguf.py (outside CI: skipped where it is not built) writes
+    the checkpoint as F32 with a Gemma-style vocabulary ("gemma4" BPE): our loader reads it to
+    transformers' logits and greedy tokens, with the CPU kernels and without, and tokenizes as
+    transformers does."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.test_synth_model import llama_cpp_tool
+
+    root = llama_cpp_tool("llama-server").parents[2]
+    script = root / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        pytest.skip(f"no {script}")
+    src, ref = checkpoint
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(src / name, hf / name)
+    tokenizer = llama_style_tokenizer()
+    tokenizer.save_pretrained(hf)
+    out = tmp_path / "conv.gguf"
+    env = {**os.environ, "PYTHONPATH": str(root / "gguf-py")}
+    cmd = [sys.executable, str(script), str(hf), "--outfile", str(out), "--outtype", "f32"]
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
+    monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))
+    for use_kernels in (False, True):
+        if use_kernels and not kernels.available():
+            continue
+        lm = load_model(str(out), use_kernels=use_kernels, activations="float32")
+        assert lm.config.kv_sources == (0, 1, 2, 3, 4, 5, 4, 5)
+        check_against(lm, ref, seed=13)
+    text = "the cat, the theme \u00e9"
+    assert lm.tokenizer.encode(text) == tokenizer(text, add_special_tokens=False).input_ids
+
+
 @pytest.mark.slow
 def test_a_synthetic_file_generates_as_llama_cpp(tmp_path):
     """The E2B preset's layer kinds, KV sharing, double-wide MLP, per-layer inputs and soft cap
