@@ -41,13 +41,15 @@ TINY = dict(
 )  # fmt: skip
 PRESET = {"llama": "smollm2-360m", "qwen2": "qwen2.5-0.5b", "qwen3": "qwen3-0.6b",
           "qwen3moe": "qwen3-30b-a3b", "phi3": "phi-3-mini", "smollm3": "smollm3-3b",
-          "gemma2": "gemma-2-2b", "gemma3": "gemma-3-270m"}  # fmt: skip
+          "gemma2": "gemma-2-2b", "gemma3": "gemma-3-270m", "gemma4": "gemma-4-e2b"}  # fmt: skip
 # a mixture of experts' tiny experts (rows of 256 for the K-quant blocks)
 TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
+# Gemma 4's global layers: heads twice the sliding layers' (E2B: 512 and 256)
+TINY_EXTRA = {"qwen3moe": TINY_MOE, "gemma4": dict(global_head_dim=128)}
 
 
 def tiny(arch: str, **fields) -> dict:
-    return {**TINY, **(TINY_MOE if arch == "qwen3moe" else {}), **fields}
+    return {**TINY, **TINY_EXTRA.get(arch, {}), **fields}
 
 
 def our_logits(lm, ids: list[int]) -> torch.Tensor:
@@ -108,7 +110,8 @@ def test_each_architecture_multiplies_its_file_blocks_in_place(
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason() or "no kernels")
     # Gemma: five windowed layers and a global one; SmolLM3: a fourth layer, without RoPE
-    layers = {"gemma2": 3, "gemma3": 6, "smollm3": 4}.get(arch, 2)
+    # Gemma 4: four sliding layers, a global one, and a global one reading its K/V
+    layers = {"gemma2": 3, "gemma3": 6, "smollm3": 4, "gemma4": 6}.get(arch, 2)
     path = synth_model.write_synthetic(
         tmp_path / f"{arch}.gguf", PRESET[arch], "Q4_K_M", seed=4, tokenizer=smol_tokenizer,
         **tiny(arch, num_hidden_layers=layers, sliding_window=8),
@@ -126,15 +129,20 @@ def test_each_architecture_multiplies_its_file_blocks_in_place(
     # only norms and biases (a Phi-3 file's fused ffn_up was dequantized whole and dropped:
     # 0.8 s a layer at 3.8B); and a MoE router, float32 in the file as llama-quantize leaves it
     floats = [name for name, dims in dequantized if dims > 1]
-    assert dequantized and all(n.endswith("ffn_gate_inp.weight") for n in floats), dequantized
+    # (and Gemma 4's per-layer model projection, never quantised: llama-quantize's rule)
+    kept = ("ffn_gate_inp.weight", "per_layer_model_proj.weight")
+    assert dequantized and all(n.endswith(kept) for n in floats), floats
     formats = packed.model.weight_formats()
     if arch == "qwen3moe":  # (the router: float32 panels, its scores choose the experts)
         assert formats.pop("f32") > 0
         assert all(layer.mlp.fused is not None for layer in packed.model.layers)  # one op
+    if arch == "gemma4":  # (the per-layer model projection, float32 in the file)
+        assert formats.pop("f32") > 0
     assert formats and all(name.startswith("q") for name in formats), formats
     assert type(packed.model.embed_tokens).__name__ in ("RowsEmbedding", "PanelEmbedding")
-    # the module-free layer loop (a sparse MLP's layers run as modules)
-    assert (packed.model._plan is not None) == (arch != "qwen3moe")
+    # the module-free layer loop (a sparse MLP's layers run as modules, as do Gemma 4's with
+    # their per-layer inputs and shared K/V)
+    assert (packed.model._plan is not None) == (arch not in ("qwen3moe", "gemma4"))
     floats = load_model(str(path), use_kernels=False)
     ids = [1, *range(40, 70)]  # 31 tokens: past the window of 8
     want = our_logits(floats, ids)

@@ -174,6 +174,7 @@ def make_config(preset: str, **overrides: Any) -> tuple[str, dict[str, Any]]:
     arch, config = PRESETS[preset]
     config = dict(config)
     config.update({k: v for k, v in overrides.items() if v is not None})
+    config = _synth(arch).fit(config)
     rope = _rope(config)
     if rope.get("rope_type") == "longrope" and "long_factor" not in rope:
         config["rope_scaling"] = {**config["rope_scaling"], **_longrope_factors(config)}

@@ -371,6 +371,26 @@ def gemma4_rope_freqs(config: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return {"rope_freqs.weight": np.asarray(values, dtype=np.float32)}
 
 
+def gemma4_fit(config: dict[str, Any]) -> dict[str, Any]:
+    """A preset with another layer count: its pattern (a global layer every `period`, the last
+    global) over the new count, about the same share of KV-shared layers (fewer if the layers
+    before them would lack a layer of either kind to own the K/V), and a per-layer table of the
+    vocabulary's rows."""
+    n, types = int(config["num_hidden_layers"]), config.get("layer_types")
+    out = dict(config)
+    if config.get("hidden_size_per_layer_input"):
+        out["vocab_size_per_layer_input"] = int(config["vocab_size"])
+    if types is None or len(types) == n:
+        return out
+    period = types.index(FULL) + 1 if FULL in types else 6
+    fitted = [FULL if (i + 1) % period == 0 else SLIDING for i in range(n)]
+    fitted[-1] = FULL
+    shared = round(int(config.get("num_kv_shared_layers") or 0) * n / len(types))
+    while shared and not {SLIDING, FULL} <= set(fitted[: n - shared]):
+        shared -= 1
+    return {**out, "layer_types": fitted, "num_kv_shared_layers": shared}
+
+
 _E2B = dict(
     hidden_size=1536, num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=1,
     head_dim=256, global_head_dim=512, intermediate_size=6144, vocab_size=262144,
@@ -405,6 +425,7 @@ GEMMA4 = ArchSpec(
         metadata=gemma4_metadata,
         tensors=gemma4_rope_freqs,
         scales=("layer_scalar",),
+        fit=gemma4_fit,
     ),
 )
 

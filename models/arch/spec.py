@@ -100,7 +100,8 @@ class SynthSpec:
     hold (RoPE factor tables), name -> float32 array. `norm_mean`: what a random RMSNorm weight
     is drawn around in the Hugging Face checkpoint (0 where it multiplies by 1 + w); `scales`:
     the name endings of other tensors drawn around it too (multipliers, as Gemma 4's
-    layer_scalar).
+    layer_scalar). `fit`: the preset's config after overrides, its per-layer fields made to fit
+    (a layer pattern refitted to another layer count).
     """
 
     presets: Mapping[str, Mapping[str, Any]]
@@ -110,6 +111,7 @@ class SynthSpec:
     tensors: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda config: {}
     norm_mean: float = 1.0
     scales: tuple[str, ...] = ()
+    fit: Callable[[dict[str, Any]], dict[str, Any]] = lambda config: config
 
 
 @dataclass(frozen=True, slots=True)
