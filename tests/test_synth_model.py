@@ -247,6 +247,13 @@ def _hf_model(arch: str):
                    {"head_dim": 32, "sliding_window": 16, "query_pre_attn_scalar": 32}),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
                    {"head_dim": 32, "sliding_window": 16, "query_pre_attn_scalar": 32}),
+        # (a sliding layer, a global one, and a global one reading the second's K/V)
+        "gemma4": (tf.Gemma4TextConfig, tf.Gemma4ForCausalLM,
+                   {"num_hidden_layers": 3, "head_dim": 32, "global_head_dim": 64,
+                    "sliding_window": 16, "num_kv_shared_layers": 1,
+                    "layer_types": ["sliding_attention", "full_attention", "full_attention"],
+                    "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 300,
+                    "pad_token_id": 0}),
     }  # fmt: skip
     config_cls, model_cls, extra = classes[arch]
     torch.manual_seed(1)
@@ -322,6 +329,27 @@ def test_each_architecture_has_the_tensors_keys_and_layouts_of_llama_cpp(
         assert "output.weight" not in tensors
     if arch == "gemma3":
         assert reader.fields["gemma3.rope.freq_base_swa"].contents() == 10000.0
+    if arch == "gemma4":
+        # plain RMSNorm weights, stored as they are; the global layers' head size and
+        # proportional RoPE (a quarter of the 32 frequencies rotated, the rest factor 1e30)
+        np.testing.assert_array_equal(
+            tensors["blk.1.post_ffw_norm.weight"],
+            hf["model.layers.1.post_feedforward_layernorm.weight"],
+        )
+        np.testing.assert_array_equal(
+            tensors["blk.2.layer_output_scale.weight"], hf["model.layers.2.layer_scalar"]
+        )
+        assert "blk.2.attn_k.weight" not in tensors and "blk.1.attn_k.weight" in tensors
+        assert tensors["per_layer_token_embd.weight"].shape == (300, 3 * 8)
+        assert list(tensors["rope_freqs.weight"]) == [1.0] * 8 + [1e30] * 24
+        fields = {"attention.key_length": 64, "attention.key_length_swa": 32,
+                  "attention.sliding_window": 16, "attention.shared_kv_layers": 1,
+                  "embedding_length_per_layer_input": 8}  # fmt: skip
+        for key, value in fields.items():
+            assert reader.fields[f"gemma4.{key}"].contents() == value, key
+        pattern = reader.fields["gemma4.attention.sliding_window_pattern"].contents()
+        assert pattern == [True, False, False]
+        assert "output.weight" not in tensors
     if arch == "gemma2":
         assert reader.fields["gemma2.attn_logit_softcapping"].contents() == 50.0
         assert reader.fields["gemma2.final_logit_softcapping"].contents() == 30.0
