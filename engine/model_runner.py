@@ -1,7 +1,9 @@
 """Turns scheduled work into flat tensors, runs the model once, returns logits for sampling rows.
 
 It owns the KV pool tensors: one `(layers, 2, num_blocks, block_size, kv_heads, head_dim)` tensor
-(the model config's `KVLayout`), allocated once from the block count. It needs of the model only
+(the model config's `KVLayout`), allocated once from the block count; a model whose layers differ
+in shape has one such tensor per shape (`KVLayout.groups`), and a layer that shares an earlier
+layer's K/V is handed that layer's pools (`kv_caches`), owning none. It needs of the model only
 `models.base.CausalLM`. Per step it builds input ids, positions, the slot each new
 K/V goes to, block tables and context lengths; it never decides who runs.
 
@@ -13,7 +15,6 @@ so it costs a full decode row without disturbing anything a live request reads.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from engine import prompt_outputs
@@ -29,14 +30,9 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # zeros, not empty: padded attention reads masked slots, and 0 * NaN from uninitialised
-        # memory would poison the output. numpy's zeros come from calloc, whose large blocks are
-        # fresh anonymous pages the kernel zeroes on first touch, so RSS grows with use (torch's
-        # own zeros writes every page up front: a 1 GiB pool would be 1 GiB resident at start).
-        shape = layout.pool_shape(num_blocks, block_size)
-        np_dtype = torch.empty((), dtype=layout.dtype).numpy().dtype
-        self.kv = torch.from_numpy(np.zeros(shape, dtype=np_dtype))
-        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(layout.num_layers)]
+        self.pools, self.kv_caches = layout.allocate(num_blocks, block_size)
+        # (the one pool tensor of a uniform layout, which `read_blocks` moves between pools)
+        self.kv = self.pools[0] if layout.uniform else None
 
     @torch.no_grad()
     def warm_up(self) -> None:
@@ -65,14 +61,19 @@ class ModelRunner:
         hidden = self.model(ids, positions, self.kv_caches, meta)
         self.model.compute_logits(hidden[[0, n]])
 
+    def _uniform_pool(self) -> torch.Tensor:
+        if self.kv is None:
+            raise ValueError("moving KV blocks between pools of layers of several shapes")
+        return self.kv
+
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of whole blocks' K and V in every layer, for moving a cache between pools."""
         index = torch.tensor(block_ids, dtype=torch.long)
-        return self.kv[:, :, index]  # (layers, 2, n, block_size, kv_heads, head_dim)
+        return self._uniform_pool()[:, :, index]  # (layers, 2, n, block_size, kv_heads, head_dim)
 
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Overwrite whole blocks with K/V laid out as `read_blocks` returns them."""
-        self.kv[:, :, torch.tensor(block_ids, dtype=torch.long)] = blocks
+        self._uniform_pool()[:, :, torch.tensor(block_ids, dtype=torch.long)] = blocks
 
     def _slot(self, block_ids: list[int], pos: int) -> int:
         return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size

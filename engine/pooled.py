@@ -33,6 +33,12 @@ class PooledEngine(EngineBase):
         self, model: CausalLM | LoadedModel, config: EngineConfig, pools: tuple[BatchEngine, ...]
     ) -> None:
         super().__init__(model, config)
+        if not self.model_config.kv_layout.uniform:
+            # (K/V moves between pools as one tensor of every layer's blocks: engine.kv_connector)
+            raise ValueError(
+                f"{self.name}: the K/V of a model whose layers differ in KV shape or share K/V "
+                "cannot move between pools"
+            )
         self.pools = pools
         # Requests in no pool, oldest first (a dict: ordered, and found by id).
         self.held: dict[str, RequestState] = {}

@@ -154,8 +154,8 @@ def _sdpa(
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
     meta: AttentionMetadata,
     scale: float,
@@ -171,6 +171,8 @@ def paged_attention(
     attention: the query at position p sees keys at positions in (p - window, p]. `softcap` > 0:
     scores soft-capped (softcap * tanh(score / softcap)) before the softmax, as Gemma 2.
     `sinks` (heads,): a logit per head that joins its softmax without a value, as gpt-oss's.
+    `k`, `v` None: this layer computed no K/V and reads the pool only, which an earlier layer
+    wrote this step (Gemma 4's shared-KV layers).
 
     Attention computes in float32 whatever the pool stores (a float16 pool is widened as read);
     int8 pools hold scaled rows only the cbserve kernel reads.
@@ -183,8 +185,11 @@ def paged_attention(
         cdt = torch.float32 if k_cache.dtype == torch.float16 else k_cache.dtype
         # Attention runs in the pool's dtype (float32): bfloat16 weights still get fp32 attention.
         q = q.to(cdt)
-        write_kv(k_cache, v_cache, k.to(k_cache.dtype), v.to(k_cache.dtype), meta.slot_mapping)
-        k, v = k.to(cdt), v.to(cdt)
+        if k is not None and v is not None:
+            write_kv(k_cache, v_cache, k.to(k_cache.dtype), v.to(k_cache.dtype), meta.slot_mapping)
+            k, v = k.to(cdt), v.to(cdt)
+    elif k is None or v is None:
+        raise ValueError("a layer without K/V of its own reads them from a pool")
     out = torch.empty_like(q)
 
     nd = meta.num_decode_tokens
@@ -213,7 +218,7 @@ def paged_attention(
         s, n = chunk.token_start, chunk.num_tokens
         qc = q[s : s + n].transpose(0, 1).unsqueeze(0)  # (1, heads, n, hd)
         past = chunk.context_len - n
-        if kv_cache is None or past == 0:
+        if k is not None and (kv_cache is None or past == 0):
             # The chunk is the whole context: its own K/V are exactly what the pool now holds.
             kc, vc = k[s : s + n], v[s : s + n]
         else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -38,6 +39,15 @@ class YarnScaling:
     truncate: bool = True
 
 
+class KVGroup:
+    """The layers whose pools have one shape: one tensor of the KV pool holds them all,
+    `KVLayout.group_shape`."""
+
+    num_kv_heads: int
+    head_dim: int
+    layers: tuple[int, ...]  # the model layers that own these pools, in order
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """How the KV pool stores one token: K and V of `num_kv_heads x head_dim` per layer.
@@ -45,6 +55,12 @@ class KVLayout:
     A float32 or float16 row (one kv head of one token) is its `head_dim` values. An int8 row is
     `head_dim` int8 values followed by one float32 scale per 32 of them (x = q * scale, as
     llama.cpp's q8_0), `row_width` bytes in all: only the cbserve attention kernel reads it.
+
+    Layers may differ (`layer_shapes`: each layer's kv heads and head_dim, as Gemma 4's 512-dim
+    global layers among 256-dim sliding ones), and a layer may own no pool at all (`sources`:
+    the layer whose pool each layer reads and writes, itself or an earlier layer whose K/V it
+    shares). The pool is then one tensor per shape (`groups`), and the bytes a token occupies
+    count the layers that own a pool only.
     """
 
     num_layers: int
@@ -54,19 +70,85 @@ class KVLayout:
     # Each k head's values in GGML's order (`ModelConfig.rope_interleaved`): a pool filled by
     # one model is read by another only if both order their keys alike.
     interleaved_keys: bool = False
+    # Per layer, where layers differ: (kv_heads, head_dim); None: every layer's are the above.
+    layer_shapes: tuple[tuple[int, int], ...] | None = None
+    # Per layer: the layer whose pool it reads and writes; None: each its own.
+    sources: tuple[int, ...] | None = None
+
+    def width(self, head_dim: int) -> int:
+        """Elements of `dtype` one kv head of one token occupies at `head_dim`."""
+        return head_dim + head_dim // 8 if self.dtype == torch.int8 else head_dim
 
     @property
     def row_width(self) -> int:
-        """Elements of `dtype` one kv head of one token occupies."""
-        return self.head_dim + self.head_dim // 8 if self.dtype == torch.int8 else self.head_dim
+        """Elements of `dtype` one kv head of one token occupies (at `head_dim`)."""
+        return self.width(self.head_dim)
+
+    def shape(self, layer: int) -> tuple[int, int]:
+        """Layer `layer`'s (kv_heads, head_dim)."""
+        if self.layer_shapes is None:
+            return self.num_kv_heads, self.head_dim
+        return self.layer_shapes[layer]
+
+    def source(self, layer: int) -> int:
+        """The layer whose pool layer `layer` reads (and, if it is itself, writes)."""
+        return layer if self.sources is None else self.sources[layer]
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer owns a pool of one shape (one tensor, `pool_shape`)."""
+        return len(self.groups()) == 1 and len(self.groups()[0].layers) == self.num_layers
+
+    def groups(self) -> tuple[KVGroup, ...]:
+        """The layers owning a pool, grouped by shape (in the order each shape first occurs)."""
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for layer in range(self.num_layers):
+            if self.source(layer) == layer:
+                by_shape.setdefault(self.shape(layer), []).append(layer)
+        return tuple(KVGroup(kv, hd, tuple(ls)) for (kv, hd), ls in by_shape.items())
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of K and V that one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.row_width * self.dtype.itemsize
+        """Bytes of K and V that one token occupies across all the layers that own a pool."""
+        per_layer = sum(
+            len(g.layers) * g.num_kv_heads * self.width(g.head_dim) for g in self.groups()
+        )
+        return 2 * per_layer * self.dtype.itemsize
+
+    def group_shape(self, group: KVGroup, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """(group layers, 2 (K, V), num_blocks, block_size, kv_heads, row width)."""
+        return (
+            len(group.layers), 2, num_blocks, block_size, group.num_kv_heads,
+            self.width(group.head_dim),
+        )  # fmt: skip
+
+    def allocate(
+        self, num_blocks: int, block_size: int
+    ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The pool's tensors (one per group, `group_shape`) and each layer's (K, V) pools in
+        them: a layer that shares another's K/V gets that layer's, so it owns no memory.
+
+        zeros, not empty: padded attention reads masked slots, and 0 * NaN from uninitialised
+        memory would poison the output. numpy's zeros come from calloc, whose large blocks are
+        fresh anonymous pages the kernel zeroes on first touch, so RSS grows with use (torch's
+        own zeros writes every page up front: a 1 GiB pool would be 1 GiB resident at start)."""
+        np_dtype = torch.empty((), dtype=self.dtype).numpy().dtype
+        pools: list[torch.Tensor] = []
+        own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for group in self.groups():
+            pool = torch.from_numpy(
+                np.zeros(self.group_shape(group, num_blocks, block_size), np_dtype)
+            )
+            pools.append(pool)
+            for j, layer in enumerate(group.layers):
+                own[layer] = (pool[j, 0], pool[j, 1])
+        return pools, [own[self.source(i)] for i in range(self.num_layers)]
 
     def pool_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """(layers, 2 (K, V), num_blocks, block_size, kv_heads, row_width)."""
+        """(layers, 2 (K, V), num_blocks, block_size, kv_heads, row_width), of a uniform layout
+        (ValueError otherwise: its pool is one tensor per group)."""
+        if not self.uniform:
+            raise ValueError("the KV pool of layers of several shapes is one tensor per group")
         return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.row_width)
 
 
@@ -138,6 +220,21 @@ class ModelConfig:
     norm_topk_prob: bool = True
     moe_gating: str = "softmax"
     moe_router_bias: bool = False
+    # Layers of several attention shapes (Gemma 4: 512-dim heads on its global layers, 256 on
+    # the sliding ones): each layer's head_dim and kv heads; None: head_dim and num_kv_heads
+    # everywhere.
+    layer_head_dims: tuple[int, ...] | None = None
+    layer_kv_heads: tuple[int, ...] | None = None
+    # KV sharing (Gemma 4): the layer whose K/V each layer attends over, itself or an earlier
+    # layer of the same shape (whose pool it reads; it computes queries only and owns no
+    # pool). None: every layer its own.
+    kv_sources: tuple[int, ...] | None = None
+    # Each layer's MLP width where they differ (Gemma 4's double-wide MLP on its shared layers)
+    layer_intermediate_sizes: tuple[int, ...] | None = None
+    v_norm: bool = False  # Gemma 4: each V head RMS-normalised (no weight) before the pool
+    # Per-layer input embeddings (Gemma 4 E2B/E4B): values a layer (0: none) and table rows
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -174,6 +271,7 @@ class ModelConfig:
                 f"{self.num_experts} experts, {self.num_experts_per_tok} a token, "
                 f"expert size {self.moe_intermediate_size}: not a mixture of experts"
             )
+        self._check_per_layer()
         if self.hidden_act not in ("silu", "gelu_tanh", "swiglu_oai"):
             raise ValueError(
                 f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_tanh, swiglu_oai)"
@@ -182,6 +280,46 @@ class ModelConfig:
             raise ValueError(f"moe_gating {self.moe_gating!r} is not softmax or topk_softmax")
         if self.rope_yarn is not None and self.rope_scaling is not None:
             raise ValueError("YaRN and Llama 3 RoPE scaling are not supported together")
+
+    def _check_per_layer(self) -> None:
+        for name in ("layer_head_dims", "layer_kv_heads", "kv_sources", "layer_intermediate_sizes"):
+            value = getattr(self, name)
+            if value is not None and len(value) != self.num_layers:
+                raise ValueError(f"{name} has {len(value)} entries for {self.num_layers} layers")
+        for layer in range(self.num_layers):
+            kv = self.kv_heads_of(layer)
+            if kv <= 0 or self.num_heads % kv:
+                raise ValueError(f"layer {layer}: {self.num_heads} heads over {kv} kv heads")
+            src = self.kv_source(layer)
+            if src != layer and not (
+                0 <= src < layer
+                and self.kv_source(src) == src
+                and self.head_dim_of(src) == self.head_dim_of(layer)
+                and self.kv_heads_of(src) == kv
+                and self.window(src) == self.window(layer)
+            ):
+                raise ValueError(
+                    f"layer {layer} cannot share layer {src}'s K/V: an earlier layer that owns "
+                    "its own, of the same shape and window"
+                )
+
+    def head_dim_of(self, layer: int) -> int:
+        """Layer `layer`'s head_dim."""
+        return self.head_dim if self.layer_head_dims is None else self.layer_head_dims[layer]
+
+    def kv_heads_of(self, layer: int) -> int:
+        """Layer `layer`'s kv heads."""
+        return self.num_kv_heads if self.layer_kv_heads is None else self.layer_kv_heads[layer]
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V layer `layer` attends over (itself unless it shares another's)."""
+        return layer if self.kv_sources is None else self.kv_sources[layer]
+
+    def intermediate_size_of(self, layer: int) -> int:
+        """Layer `layer`'s MLP width."""
+        if self.layer_intermediate_sizes is None:
+            return self.intermediate_size
+        return self.layer_intermediate_sizes[layer]
 
     @property
     def rope_dims(self) -> int:
@@ -208,9 +346,15 @@ class ModelConfig:
 
     @property
     def kv_layout(self) -> KVLayout:
+        shapes = None
+        if self.layer_head_dims is not None or self.layer_kv_heads is not None:
+            shapes = tuple(
+                (self.kv_heads_of(i), self.head_dim_of(i)) for i in range(self.num_layers)
+            )
         return KVLayout(
-            self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype, self.rope_interleaved
-        )
+            self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype,
+            self.rope_interleaved, shapes, self.kv_sources,
+        )  # fmt: skip
 
     @property
     def kv_bytes_per_token(self) -> int:

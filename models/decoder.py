@@ -310,7 +310,8 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.n_heads, self.n_kv, self.hd = config.num_heads, config.num_kv_heads, config.head_dim
+        self.n_heads = config.num_heads
+        self.n_kv, self.hd = config.kv_heads_of(layer), config.head_dim_of(layer)
         self.q_size, self.kv_size = self.n_heads * self.hd, self.n_kv * self.hd
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
@@ -440,9 +441,9 @@ class MLP(nn.Module):
     """The gated MLP: down(act(gate) * up) with SiLU (SwiGLU), tanh GELU (GeGLU) or gpt-oss's
     clamped SwiGLU (`gated_act`), with biases where the config has them (`mlp_bias`)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.ffn = config.intermediate_size
+        self.ffn = intermediate_size or config.intermediate_size
         self.act = GATED_ACTS[config.hidden_act]
         bias = config.mlp_bias
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.ffn, bias=bias)
@@ -762,7 +763,7 @@ class DecoderForCausalLM(nn.Module):
     def _make_plan(self) -> tuple[list, list[int]] | None:
         """`_forward_planned`'s layer lists, or None unless every layer is attention and a dense
         gated MLP with every projection packed, and the layers share what the one op takes once
-        (eps, attention scale and soft cap)."""
+        (eps, attention scale and soft cap, one attention shape and each its own K/V)."""
 
         def args(m: nn.Module) -> tuple:
             p = m.packed
@@ -770,6 +771,8 @@ class DecoderForCausalLM(nn.Module):
 
         layers = []
         c = self.config
+        if not c.kv_layout.uniform:
+            return None
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if not isinstance(mlp, MLP):  # (a sparse MLP runs layer by layer)
@@ -828,6 +831,9 @@ class DecoderForCausalLM(nn.Module):
             names |= layer.hf_weight_names(config, f"model.layers.{i}.")
         return names
 
+    def _load_more(self, loader: HFLoader) -> None:
+        """A family's own tensors outside the layers and the embedding, norm and head (none)."""
+
     @torch.no_grad()
     def load_hf_weights(self, tensors: Mapping[str, torch.Tensor], adopt: bool = False) -> None:
         """Load Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...).
@@ -847,6 +853,7 @@ class DecoderForCausalLM(nn.Module):
             loader.put("lm_head.weight", loader.take("lm_head.weight"))
         for i, layer in enumerate(self.layers):
             layer.load(loader, f"model.layers.{i}.", f"layers.{i}.")
+        self._load_more(loader)
         missing = set(loader.params) - loader.loaded
         if c.tie_word_embeddings:
             missing.discard("lm_head.weight")

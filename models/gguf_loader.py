@@ -42,7 +42,7 @@ from models.gguf_reader import GGUFHeaderReader
 from models.hf_loader import check_weight_names
 from models.hf_tokenizer import end_ids, load_gguf_bpe_tokenizer
 from models.packing import pack_for_kernels
-from models.quant import GGML_BLOCKS, GGMLTensor, KernelOptions, gguf_rows
+from models.quant import GGML_BLOCKS, GGMLTensor, KernelOptions, _file_view, gguf_rows
 from models.registry import gguf_spec
 from models.spm_tokenizer import SPMTokenizer, read_gguf_tokenizer_metadata, uses_spm_tokenizer
 from models.tokenizer import Tokenizer
@@ -71,6 +71,8 @@ SUPPORTED_TYPES = frozenset(
     }
 )
 
+# GGUF float types a table is read in as they are (`GGUFWeights.table`)
+_FLOAT_TYPES = {int(Q.F32): torch.float32, int(Q.F16): torch.float16, int(Q.BF16): torch.bfloat16}
 # A layer's tensor: blk.N.<name>[.weight|.bias] (a name may hold dots, and a few tensors have no
 # suffix, as llama.cpp names them); the name maps to the Hugging Face one, the suffix stays.
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+?)(\.weight|\.bias)?")
@@ -99,6 +101,11 @@ def _hf_name(gguf_name: str, path: Path, arch: str, names: GGUFTensorMap) -> str
         return names.globals[gguf_name]
     m = _BLOCK_RE.fullmatch(gguf_name)
     if m:
+        # (a name the map holds with its suffix maps to a whole Hugging Face name: Gemma 4's
+        # layer_output_scale.weight is its layer's layer_scalar)
+        whole = names.blocks.get(m.group(2) + (m.group(3) or ""))
+        if whole is not None:
+            return f"model.layers.{m.group(1)}.{whole}"
         hf = names.blocks.get(m.group(2))
         if hf is not None:
             return f"model.layers.{m.group(1)}.{hf}{m.group(3) or ''}"
@@ -206,7 +213,9 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
 
     def _in_place_names(self) -> frozenset[str]:
         """Projection weights the kernels take as blocks: each fused group (q/k/v, gate/up) all
-        in formats `gguf_rows` reads, or none of it (a group's float fallback reads them all)."""
+        in formats `gguf_rows` reads, or none of it (a group's float fallback reads them all).
+        A projection is what the spec's `projections` pattern matches, its third group the
+        projection's name."""
 
         def has_blocks(name: str) -> bool:
             t = self._tensors.get(name)
@@ -222,10 +231,12 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
             m = self._map.projections.fullmatch(name)
             if m is None or self._map.transform(name) is not None:
                 continue
-            layer, block, proj = m.groups()
+            proj = m.group(3)
             members = self._map.fused.get(proj, (proj,))
             if proj == members[0]:  # (a fused group's parts are in one block)
-                groups.append([f"model.layers.{layer}.{block}.{p}.weight" for p in members])
+                # (the parts the file holds: a layer that shares another's K/V has a q alone)
+                named = (name[: m.start(3)] + p + name[m.end(3) :] for p in members)
+                groups.append([n for n in named if n in self._tensors])
         for group in groups:
             if all(has_blocks(n) for n in group):
                 out.update(group)
@@ -259,6 +270,25 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
             order = torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1)
             qt = qt.rows(order)
         return qt
+
+    def table(self, name: str) -> torch.Tensor | GGMLTensor:
+        """Tensor `name` as the file holds it, for a table read a few rows at a time
+        (`models.row_table`): its blocks, or a float32 / float16 / bfloat16 tensor over the
+        file's map; never dequantized whole."""
+        t = self._tensors[name]
+        n, k = (int(d) for d in reversed(t.shape.tolist()))
+        typ = int(t.tensor_type)
+        if typ in _FLOAT_TYPES:
+            raw = _file_view(np.ascontiguousarray(t.data).view(np.uint8))
+            if raw is not None:
+                return raw.view(_FLOAT_TYPES[typ]).view(n, k)
+            return _dequantize(t, torch.float32)  # (not a file map: already in memory)
+        rows = gguf_rows(t.data, typ, n, k)
+        if rows is None:
+            raise ModelLoadError(
+                f"{name}: a table of type {t.tensor_type.name} is not read by rows"
+            )
+        return rows
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)

@@ -124,8 +124,10 @@ def transformers_reads_fast(architecture_aliases: dict[str, str] | None = None) 
             super().__init__(path, skip_tokenizer_arrays)
             field = self.fields.get("general.architecture")
             if field is not None and field.contents() in aliases:
-                alias = aliases[field.contents()]
-                self.fields["general.architecture"] = _with_architecture(field, alias)
+                original = field.contents()
+                self.fields["general.architecture"] = _with_architecture(field, aliases[original])
+                for key in [k for k in self.fields if k.startswith(original + ".")]:
+                    del self.fields[key]  # (unseen, even where transformers has a reader)
 
     saved = gguf.GGUFReader, gguf.get_tensor_name_map
     gguf.GGUFReader = Reader if aliases else GGUFHeaderReader

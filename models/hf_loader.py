@@ -29,6 +29,7 @@ from models.hf_tokenizer import HFTokenizer, end_token_ids, load_hf_tokenizer
 from models.packing import pack_for_kernels
 from models.quant import KernelOptions
 from models.registry import hf_spec
+from models.row_table import RowTables
 
 # Tensors some checkpoints carry that hold nothing the decoder needs (recomputed RoPE tables).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -125,6 +126,10 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._handles[name].get_tensor(name)
 
+    def table(self, name: str) -> torch.Tensor:
+        """Tensor `name` in its file's dtype, over the file's map (`models.row_table`)."""
+        return self[name]
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._handles)
 
@@ -137,8 +142,8 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
 
 
 class LanguageModelWeights(Mapping[str, torch.Tensor]):
-    """The language model's tensors of a multimodal checkpoint (Gemma 3 image-text) under the
-    text model's names; the vision tower and projector are left out."""
+    """The language model's tensors of a multimodal checkpoint (Gemma 3 image-text, Gemma 4)
+    under the text model's names; the vision and audio towers and projectors are left out."""
 
     # transformers 5 names first, then 4.x's
     _PREFIXES = (
@@ -147,7 +152,8 @@ class LanguageModelWeights(Mapping[str, torch.Tensor]):
         ("language_model.lm_head.", "lm_head."),
     )
     _SKIPPED = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
-                "multi_modal_projector.")  # fmt: skip
+                "multi_modal_projector.", "model.audio_tower.", "model.embed_vision.",
+                "model.embed_audio.")  # fmt: skip
 
     def __init__(self, inner: Mapping[str, torch.Tensor]) -> None:
         self._inner = inner
@@ -164,6 +170,11 @@ class LanguageModelWeights(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._inner[self._names[name]]
+
+    def table(self, name: str) -> torch.Tensor:
+        """The inner mapping's `table` (`models.row_table`)."""
+        inner = self._inner
+        return inner.table(self._names[name]) if isinstance(inner, RowTables) else self[name]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)

@@ -265,7 +265,11 @@ def attention(
     `softcap` > 0: each scaled score becomes softcap * tanh(score / softcap) before the softmax
     (Gemma 2's attention logit soft-capping). `sinks` (H,) float32: a logit per query head that
     joins its softmax without a value (gpt-oss's attention sinks); None: no sinks. Returns
-    (T, H * D) float32.
+    (T, H * D) float32. D: a multiple of 8 up to 512.
+
+    qkv of H * D columns (the queries alone): a layer that attends over K/V an earlier layer
+    wrote this step and before (Gemma 4's shared-KV layers): the queries are roped and attend
+    over the pools, which are read only.
     """
     return _attention(
         qkv, cos, sin, k_cache, v_cache, slots, num_decode, decode_tables, decode_lens,

@@ -50,7 +50,9 @@ _STRING, _ARRAY = 8, 9
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 SPACE = "\u2581"
 # Architectures whose SentencePiece vocabulary transformers converts with `GemmaTokenizer`.
-GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
+# (A Gemma 4 file's own vocabulary is "gemma4" BPE with merges; one written with Gemma 3's, as
+# tools.synth_model writes it, is read as Gemma 3's.)
+GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3", "gemma4"})
 
 
 def read_gguf_tokenizer_metadata(path: str | Path) -> dict[str, Any]:

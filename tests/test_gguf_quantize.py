@@ -10,8 +10,6 @@ quantized by `llama-quantize` to each type has our bytes, tensor by tensor.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,11 +21,9 @@ from gguf.quants import dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from models.gguf_quantize import FORMATS, FTYPES, mix_types, quantize
+from tests.helpers.llama_cpp import llama_cpp_tool
 
 Q = GGMLQuantizationType
-DEFAULT_LLAMA_CPP_BIN = (
-    "/work/peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"  # ../shared/peers.md
-)
 
 # Relative RMS error each format stays within on Gaussian weights (its step is 1/7 .. 1/127 of a
 # block's range): a wrong scale, a swapped nibble or a lost high bit is far above these.
@@ -182,17 +178,6 @@ def test_mixes_for_an_untied_llama_shape():
 
 
 # -- byte identity with llama-quantize (where llama.cpp is built) ----------------------------------
-
-
-def llama_cpp_tool(name: str) -> Path:
-    folder = Path(os.environ.get("LLAMA_CPP_BIN", DEFAULT_LLAMA_CPP_BIN))
-    tool = folder / name
-    if not (tool.is_file() and os.access(tool, os.X_OK)):
-        found = shutil.which(name)
-        if found is None:
-            pytest.skip(f"llama.cpp's {name} is not built ({tool}; set LLAMA_CPP_BIN)")
-        tool = Path(found)
-    return tool
 
 
 def write_random_llama(path: Path, float_type: GGMLQuantizationType) -> dict[str, np.ndarray]:

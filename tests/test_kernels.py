@@ -29,6 +29,18 @@ from models.quant import (
     pack,
     quantize,
 )
+from tests.helpers.attention_refs import (
+    BS,
+    KVH,
+    NB,
+    H,
+    check_fused_attention,
+    from_pool,
+    query_as_the_kernel_reads_it,
+    rope_tables,
+    rotate,
+    to_pool,
+)
 from tests.helpers.kquant_rows import GATED
 
 pytestmark = pytest.mark.skipif(
@@ -183,147 +195,11 @@ def test_fused_qkv_rows_keep_their_blocks():
 
 # -- attention ----------------------------------------------------------------------------------
 
-H, KVH, D, BS, NB = 6, 2, 32, 4, 40
-
-
-def _to_pool(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows of float32 values (..., head_dim) as a pool of `dtype` holds them. int8: per 32
-    values the int8s, then one float32 scale each after the row (`models.config.KVLayout`)."""
-    if dtype != torch.int8:
-        return x.to(dtype)
-    d = x.shape[-1]
-    g = x.reshape(*x.shape[:-1], d // 32, 32)
-    scale = g.abs().amax(-1, keepdim=True) / 127  # float32 ops, as the kernel's
-    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    q = torch.round(g * inv).clamp(-127, 127).to(torch.int8).reshape(x.shape)  # half to even
-    return torch.cat([q, scale.squeeze(-1).contiguous().view(torch.int8)], -1)
-
-
-def _from_pool(p: torch.Tensor, d: int) -> torch.Tensor:
-    """The float32 values of pool rows (`_to_pool`'s inverse, up to its rounding)."""
-    if p.dtype != torch.int8:
-        return p.float()
-    q, scale = p[..., :d], p[..., d:].contiguous().view(torch.float32)
-    g = q.float().reshape(*q.shape[:-1], d // 32, 32) * scale[..., None]
-    return g.reshape(q.shape)
-
-
-def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return _from_pool(_to_pool(x, dtype), x.shape[-1])
-
-
-def _query_as_the_kernel_reads_it(
-    q: torch.Tensor, pool_dtype: torch.dtype, scale: float
-) -> torch.Tensor:
-    """Over an int8 pool with head_dim 64 and AVX512-VNNI the kernel quantizes each query head as
-    the pool's rows (int8 per 32 values of q * scale) and takes integer dot products: the same
-    query, rounded so, in float32."""
-    d = q.shape[-1]
-    if pool_dtype != torch.int8 or d != 64 or not kernels.has_int8_dot():
-        return q
-    x = (q * scale).reshape(*q.shape[:-1], d // 32, 32)
-    amax = x.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    r = torch.round(x * inv).clamp(-127, 127) * (amax / 127)
-    return r.reshape(q.shape) / scale
-
-
-def _rope_tables(positions: torch.Tensor, D: int = D):  # noqa: N803
-    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
-    freqs = torch.outer(positions.double(), inv)
-    return freqs.cos().float(), freqs.sin().float()  # (T, D/2)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    D = x.shape[-1]  # noqa: N806
-    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-
-
-def _check_fused_attention(
-    pool_dtype, H, KVH, D, window=0, softcap=0.0, ref_softcap=None, sinks=None, ref_sinks=...
-):  # noqa: N803
-    """Two decode rows, a chunk with a cached past and a fresh prompt, in one flat batch: the op
-    against RoPE in torch and `paged_attention` over the float32 pool holding the same values
-    (soft-capped by `ref_softcap` if given, else as the op; with `ref_sinks` if given, else the
-    op's `sinks`)."""
-    torch.manual_seed(5)
-    seqs = {  # name: (block table, tokens already in the pool, new tokens this step)
-        "dec_a": ([3, 9, 1 + 20], 9, 1),
-        "dec_b": ([7], 2, 1),
-        "chunk": ([11, 12, 30, 31], 6, 5),
-        "fresh": ([14, 15], 0, 7),
-        "long": ([32, 33, 34, 35, 36, 37, 38, 39], 25, 6),  # 31 keys: more than one 16-key run
-    }
-    kpool = torch.zeros(NB, BS, KVH, D)
-    vpool = torch.zeros(NB, BS, KVH, D)
-    for table, past, _ in seqs.values():  # the past, already roped, as the pool holds it
-        for p in range(past):
-            kpool[table[p // BS], p % BS] = torch.randn(KVH, D)
-            vpool[table[p // BS], p % BS] = torch.randn(KVH, D)
-    kpool, vpool = _rounded(kpool, pool_dtype), _rounded(vpool, pool_dtype)  # same past
-
-    positions, slots, prefills, token = [], [], [], 0
-    for name, (table, past, n) in seqs.items():
-        pos = list(range(past, past + n))
-        positions += pos
-        slots += [table[p // BS] * BS + p % BS for p in pos]
-        if not name.startswith("dec"):
-            nb = -(-(past + n) // BS)
-            prefills.append(PrefillChunk(token, n, past + n, torch.tensor(table[:nb])))
-        token += n
-    t = token
-    qkv = torch.randn(t, (H + 2 * KVH) * D)
-    cos, sin = _rope_tables(torch.tensor(positions), D)
-
-    def meta():
-        tables = [seqs["dec_a"][0], seqs["dec_b"][0] + [0, 0]]
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots),
-            num_decode_tokens=2,
-            decode_block_tables=torch.tensor(tables),
-            decode_context_lens=torch.tensor([10, 3]),
-            prefills=prefills,
-        )
-
-    # reference: rope in torch, the float32 pool, paged_attention
-    q = _rotate(qkv[:, : H * D].view(t, H, D), cos, sin)
-    k = _rotate(qkv[:, H * D : (H + KVH) * D].view(t, KVH, D), cos, sin)
-    v = qkv[:, (H + KVH) * D :].view(t, KVH, D)
-    k, v = _rounded(k, pool_dtype), _rounded(v, pool_dtype)  # what the pool will hold of them
-    lens = torch.tensor(positions) + 1  # each token's keys
-    # (the AVX-512 int8 kernels, which round the query, take the tokens that see every key
-    # when scores are not soft-capped)
-    rounded = _query_as_the_kernel_reads_it(q, pool_dtype, D**-0.5)
-    if not softcap and sinks is None:
-        q = torch.where(((window == 0) | (lens <= window))[:, None, None], rounded, q)
-    ref_cache = (kpool.clone(), vpool.clone())
-    ref_cap = softcap if ref_softcap is None else ref_softcap
-    ref_sink = sinks if ref_sinks is ... else ref_sinks
-    want = paged_attention(q, k, v, ref_cache, meta(), D**-0.5, window, ref_cap, ref_sink)
-    want = want.reshape(t, H * D)
-
-    cache = (_to_pool(kpool, pool_dtype), _to_pool(vpool, pool_dtype))
-    m = meta()
-    got = ops.attention(
-        qkv.clone(), cos, sin, cache[0], cache[1], m.slot_mapping, 2,
-        m.decode_block_tables, m.decode_context_lens, m.chunk_meta(), m.chunk_tables(),
-        H, KVH, D, D**-0.5, window, softcap=softcap, sinks=sinks,
-    )  # fmt: skip
-    # With a float16 pool a chunk without a past attends over its own unrounded K/V (the kernel
-    # never reads them back), the reference over rounded ones: float16 rounding apart.
-    tol = 2e-3 if pool_dtype == torch.float16 else 1e-4
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    torch.testing.assert_close(_from_pool(cache[0], D), ref_cache[0], rtol=1e-3, atol=1e-3)
-    if pool_dtype == torch.int8:  # the kernel's quantizer is the reference's, value for value
-        assert torch.equal(cache[1], _to_pool(ref_cache[1], torch.int8))
-
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.int8])
 @pytest.mark.parametrize("D", [32, 64])  # 64: the AVX-512 grouped decode kernel where it runs
 def test_fused_attention_matches_paged_attention(pool_dtype, D):  # noqa: N803
-    _check_fused_attention(pool_dtype, H, KVH, D)
+    check_fused_attention(pool_dtype, H, KVH, D)
 
 
 def _ggml_order(x: torch.Tensor) -> torch.Tensor:
@@ -352,7 +228,7 @@ def test_interleaved_rope_on_ggml_ordered_heads_is_the_halves_rope(pool_dtype):
     torch.manual_seed(3)
     h, kvh, d, t, bs = 6, 2, 64, 9, 16
     qkv = torch.randn(t, (h + 2 * kvh) * d)
-    cos, sin = _rope_tables(torch.arange(t), d)
+    cos, sin = rope_tables(torch.arange(t), d)
     qk = qkv[:, : (h + kvh) * d].view(t, h + kvh, d)
     filed = torch.cat([_ggml_order(qk).flatten(1), qkv[:, (h + kvh) * d :]], dim=1)
     meta = _one_chunk(t, bs)
@@ -379,7 +255,7 @@ def test_interleaved_rope_on_ggml_ordered_heads_is_the_halves_rope(pool_dtype):
                 interleaved=interleaved,
             )  # fmt: skip
         )
-        pools.append(_from_pool(pool[0], d)[1, :t])
+        pools.append(from_pool(pool[0], d)[1, :t])
     tol = 2e-2 if pool_dtype == torch.int8 else 1e-5  # (int8 groups hold other values per order)
     torch.testing.assert_close(outs[1], outs[0], rtol=tol, atol=tol)
     torch.testing.assert_close(pools[1], _ggml_order(pools[0]), rtol=tol, atol=tol)
@@ -399,14 +275,14 @@ def test_partial_rotary_rotates_the_first_values_of_each_head_only(interleaved):
     torch.manual_seed(4)
     h, kvh, d, r, t, bs = 4, 2, 64, 48, 7, 16
     qkv = torch.randn(t, (h + 2 * kvh) * d)
-    cos, sin = _rope_tables(torch.arange(t), r)  # (T, R/2)
+    cos, sin = rope_tables(torch.arange(t), r)  # (T, R/2)
     qk = qkv[:, : (h + kvh) * d].view(t, h + kvh, d)
     head, rest = qk[..., :r], qk[..., r:]
     if interleaved:
         a, b, c, s = head[..., 0::2], head[..., 1::2], cos[:, None], sin[:, None]
         head = torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
     else:
-        head = _rotate(head, cos, sin)
+        head = rotate(head, cos, sin)
     roped = torch.cat([head, rest], dim=-1)
     q, k = roped.split([h, kvh], dim=1)
     v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
@@ -449,7 +325,7 @@ def test_fused_attention_head_sizes_group_sizes_and_sliding_windows(pool_dtype, 
     """Decode rows and prefill chunks (with a past, without) of every group size and the new
     families' head sizes, with and without a sliding window (6 keys: most of the batch's tokens
     see more than that), against the reference."""
-    _check_fused_attention(pool_dtype, *shape, window=window)
+    check_fused_attention(pool_dtype, *shape, window=window)
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.int8])
@@ -461,9 +337,9 @@ def test_fused_attention_soft_caps_scores_as_the_reference(pool_dtype, shape, wi
     """Gemma 2's soft-capped scores (a cap of 1.5, which these random scores reach: uncapped,
     the results differ) in decode rows and prefill chunks, head_dim 64 (whose AVX-512 kernels
     have no cap and give way) and 256, against the reference."""
-    _check_fused_attention(pool_dtype, *shape, window=window, softcap=1.5)
+    check_fused_attention(pool_dtype, *shape, window=window, softcap=1.5)
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
-        _check_fused_attention(pool_dtype, *shape, window=window, softcap=1.5, ref_softcap=0.0)
+        check_fused_attention(pool_dtype, *shape, window=window, softcap=1.5, ref_softcap=0.0)
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.int8])
@@ -477,9 +353,9 @@ def test_fused_attention_takes_attention_sinks_as_the_reference(pool_dtype, shap
     no sinks and give way) and 32, against the reference; large enough that without them the
     results differ."""
     sinks = torch.linspace(-1.0, 3.0, shape[0])
-    _check_fused_attention(pool_dtype, *shape, window=window, sinks=sinks)
+    check_fused_attention(pool_dtype, *shape, window=window, sinks=sinks)
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
-        _check_fused_attention(pool_dtype, *shape, window=window, sinks=sinks, ref_sinks=None)
+        check_fused_attention(pool_dtype, *shape, window=window, sinks=sinks, ref_sinks=None)
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float16, torch.int8])
@@ -493,14 +369,14 @@ def test_with_sinks_a_prefill_chunk_and_decode_rows_give_the_same_bits(pool_dtyp
     torch.manual_seed(9)
     table = torch.tensor([5, 2, 9, 17, 3, 30, 22, 11])  # 8 blocks of 4
     qkv = torch.randn(n, (H + 2 * KVH) * D)
-    cos, sin = _rope_tables(torch.arange(n), D)
+    cos, sin = rope_tables(torch.arange(n), D)
     slots = table[torch.arange(n) // BS] * BS + torch.arange(n) % BS
     sinks = torch.randn(H) + 1
     none2, none1 = torch.empty(0, 1, dtype=torch.long), torch.empty(0, dtype=torch.long)
 
     def run(pieces):
-        k = _to_pool(torch.zeros(NB, BS, KVH, D), pool_dtype)
-        v = _to_pool(torch.zeros(NB, BS, KVH, D), pool_dtype)
+        k = to_pool(torch.zeros(NB, BS, KVH, D), pool_dtype)
+        v = to_pool(torch.zeros(NB, BS, KVH, D), pool_dtype)
         outs = []
         for start, size, as_decode in pieces:
             sl = slice(start, start + size)
@@ -553,7 +429,7 @@ def test_int8_rounding_ties_extremes_and_denormals_in_pool_rows_and_queries():
     )  # fmt: skip
     for pool, x in zip(pools, (k, v), strict=True):
         rows = pool[2, :t]
-        want = _to_pool(x, torch.int8)
+        want = to_pool(x, torch.int8)
         normal = torch.ones(t, kvh, dtype=torch.bool)
         normal[2, 2] = False
         assert torch.equal(rows[normal], want[normal])
@@ -562,8 +438,8 @@ def test_int8_rounding_ties_extremes_and_denormals_in_pool_rows_and_queries():
         assert rows[2, 2, :32].tolist() == [127, -127, 0, 127] + [0] * 28
         assert torch.equal(rows[2, 2, 32:], want[2, 2, 32:])
     if kernels.has_int8_dot():  # where queries are rounded too, the reference must round them
-        q = _query_as_the_kernel_reads_it(qkv[:, : h * d].view(t, h, d), torch.int8, d**-0.5)
-        ref_k, ref_v = _from_pool(pools[0], d), _from_pool(pools[1], d)
+        q = query_as_the_kernel_reads_it(qkv[:, : h * d].view(t, h, d), torch.int8, d**-0.5)
+        ref_k, ref_v = from_pool(pools[0], d), from_pool(pools[1], d)
         want = paged_attention(
             q, ref_k[2, :t].clone(), ref_v[2, :t].clone(), (ref_k, ref_v), meta, d**-0.5
         )
@@ -584,7 +460,7 @@ def test_a_decode_rows_attention_does_not_depend_on_how_many_rows_share_the_step
     lens[0] = 16 * 5  # whole blocks only
     per_row = -(-int(lens.max()) // bs)
     tables = torch.randperm(rows * per_row).view(rows, per_row) + 1  # scattered blocks
-    pool = [_to_pool(torch.randn(rows * per_row + 1, bs, kvh, d), pool_dtype) for _ in range(2)]
+    pool = [to_pool(torch.randn(rows * per_row + 1, bs, kvh, d), pool_dtype) for _ in range(2)]
     qkv = torch.randn(rows, (h + 2 * kvh) * d)
     last = lens - 1
     slots = tables[torch.arange(rows), last // bs] * bs + last % bs
@@ -609,7 +485,7 @@ def test_a_non_finite_query_head_gives_nan_for_that_head_only(pool_dtype):
     output, on every path (the int8 pool's integer q.k path included), and leaves the others."""
     torch.manual_seed(3)
     h, kvh, d = 9, 3, 64
-    pool = [_to_pool(torch.randn(4, 16, kvh, d), pool_dtype) for _ in range(2)]
+    pool = [to_pool(torch.randn(4, 16, kvh, d), pool_dtype) for _ in range(2)]
     for bad in (float("nan"), float("inf")):
         qkv = torch.randn(1, (h + 2 * kvh) * d)
         qkv[0, 5] = bad  # query head 0
@@ -663,13 +539,13 @@ def test_a_tokens_attention_is_the_same_in_a_prefill_chunk_and_as_a_decode_row(
     torch.manual_seed(8)
     n, table = 37, torch.tensor([5, 2, 9, 17, 3, 30, 22, 11, 26, 38])  # 10 blocks of 4
     qkv = torch.randn(n, (H + 2 * KVH) * D)
-    cos, sin = _rope_tables(torch.arange(n), D)
+    cos, sin = rope_tables(torch.arange(n), D)
     slots = table[torch.arange(n) // BS] * BS + torch.arange(n) % BS
     none2, none1 = torch.empty(0, 1, dtype=torch.long), torch.empty(0, dtype=torch.long)
 
     def run(pieces):
-        k = _to_pool(torch.zeros(NB, BS, KVH, D), pool_dtype)
-        v = _to_pool(torch.zeros(NB, BS, KVH, D), pool_dtype)
+        k = to_pool(torch.zeros(NB, BS, KVH, D), pool_dtype)
+        v = to_pool(torch.zeros(NB, BS, KVH, D), pool_dtype)
         outs = []
         for start, size, as_decode in pieces:
             sl = slice(start, start + size)

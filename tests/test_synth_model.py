@@ -12,14 +12,7 @@ The tokenizer is SmolLM2's (fetched into the model cache if missing).
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import socket
 import subprocess
-import time
-import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,6 +23,7 @@ from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES, GGMLQuantiza
 from models import gguf_loader, kernels, load_model
 from models.hf_tokenizer import load_gguf_tokenizer
 from tests.helpers.engine_runs import engine_greedy, engine_logits
+from tests.helpers.llama_cpp import llama_cpp_tool, llama_server_greedy
 from tests.helpers.oracles import our_logits
 from tools import synth_model
 from tools.synth_model import ARCHES, random_state_dict, write_gguf
@@ -41,17 +35,19 @@ TINY = dict(
 )  # fmt: skip
 PRESET = {"llama": "smollm2-360m", "qwen2": "qwen2.5-0.5b", "qwen3": "qwen3-0.6b",
           "qwen3moe": "qwen3-30b-a3b", "phi3": "phi-3-mini", "smollm3": "smollm3-3b",
-          "gemma2": "gemma-2-2b", "gemma3": "gemma-3-270m", "gpt-oss": "gpt-oss-20b"}  # fmt: skip
+          "gemma2": "gemma-2-2b", "gemma3": "gemma-3-270m", "gpt-oss": "gpt-oss-20b",
+          "gemma4": "gemma-4-e2b"}  # fmt: skip
 # a mixture of experts' tiny experts (rows of 256 for the K-quant blocks); gpt-oss's size is
 # its intermediate_size
 TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
 TINY_GPT_OSS = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=256)
 MOE = ("qwen3moe", "gpt-oss")
+# Gemma 4's global layers: heads twice the sliding layers' (E2B: 512 and 256)
+TINY_EXTRA = {"qwen3moe": TINY_MOE, "gpt-oss": TINY_GPT_OSS, "gemma4": dict(global_head_dim=128)}
 
 
 def tiny(arch: str, **fields) -> dict:
-    moe = {"qwen3moe": TINY_MOE, "gpt-oss": TINY_GPT_OSS}.get(arch, {})
-    return {**TINY, **moe, **fields}
+    return {**TINY, **TINY_EXTRA.get(arch, {}), **fields}
 
 
 def greedy(lm, prompts: list[str], n: int) -> list[list[int]]:
@@ -105,7 +101,8 @@ def test_each_architecture_multiplies_its_file_blocks_in_place(
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason() or "no kernels")
     # Gemma: five windowed layers and a global one; SmolLM3: a fourth layer, without RoPE
-    layers = {"gemma2": 3, "gemma3": 6, "smollm3": 4}.get(arch, 2)
+    # Gemma 4: four sliding layers, a global one, and a global one reading its K/V
+    layers = {"gemma2": 3, "gemma3": 6, "smollm3": 4, "gemma4": 6}.get(arch, 2)
     path = synth_model.write_synthetic(
         tmp_path / f"{arch}.gguf", PRESET[arch], "Q4_K_M", seed=4, tokenizer=smol_tokenizer,
         **tiny(arch, num_hidden_layers=layers, sliding_window=8),
@@ -123,15 +120,20 @@ def test_each_architecture_multiplies_its_file_blocks_in_place(
     # only norms and biases (a Phi-3 file's fused ffn_up was dequantized whole and dropped:
     # 0.8 s a layer at 3.8B); and a MoE router, float32 in the file as llama-quantize leaves it
     floats = [name for name, dims in dequantized if dims > 1]
-    assert dequantized and all(n.endswith("ffn_gate_inp.weight") for n in floats), dequantized
+    # (and Gemma 4's per-layer model projection, never quantised: llama-quantize's rule)
+    kept = ("ffn_gate_inp.weight", "per_layer_model_proj.weight")
+    assert dequantized and all(n.endswith(kept) for n in floats), floats
     formats = packed.model.weight_formats()
     if arch in MOE:  # (the router: float32 panels, its scores choose the experts)
         assert formats.pop("f32") > 0
         assert all(layer.mlp.fused is not None for layer in packed.model.layers)  # one op
+    if arch == "gemma4":  # (the per-layer model projection, float32 in the file)
+        assert formats.pop("f32") > 0
     assert formats and all(name.startswith("q") for name in formats), formats
     assert type(packed.model.embed_tokens).__name__ in ("RowsEmbedding", "PanelEmbedding")
-    # the module-free layer loop (a sparse MLP's layers run as modules)
-    assert (packed.model._plan is not None) == (arch not in MOE)
+    # the module-free layer loop (a sparse MLP's layers run as modules, as do Gemma 4's with
+    # their per-layer inputs and shared K/V)
+    assert (packed.model._plan is not None) == (arch not in (*MOE, "gemma4"))
     floats = load_model(str(path), use_kernels=False)
     ids = [1, *range(40, 70)]  # 31 tokens: past the window of 8
     want = our_logits(floats, ids)
@@ -239,6 +241,13 @@ def _hf_model(arch: str):
         "gpt-oss": (tf.GptOssConfig, tf.GptOssForCausalLM,
                     {"head_dim": 32, "sliding_window": 16, "num_local_experts": 4,
                      "num_experts_per_tok": 2, "intermediate_size": 32}),
+        # (a sliding layer, a global one, and a global one reading the second's K/V)
+        "gemma4": (tf.Gemma4TextConfig, tf.Gemma4ForCausalLM,
+                   {"num_hidden_layers": 3, "head_dim": 32, "global_head_dim": 64,
+                    "sliding_window": 16, "num_kv_shared_layers": 1,
+                    "layer_types": ["sliding_attention", "full_attention", "full_attention"],
+                    "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 300,
+                    "pad_token_id": 0}),
     }  # fmt: skip
     config_cls, model_cls, extra = classes[arch]
     torch.manual_seed(1)
@@ -335,6 +344,27 @@ def test_each_architecture_has_the_tensors_keys_and_layouts_of_llama_cpp(
         assert "output.weight" not in tensors
     if arch == "gemma3":
         assert reader.fields["gemma3.rope.freq_base_swa"].contents() == 10000.0
+    if arch == "gemma4":
+        # plain RMSNorm weights, stored as they are; the global layers' head size and
+        # proportional RoPE (a quarter of the 32 frequencies rotated, the rest factor 1e30)
+        np.testing.assert_array_equal(
+            tensors["blk.1.post_ffw_norm.weight"],
+            hf["model.layers.1.post_feedforward_layernorm.weight"],
+        )
+        np.testing.assert_array_equal(
+            tensors["blk.2.layer_output_scale.weight"], hf["model.layers.2.layer_scalar"]
+        )
+        assert "blk.2.attn_k.weight" not in tensors and "blk.1.attn_k.weight" in tensors
+        assert tensors["per_layer_token_embd.weight"].shape == (300, 3 * 8)
+        assert list(tensors["rope_freqs.weight"]) == [1.0] * 8 + [1e30] * 24
+        fields = {"attention.key_length": 64, "attention.key_length_swa": 32,
+                  "attention.sliding_window": 16, "attention.shared_kv_layers": 1,
+                  "embedding_length_per_layer_input": 8}  # fmt: skip
+        for key, value in fields.items():
+            assert reader.fields[f"gemma4.{key}"].contents() == value, key
+        pattern = reader.fields["gemma4.attention.sliding_window_pattern"].contents()
+        assert pattern == [True, False, False]
+        assert "output.weight" not in tensors
     if arch == "gemma2":
         assert reader.fields["gemma2.attn_logit_softcapping"].contents() == 50.0
         assert reader.fields["gemma2.final_logit_softcapping"].contents() == 30.0
@@ -391,59 +421,6 @@ def test_a_vocabulary_larger_than_the_tokenizer_is_padded_with_unused_tokens(
 
 
 # -- against llama.cpp (where it is built) ---------------------------------------------------------
-
-
-DEFAULT_LLAMA_CPP_BIN = "/work/peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
-
-
-def llama_cpp_tool(name: str) -> Path:
-    """A llama.cpp binary from $LLAMA_CPP_BIN (default: ../shared/peers.md's build) or PATH."""
-    tool = Path(os.environ.get("LLAMA_CPP_BIN", DEFAULT_LLAMA_CPP_BIN)) / name
-    if tool.is_file() and os.access(tool, os.X_OK):
-        return tool
-    found = shutil.which(name)
-    if found is None:
-        pytest.skip(f"llama.cpp's {name} is not built ({tool}; set LLAMA_CPP_BIN)")
-    return Path(found)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def llama_server_greedy(model, ids: list[int], n: int, ctx: int = 512) -> list[int]:
-    tool = llama_cpp_tool("llama-server")
-    port = _free_port()
-    cmd = [str(tool), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
-           "-np", "1", "-c", str(ctx), "--no-warmup",
-           # (its flash attention takes queries to float16: a random model's near ties flip)
-           "-fa", "off"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, "llama-server did not start"
-            time.sleep(0.2)
-        body = {"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1,
-                "return_tokens": True, "ignore_eos": True}  # fmt: skip
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{port}/completion", json.dumps(body).encode(),
-            {"Content-Type": "application/json"},
-        )  # fmt: skip
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return json.loads(r.read())["tokens"]
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.mark.slow

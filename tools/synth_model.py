@@ -174,6 +174,7 @@ def make_config(preset: str, **overrides: Any) -> tuple[str, dict[str, Any]]:
     arch, config = PRESETS[preset]
     config = dict(config)
     config.update({k: v for k, v in overrides.items() if v is not None})
+    config = _synth(arch).fit(config)
     rope = _rope(config)
     if rope.get("rope_type") == "longrope" and "long_factor" not in rope:
         config["rope_scaling"] = {**config["rope_scaling"], **_longrope_factors(config)}
@@ -227,7 +228,8 @@ def random_state_dict(arch: str, config: Mapping[str, Any], seed: int = 0) -> La
     """Random HF-named weights: normal(0, 0.02) matrices and biases, norms 1 + normal(0, 0.02)
     (norms around 0 where the family's checkpoints store norm - 1, as Gemma's). Each tensor's values depend on the
     seed and its name only."""
-    norm_mean = _synth(arch).norm_mean
+    synth = _synth(arch)
+    norm_mean = synth.norm_mean
 
     def maker(name: str, shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
         def make() -> np.ndarray:
@@ -238,7 +240,7 @@ def random_state_dict(arch: str, config: Mapping[str, Any], seed: int = 0) -> La
                 # outweigh the embedding as a real model's do (else greedy repeats the input).
                 std = max(INIT_STD, 0.9 / math.sqrt(shape[-1]))
             x = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
-            if name.endswith("norm.weight") and norm_mean:
+            if (name.endswith("norm.weight") or name.endswith(synth.scales)) and norm_mean:
                 x += np.float32(norm_mean)
             return x
 
@@ -260,7 +262,9 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _metadata(arch: str, config: Mapping[str, Any], vocab: int) -> list[tuple[str, Any]]:
-    """(key suffix after "{arch}.", value) pairs as convert_hf_to_gguf.py writes them."""
+    """(key suffix after "{arch}.", value) pairs as convert_hf_to_gguf.py writes them (a
+    family's own keys replace the common ones of the same name: per-layer arrays, other head
+    sizes)."""
     hd = _head_dim(config)
     keys: list[tuple[str, Any]] = [
         ("context_length", int(config["max_position_embeddings"])),
@@ -274,7 +278,7 @@ def _metadata(arch: str, config: Mapping[str, Any], vocab: int) -> list[tuple[st
     ]
     if config.get("head_dim") is not None:
         keys += [("attention.key_length", hd), ("attention.value_length", hd)]
-    return keys + _synth(arch).metadata(config)
+    return list(dict([*keys, *_synth(arch).metadata(config)]).items())
 
 
 def _gguf_tensors(
@@ -309,6 +313,8 @@ def _gguf_tensors(
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {hf_name!r} in {arch}")
+        if _suffixed(gguf_name, tensor_map):  # (a checkpoint name without .weight that the
+            gguf_name += ".weight"  # converter writes with it: Gemma 4's layer_scalar)
         shape = _shape(state_dict, hf_name)
 
         def values(hf_name: str = hf_name) -> np.ndarray:
@@ -326,6 +332,17 @@ def _gguf_tensors(
     for name, values in _synth(arch).tensors(config).items():  # (RoPE factor tables)
         out[name] = (values.shape, lambda v=values: v)
     return out
+
+
+def _suffixed(gguf_name: str, tensor_map: Any) -> bool:
+    """The family's tensor map names this suffix-less layer tensor with ".weight"."""
+    parts = gguf_name.split(".")
+    return (
+        len(parts) == 3
+        and parts[0] == "blk"
+        and f"{parts[2]}.weight" in tensor_map.blocks
+        and parts[2] not in tensor_map.blocks
+    )
 
 
 def _experts(
@@ -409,6 +426,8 @@ def write_gguf(
         full = f"{arch}.{key}"
         if isinstance(value, str):
             w.add_string(full, value)
+        elif isinstance(value, list):  # one value a layer (as the converter's add_array)
+            w.add_array(full, value)
         elif isinstance(value, float):
             w.add_float32(full, value)
         else:

@@ -30,7 +30,8 @@ GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 # The projections the kernels may multiply in a GGUF file's own blocks (`models.gguf_loader`),
-# by Hugging Face name: layer, module and projection.
+# by Hugging Face name: layer, module and projection (the third group: its name, which
+# `DECODER_FUSED` fuses with others).
 DECODER_PROJECTIONS = re.compile(
     r"model\.layers\.(\d+)\.(self_attn|mlp|mlp\.experts\.\d+)\.(\w+_proj)\.weight"
 )
@@ -63,7 +64,9 @@ class GGUFTensorMap:
 
     `blocks`: per-layer names, "attn_q" (of "blk.N.attn_q.weight") -> "self_attn.q_proj" (of
     "model.layers.N.self_attn.q_proj.weight"; the .weight / .bias suffix, where the file's name
-    has one, stays); a tensor in neither `blocks` nor `globals` is refused by name. `stacked_experts`: blk.N.ffn_{gate,up,down}_exps, (experts, rows, in) each,
+    has one, stays; a name given with its suffix, "layer_output_scale.weight", maps to the
+    whole Hugging Face name below the layer); a tensor in neither `blocks` nor `globals` is
+    refused by name. `stacked_experts`: blk.N.ffn_{gate,up,down}_exps, (experts, rows, in) each,
     read as one Hugging Face tensor an expert (mlp.experts.E.{gate,up,down}_proj).
     `permuted_qk`: the converter permuted q/k rows for GGML's RoPE pairs (the loader undoes it,
     or keeps the file's order and rotates GGML's pairs: `ModelConfig.rope_interleaved`).
@@ -95,11 +98,14 @@ class SynthSpec:
     `metadata`: the converter's `{arch}.*` keys beyond the ones every decoder has (key suffix
     after "{arch}.", value). `tensors`: tensors the converter adds that the checkpoint does not
     hold (RoPE factor tables), name -> float32 array. `norm_mean`: what a random RMSNorm weight
-    is drawn around in the Hugging Face checkpoint (0 where it multiplies by 1 + w).
+    is drawn around in the Hugging Face checkpoint (0 where it multiplies by 1 + w); `scales`:
+    the name endings of other tensors drawn around it too (multipliers, as Gemma 4's
+    layer_scalar). `fit`: the preset's config after overrides, its per-layer fields made to fit
+    (a layer pattern refitted to another layer count).
     `tensor(config, shape_of, read, hf_name)`: a checkpoint tensor the family's converter writes
     its own way (gpt-oss's interleaved experts), as {GGUF name: (shape, values function)}, or
     None for the generic rules (`shape_of(name)` its shape, `read(name)` its float32 values).
-    Metadata values may be ints, floats or strings.
+    Metadata values may be ints, floats, strings or lists (one value a layer).
     """
 
     presets: Mapping[str, Mapping[str, Any]]
@@ -109,6 +115,8 @@ class SynthSpec:
     tensors: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda config: {}
     norm_mean: float = 1.0
     tensor: Callable[..., dict[str, Any] | None] = lambda config, shape_of, read, name: None
+    scales: tuple[str, ...] = ()
+    fit: Callable[[dict[str, Any]], dict[str, Any]] = lambda config: config
 
 
 @dataclass(frozen=True, slots=True)

@@ -161,16 +161,18 @@ inline void rope_pairs(float* x, const float* c, const float* s, int64_t half) {
 
 // `half` pairs a head are rotated: D / 2, or fewer for a partial rotary embedding (Phi-4-mini's
 // first 96 of 128 values), whose remaining values pass through unrotated.
+// `write` false: qkv holds the queries only (a layer reading K/V another layer wrote), which are
+// roped; nothing is written.
 template <typename C>
 void rope_and_write(float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t half, const float* cos,
-                    const float* sin, bool interleaved, const int64_t* slots, C* kcache, C* vcache) {
-  const int64_t width = (H + 2 * KVH) * D;
+                    const float* sin, bool interleaved, const int64_t* slots, C* kcache, C* vcache, bool write) {
+  const int64_t width = (write ? H + 2 * KVH : H) * D, roped = write ? H + KVH : H;
   at::parallel_for(0, T, std::max<int64_t>(1, (1 << 15) / width), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       float* row = qkv + t * width;
       const float* c = cos + t * half;
       const float* s = sin + t * half;
-      for (int64_t h = 0; h < H + KVH; ++h) {  // q heads then k heads
+      for (int64_t h = 0; h < roped; ++h) {  // q heads then k heads
         float* x = row + h * D;
         if (interleaved) {
           rope_pairs(x, c, s, half);
@@ -189,6 +191,7 @@ void rope_and_write(float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, in
           x[half + i] = x2 * c[i] + x1 * s[i];
         }
       }
+      if (!write) continue;
       const int64_t W = row_width<C>(D);
       const float* k = row + H * D;
       const float* v = row + (H + KVH) * D;
@@ -324,12 +327,14 @@ bool with_tile(int64_t G, F&& f) {
 constexpr int64_t kRowsForWholeRowItems = 8;
 
 // After the K/V are in the pool: decode rows, then prefill chunks, over pool rows of type C.
+// `width`: floats from one token's queries to the next ((H + 2 KVH) D in a fused qkv, H D for
+// queries alone); the AVX-512 int8 kernels take the fused qkv only.
 template <typename C>
 void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t bs, int64_t num_decode,
             const at::Tensor& dec_tables_, const at::Tensor& dec_lens_, const at::Tensor& chunk_meta_,
             const at::Tensor& chunk_tables_, int64_t H, int64_t KVH, int64_t D, float scale, int64_t window,
-            float softcap, const float* sinks) {
-  const int64_t width = (H + 2 * KVH) * D;
+            float softcap, const float* sinks, int64_t width) {
+  const bool fused_qkv = width == (H + 2 * KVH) * D;
   const int64_t W = row_width<C>(D), tok_stride = KVH * W, blk_stride = bs * KVH * W;
   const int64_t G = H / KVH;
   if (num_decode > 0) {
@@ -342,7 +347,8 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
     bool whole_rows = false;
     if constexpr (std::is_same_v<C, int8_t>) {
       // (every key of every row: the whole-row kernel has no window)
-      whole_rows = G <= 8 && H <= 64 && num_decode >= kRowsForWholeRowItems && avx512_head64(D, softcap, sinks) &&
+      whole_rows = fused_qkv && G <= 8 && H <= 64 && num_decode >= kRowsForWholeRowItems &&
+                   avx512_head64(D, softcap, sinks) &&
                    cpu_has_vnni() && (window <= 0 || max_len <= window);
       if (whole_rows)
         decode_whole_rows_int8(qp, op, kbase, vbase, bs, num_decode, tp, lp, maxb, H, KVH, tok_stride, blk_stride,
@@ -379,7 +385,8 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
     int64_t max_len = 1;
     for (int64_t c = 0; c < NC; ++c) max_len = std::max(max_len, mp[c * 3 + 2]);
     if constexpr (std::is_same_v<C, int8_t>) {
-      if (G <= 8 && avx512_head64(D, softcap, sinks) && cpu_has_vnni() && (window <= 0 || max_len <= window)) {
+      if (fused_qkv && G <= 8 && avx512_head64(D, softcap, sinks) && cpu_has_vnni() &&
+          (window <= 0 || max_len <= window)) {
         prefill_groups_int8(qp, op, kbase, vbase, bs, mp, NC, ctp, cmaxb, H, KVH, tok_stride, blk_stride, scale,
                             max_len);
         return;
@@ -434,15 +441,15 @@ void rope_write_attend(float* qkv, float* out, const at::Tensor& cos, const at::
                        const at::Tensor& vcache, const at::Tensor& slots, int64_t T, int64_t num_decode,
                        const at::Tensor& dec_tables, const at::Tensor& dec_lens, const at::Tensor& chunk_meta,
                        const at::Tensor& chunk_tables, int64_t H, int64_t KVH, int64_t D, float scale,
-                       int64_t window, bool interleaved, float softcap, const float* sinks) {
+                       int64_t window, bool interleaved, float softcap, const float* sinks, bool write) {
   TORCH_CHECK(kcache.size(3) == row_width<C>(D) && vcache.sizes() == kcache.sizes(),
               "the KV pool's rows do not fit head_dim ", D);
   C* kc = kcache.data_ptr<C>();
   C* vc = vcache.data_ptr<C>();
   rope_and_write<C>(qkv, T, H, KVH, D, cos.size(1), cos.data_ptr<float>(), sin.data_ptr<float>(), interleaved,
-                    slots.data_ptr<int64_t>(), kc, vc);
+                    slots.data_ptr<int64_t>(), kc, vc, write);
   attend<C>(qkv, out, kc, vc, kcache.size(1), num_decode, dec_tables, dec_lens, chunk_meta, chunk_tables, H, KVH, D,
-            scale, window, softcap, sinks);
+            scale, window, softcap, sinks, (write ? H + 2 * KVH : H) * D);
 }
 
 // Every pool row the step writes or reads lies inside the pools: a bad slot or block id would
@@ -495,6 +502,8 @@ void check_pool_indices(const at::Tensor& slots, int64_t T, int64_t num_decode, 
 // cos/sin: (T, R/2) for the first R <= D values of each q/k head (R < D: a partial rotary
 // embedding; the pairs are then (i, i + R/2), or (2i, 2i + 1) interleaved).
 // The pools: (num_blocks, block_size, KVH, row width) of float32, float16 or int8 (`row_width`).
+// qkv of H * D columns (queries only): roped and attending over the pools, which are not written
+// (a layer sharing an earlier layer's K/V reads that layer's pools).
 at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos_, const at::Tensor& sin_,
                      const at::Tensor& kcache, const at::Tensor& vcache, const at::Tensor& slots_,
                      int64_t num_decode, const at::Tensor& dec_tables, const at::Tensor& dec_lens,
@@ -505,11 +514,13 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos_, const at::Te
   // one block of memory rather than a view the op would have to copy.
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.is_contiguous(),
               "qkv must be a contiguous 2-D float32 tensor");
-  TORCH_CHECK(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
+  TORCH_CHECK(D % 8 == 0 && D <= 512, "head_dim must be a multiple of 8, at most 512");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: scores not capped)");
-  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "qkv must have (H + 2 KVH) * D columns");
+  // H * D columns: the queries alone, attending over K/V another layer wrote (a shared-KV layer)
+  const bool write = qkv.size(1) == (H + 2 * KVH) * D;
+  TORCH_CHECK(write || qkv.size(1) == H * D, "qkv must have (H + 2 KVH) * D columns (or H * D: queries only)");
   TORCH_CHECK(kcache.is_contiguous() && vcache.is_contiguous(), "the KV pools must be contiguous");
   TORCH_CHECK(kcache.dim() == 4 && kcache.scalar_type() == vcache.scalar_type(),
               "the KV pools must be 4-D, of one dtype");
@@ -536,7 +547,8 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos_, const at::Te
     if constexpr (std::is_same_v<C, int8_t>)
       TORCH_CHECK(D % 32 == 0, "an int8 KV pool needs head_dim to be a multiple of 32");
     rope_write_attend<C>(qp, op, cos, sin, kcache, vcache, slots, T, num_decode, dec_tables, dec_lens, chunk_meta,
-                         chunk_tables, H, KVH, D, scale, window, interleaved, static_cast<float>(softcap), sp);
+                         chunk_tables, H, KVH, D, scale, window, interleaved, static_cast<float>(softcap), sp,
+                         write);
   });
   return out;
 }
