@@ -97,6 +97,9 @@ def _hf_name(gguf_name: str, path: Path, arch: str, names: GGUFTensorMap) -> str
         return names.globals[gguf_name]
     m = _BLOCK_RE.fullmatch(gguf_name)
     if m:
+        whole = names.blocks.get(m.group(2) + (m.group(3) or ""))  # (named with its suffix)
+        if whole is not None and m.group(3):
+            return f"model.layers.{m.group(1)}.{whole}"
         hf = names.blocks.get(m.group(2))
         if hf is not None:
             return f"model.layers.{m.group(1)}.{hf}{m.group(3) or ''}"
@@ -185,6 +188,9 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
                     f"{path.name}: tensor {t.name} has type {t.tensor_type.name}, which is not "
                     f"supported (supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
                 )
+            m = _BLOCK_RE.fullmatch(t.name)
+            if m and int(m.group(1)) >= config.num_layers:
+                continue  # a layer past the decoder's (llama.cpp's multi-token-prediction head)
             if "_exps." in t.name:
                 self._tensors.update(_expert_slices(t, path, arch, names.stacked_experts))
             else:

@@ -515,12 +515,14 @@ def _category(name: str) -> str:
 
 def _quantizable(name: str, shape: Sequence[int]) -> bool:
     """llama-quantize's tensor_allows_quantization, for the architectures we write: 2-D and up,
-    a name ending in "weight", no norm, no MoE router."""
+    a name ending in "weight", no norm, no MoE router, no recurrent layer's small conv weight."""
     return (
         _n_dims(shape) >= 2
         and name.endswith("weight")
         and "_norm.weight" not in name
         and "ffn_gate_inp.weight" not in name
+        and "ssm_conv1d" not in name
+        and "shortconv.conv.weight" not in name
     )
 
 

@@ -15,7 +15,10 @@ from functools import cache
 from models.arch.spec import ArchSpec
 
 # The family modules, in the order lists of supported architectures name them.
-FAMILIES = ("tinygpt", "llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "qwen3_moe")
+FAMILIES = (
+    "tinygpt", "llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "qwen3_moe", "lfm2",
+    "qwen35",
+)  # fmt: skip
 
 
 @cache
