@@ -25,11 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import ops
 from models.config import ModelConfig
 from models.decoder import MLP, Attention, HFLoader, Linear, RMSNorm
 from models.hybrid import HybridForCausalLM, RecurrentLayer, conv_parameter, take_conv_weight
 from models.llama import LlamaDecoderLayer
-from models.recurrent import causal_conv1d, gated_delta_rule
+from models.recurrent import causal_conv1d, gated_delta_rule, rowwise
 
 if TYPE_CHECKING:
     from models.packing import Packer
@@ -53,7 +54,7 @@ class GatedAttention(Attention):
         if self.q_norm is not None:
             self._norm_qk(qkv)
         o = self.attend(qkv, rope, kv_cache, meta)  # (T, H hd)
-        o = o * torch.sigmoid(qg[:, :, 1].reshape(t, self.q_size))
+        o = rowwise(lambda o, g: o * torch.sigmoid(g), o, qg[:, :, 1].reshape(t, self.q_size))
         return self.o_proj(o, residual)
 
 
@@ -101,12 +102,19 @@ class GatedDeltaNet(nn.Module):
         q = mixed[:, :kd].view(t, self.hk, self.dk)
         k = mixed[:, kd : 2 * kd].view(t, self.hk, self.dk)
         v = mixed[:, 2 * kd :].view(t, self.hv, self.dv)
-        beta = torch.sigmoid(ba[:, : self.hv])
-        g = -self.A_log.float().exp() * F.softplus(ba[:, self.hv :] + self.dt_bias)
+        beta = rowwise(torch.sigmoid, ba[:, : self.hv])
+        a = (-self.A_log.float().exp()).expand(t, -1)
+        g = rowwise(
+            lambda x, b, a: a * F.softplus(x + b), ba[:, self.hv :], self.dt_bias.expand(t, -1), a
+        )
         o = gated_delta_rule(q, k, v, g, beta, pools[1], state, self.tiled, use_kernel)
-        z = y[:, self.conv_dim :].view(t, self.hv, self.dv)
-        o = F.rms_norm(o, (self.dv,), self.norm, self.eps) * F.silu(z)
-        return self.out_proj(o.reshape(t, self.value_dim), residual)
+        o = o.reshape(t, self.value_dim)
+        if use_kernel and o.dtype == torch.float32:  # (a row's norm alone, in one op)
+            ops.head_rms_norm(o, self.norm.expand(self.hv, -1).contiguous(), self.dv, self.eps)
+        else:
+            o = F.rms_norm(o.view(t, self.hv, self.dv), (self.dv,), self.norm, self.eps)
+        o = rowwise(lambda o, z: o * F.silu(z), o.reshape(t, self.value_dim), y[:, self.conv_dim :])
+        return self.out_proj(o, residual)
 
 
 class Qwen35DeltaLayer(RecurrentLayer):

@@ -15,11 +15,34 @@ whatever the chunks its prompt was split into and whatever else shares the step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from models import ops
 from models.state import StateMetadata
+
+# torch's element-wise CPU loops compute full vectors of 2 x 8 (AVX2) or 2 x 16 (AVX-512)
+# floats with one formula and a remainder with another (exp, sigmoid, ... differ in the last
+# bit), and split a tensor over threads past 32,768 elements: where a row's values fall then
+# depends on the rows beside it. `rowwise` pads each row to a multiple of 64 floats and calls
+# in slabs of at most 32,768, so every value takes the vector path whatever the batch.
+_ROW_MULTIPLE = 64
+_SLAB = 32_768
+
+
+def rowwise(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+    """fn (element-wise) over 2-D tensors xs (T, W) of one shape, each row's result independent
+    of the other rows (see above). -> (T, W)."""
+    t, w = xs[0].shape
+    wp = -(-w // _ROW_MULTIPLE) * _ROW_MULTIPLE
+    padded = [F.pad(x, (0, wp - w)) if wp != w else x.contiguous() for x in xs]
+    rows = max(1, _SLAB // wp)
+    if t <= rows:
+        return fn(*padded)[:, :w]
+    parts = [fn(*(x[i : i + rows] for x in padded)) for i in range(0, t, rows)]
+    return torch.cat(parts)[:, :w]
 
 
 def _kernel(use_kernel: bool, *tensors: torch.Tensor) -> bool:

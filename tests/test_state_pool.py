@@ -103,7 +103,10 @@ def test_slots_return_on_finish_abort_and_preemption(lfm2):
 
     engine = ContinuousBatchEngine(lfm2.model, max_batch_size=3, block_size=4, num_blocks=10)
     reqs = [
-        Request(prompt_token_ids=list(range(3, 3 + n)), params=SamplingParams(max_tokens=8, ignore_eos=True))
+        Request(
+            prompt_token_ids=list(range(3, 3 + n)),
+            params=SamplingParams(max_tokens=8, ignore_eos=True),
+        )
         for n in (9, 14, 5)
     ]
     for r in reqs:
