@@ -72,20 +72,23 @@ def ffn_size(cfg: Mapping[str, Any]) -> int:
 
 
 def layer_types(cfg: Mapping[str, Any]) -> list[str]:
-    """ "conv" or "full_attention" per layer (`layer_types`, else `full_attn_idxs`)."""
+    """The kind per layer, "conv" or "full_attention" (`layer_types`, else `full_attn_idxs`);
+    a list longer than the layers (a preset cut to fewer layers) gives its first ones."""
     n = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types")
     if types is None:
         idxs = cfg.get("full_attn_idxs")
         attn = set(range(n)) if idxs is None else set(idxs)
         types = ["full_attention" if i in attn else "conv" for i in range(n)]
-    return list(types)
+    return list(types)[:n]
 
 
 def hf_lfm2_fields(cfg: dict, where: str) -> Fields:
     if cfg.get("conv_bias"):
         raise ModelLoadError(f"{where}: LFM2 convolutions with a bias are not supported")
     types = layer_types(cfg)
+    if len(types) != int(cfg["num_hidden_layers"]):
+        raise ModelLoadError(f"{where}: {len(types)} layer_types for more layers")
     unknown = set(types) - {"conv", "full_attention"}
     if unknown:
         raise ModelLoadError(f"{where}: LFM2 layer types {sorted(unknown)} are not supported")
