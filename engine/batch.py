@@ -31,6 +31,7 @@ from engine.prompt_outputs import finish_prefill_only, is_prefill_only
 from engine.request import Request, RequestState, StepOutput
 from engine.sampling import sample
 from engine.scheduler import Scheduler
+from engine.state_pool import StateSlots
 from engine.step_budget import StepBudget
 from models.base import CausalLM, LoadedModel
 
@@ -40,6 +41,12 @@ from models.base import CausalLM, LoadedModel
 # int8 pool: 0.5 GiB of SmolLM2), 0.75 GiB for the rest (34,900 float16 tokens of SmolLM2).
 DEFAULT_KV_CACHE_GIB = 0.75
 DEFAULT_KV_CACHE_TOKENS = 40_960
+# A hybrid model's recurrent state comes out of the same budget (`--kv-cache-memory`): live state
+# slots (one per running request) take at most half of it, prefix-cache snapshots at most an
+# eighth, the K/V blocks of its attention layers the rest. With fewer slots than
+# `max_batch_size`, the batch is as large as the slots: admission waits for one.
+STATE_SHARE = 0.5
+SNAPSHOT_SHARE = 0.125
 
 
 class BatchMode(enum.Enum):
@@ -75,24 +82,33 @@ class BatchEngine(EngineBase):
         self.name = self.mode.value
         static = self.mode is BatchMode.STATIC
         self.requests: dict[str, RequestState] = {}
-        num_blocks = config.num_blocks
-        if num_blocks is None:
-            num_blocks = self._blocks_from_budget(config)
         caching = config.enable_prefix_caching
         if caching is None:
             caching = not static
-        self.max_batch_size = config.max_batch_size
+        if self.model_config.state_layout is None:
+            num_blocks = config.num_blocks
+            if num_blocks is None:
+                num_blocks = self._blocks_from_budget(config)
+            states = None
+            self.max_batch_size = config.max_batch_size
+        else:
+            num_blocks, states = self._hybrid_pools(config, caching)
+            self.max_batch_size = min(config.max_batch_size, states.num_live)
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, caching, model_identity=self.model_config.name
+            num_blocks,
+            config.block_size,
+            caching,
+            model_identity=self.model_config.name,
+            states=states,
         )
         self.scheduler = Scheduler(
             self.block_manager,
-            config.max_batch_size,
+            self.max_batch_size,
             config.token_budget,
             static=static,
             policy=make_policy(config.scheduling),
         )
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, states)
         self.runner.warm_up()
         self.step_budget = None
         if config.target_step_ms is not None and not static:
@@ -110,6 +126,35 @@ class BatchEngine(EngineBase):
             DEFAULT_KV_CACHE_TOKENS // config.block_size + 1,
         )
         return max(2, min(want, cap))
+
+    def _hybrid_pools(self, config: EngineConfig, caching: bool) -> tuple[int, StateSlots]:
+        """A hybrid model's KV blocks and state slots from one budget (`STATE_SHARE`,
+        `SNAPSHOT_SHARE`; without a budget, DEFAULT_KV_CACHE_GIB, the K/V capped as
+        `_blocks_from_budget` caps it). With `num_blocks` given: a live slot per batch slot and
+        as many snapshot slots."""
+        layout = self.model_config.state_layout
+        assert layout is not None
+        if config.num_blocks is not None:
+            live = config.max_batch_size
+            return config.num_blocks, StateSlots(live, live if caching else 0)
+        gib = config.kv_cache_memory_gib
+        budget = (DEFAULT_KV_CACHE_GIB if gib is None else gib) * 2**30
+        per_slot = layout.bytes_per_slot
+        live = min(config.max_batch_size, int(budget * STATE_SHARE // per_slot))
+        if live < 1:
+            raise ValueError(
+                f"a KV cache budget of {budget / 2**30:.3g} GiB cannot hold one request's "
+                f"recurrent state ({per_slot / 2**20:.1f} MiB, at most {STATE_SHARE:.0%} of the "
+                f"budget): raise --kv-cache-memory to at least "
+                f"{per_slot / STATE_SHARE / 2**30:.3g} GiB"
+            )
+        snapshots = min(live, int(budget * SNAPSHOT_SHARE // per_slot)) if caching else 0
+        per_block = self.model_config.kv_bytes_per_token * config.block_size
+        blocks = int((budget - (live + snapshots + 1) * per_slot) // per_block)
+        if gib is None:
+            want = config.max_batch_size * math.ceil(self.max_model_len / config.block_size) + 1
+            blocks = min(blocks, want, DEFAULT_KV_CACHE_TOKENS // config.block_size + 1)
+        return max(2, blocks), StateSlots(live, snapshots)
 
     # -- queueing --------------------------------------------------------------------------------
 
@@ -234,6 +279,19 @@ class BatchEngine(EngineBase):
             wasted_slot_steps=self.wasted_slot_steps,
             num_slots=sch.max_batch_size,
             num_paused=sum(s.paused for s in self.requests.values()),
+            **self._state_stats(),
+        )
+
+    def _state_stats(self) -> dict[str, int]:
+        states = self.block_manager.states
+        if states is None:
+            return {}
+        return dict(
+            num_state_slots=states.num_live,
+            num_free_state_slots=states.num_free_live,
+            num_state_snapshot_slots=states.num_snapshots,
+            num_state_snapshots=states.num_cached_snapshots,
+            state_bytes_per_slot=self.model_config.state_layout.bytes_per_slot,
         )
 
 

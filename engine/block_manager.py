@@ -14,6 +14,13 @@ a collision would serve one user's KV blocks to another's prompt (vLLM's GHSA-rm
 the free queue; a later request whose prefix matches takes it back (a hit) and shares it by ref
 count. Blocks are evicted from the front of the free queue (least recently freed) only when an
 allocation needs them.
+
+A hybrid model's recurrent state (`states`, `engine.state_pool.StateSlots`) is allocated and
+freed with the blocks: a request takes a live state slot when it first gets blocks and gives it
+back when it frees them. Its prefix hits end at a block whose state snapshot is kept (a block's
+K/V alone cannot restart a recurrence); `plan_snapshots` says where in a step's prompt chunks
+the forward writes them (`engine.state_pool.snapshot_points`), and a snapshot is dropped when
+its block is evicted.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.request import RequestState
+from engine.state_pool import StateSlots, snapshot_points
 
 NULL_BLOCK = 0
 
@@ -94,6 +102,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = False,
         model_identity: str | None = None,
+        states: StateSlots | None = None,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
@@ -110,6 +119,7 @@ class BlockManager:
         self._key_of_block: dict[int, BlockKey] = {}
         self._block_of_key: dict[BlockKey, int] = {}
         self.counters = PrefixCacheCounters()
+        self.states = states  # a hybrid model's state slots, or None
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -159,11 +169,16 @@ class BlockManager:
             return []
         max_blocks = (state.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        for key in self._block_keys(state, max_blocks):
+        keys = self._block_keys(state, max_blocks)
+        for key in keys:
             block = self._block_of_key.get(key)
             if block is None:
                 break
             hits.append(block)
+        if self.states is not None:
+            # a recurrence restarts only from a snapshot: the hit ends at the last one
+            snapshots = [i + 1 for i in range(len(hits)) if self.states.has_snapshot(keys[i])]
+            hits = hits[: max(snapshots, default=0)]
         return hits
 
     def count_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
@@ -185,6 +200,29 @@ class BlockManager:
                 self._key_of_block[block] = key
                 self._block_of_key[key] = block
 
+    def plan_snapshots(self, state: RequestState, num_new_tokens: int) -> list[tuple[int, int]]:
+        """For a chunk of `num_new_tokens` tokens the request computes from its
+        `num_computed_tokens`: where the forward must copy its state out, as (tokens of the
+        chunk after which, snapshot slot) pairs, the slots taken now (a hybrid model with
+        prefix caching; else none)."""
+        if self.states is None or not self.enable_prefix_caching or state.state_slot is None:
+            return []
+        if state.prompt_out is not None:  # (such a request never hits: nothing to keep)
+            return []
+        start = state.num_computed_tokens
+        points = snapshot_points(
+            start, start + num_new_tokens, state.num_prompt_tokens, self.block_size
+        )
+        if not points:
+            return []
+        keys = self._block_keys(state, points[-1] // self.block_size)
+        out = []
+        for p in points:
+            slot = self.states.snapshot(keys[p // self.block_size - 1])
+            if slot is not None:
+                out.append((p - start, slot))
+        return out
+
     # -- allocation ----------------------------------------------------------------------------
 
     def allocate(
@@ -201,6 +239,13 @@ class BlockManager:
         reclaimed = sum(1 for b in prefix_blocks if self.ref_counts[b] == 0)
         if max(need, 0) + reclaimed > len(self._free):
             return False
+        if self.states is not None and state.state_slot is None:
+            # (a prefix hit resumes from the snapshot at its last block: `lookup_prefix`)
+            restore = self._key_of_block[prefix_blocks[-1]] if prefix_blocks else None
+            slot = self.states.take_live(restore_from=restore)
+            if slot is None:
+                return False
+            state.state_slot = slot
         for b in prefix_blocks:
             if self.ref_counts[b] == 0:
                 del self._free[b]
@@ -216,6 +261,8 @@ class BlockManager:
         if key is not None:
             del self._block_of_key[key]
             self.counters.evictions += 1
+            if self.states is not None:
+                self.states.drop(key)
         self.ref_counts[block] = 1
         return block
 
@@ -231,3 +278,7 @@ class BlockManager:
                     # Unnamed blocks hold nothing worth keeping: hand them out first.
                     self._free.move_to_end(block, last=False)
         state.block_ids = []
+        if state.state_slot is not None:
+            assert self.states is not None
+            self.states.release_live(state.state_slot)
+            state.state_slot = None

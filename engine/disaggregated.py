@@ -49,7 +49,7 @@ class Phase(enum.Enum):
     DECODING = "decoding"  # in the decode pool (running, or preempted and to be recomputed there)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DisaggregatedStats(EngineStats):
     """Both pools summed (blocks, preemptions, prefix cache), plus the handoff."""
 
@@ -138,7 +138,7 @@ class DisaggregatedEngine(PooledEngine):
         """A prefilled request's K/V out of the prefill pool, whose blocks are then freed (named
         ones stay in its prefix cache)."""
         payload = self.connector.send(
-            self.prefill.runner, state.block_ids, state.num_computed_tokens
+            self.prefill.runner, state.block_ids, state.num_computed_tokens, state.state_slot
         )
         self.prefill.release(state)
         return payload

@@ -38,6 +38,14 @@ class EngineStats:
     num_slots: int
     # Requests paused because their reader is behind (backpressure); counted in running/waiting.
     num_paused: int
+    # A hybrid model's recurrent state pool (engine.state_pool): live slots (one per running
+    # request), those free, snapshot slots of the prefix cache and those holding a snapshot,
+    # and one slot's bytes. All 0 for a model without recurrent layers.
+    num_state_slots: int = 0
+    num_free_state_slots: int = 0
+    num_state_snapshot_slots: int = 0
+    num_state_snapshots: int = 0
+    state_bytes_per_slot: int = 0
 
     @property
     def num_cannot_start(self) -> int:

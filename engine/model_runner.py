@@ -3,9 +3,12 @@
 It owns the KV pool tensors: one `(layers, 2, num_blocks, block_size, kv_heads, head_dim)` tensor
 (the model config's `KVLayout`), allocated once from the block count; a model whose layers differ
 in shape has one such tensor per shape (`KVLayout.groups`), and a layer that shares an earlier
-layer's K/V is handed that layer's pools (`kv_caches`), owning none. It needs of the model only
+layer's K/V is handed that layer's pools (`kv_caches`), owning none. For a hybrid model it also
+owns the recurrent state pool (the config's `StateLayout`: conv histories and recurrent states,
+float32, one slot per `engine.state_pool.StateSlots` slot). It needs of the model only
 `models.base.CausalLM`. Per step it builds input ids, positions, the slot each new
-K/V goes to, block tables and context lengths; it never decides who runs.
+K/V goes to, block tables and context lengths, and each sequence's state slot and snapshots
+(`models.state.StateMetadata`); it never decides who runs.
 
 Rows that feed one token (decodes, and a prompt's last single-token chunk) form the batched decode
 group and come first; multi-token chunks follow. A wasted row (static batching's finished member)
@@ -15,17 +18,32 @@ so it costs a full decode row without disturbing anything a live request reads.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine import prompt_outputs
 from engine.block_manager import NULL_BLOCK
 from engine.scheduler import ScheduledRequest
+from engine.state_pool import StateSlots
 from models.attention import AttentionMetadata, PrefillChunk
 from models.base import CausalLM
+from models.state import StateMetadata
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor whose pages are touched as used (see `models.config.KVLayout.allocate`)."""
+    np_dtype = torch.empty((), dtype=dtype).numpy().dtype
+    return torch.from_numpy(np.zeros(shape, dtype=np_dtype))
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        states: StateSlots | None = None,
+    ) -> None:
         layout = model.config.kv_layout
         self.model = model
         self.block_size = block_size
@@ -33,6 +51,42 @@ class ModelRunner:
         self.pools, self.kv_caches = layout.allocate(num_blocks, block_size)
         # (the one pool tensor of a uniform layout, which `read_blocks` moves between pools)
         self.kv = self.pools[0] if layout.uniform else None
+        # A hybrid model's recurrent state: (layers, slots, ...) conv histories and states.
+        self.states = states
+        state_layout = model.config.state_layout
+        self.state_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if state_layout is not None:
+            if states is None:
+                raise ValueError("a model with recurrent layers needs state slots")
+            conv_shape, ssm_shape = state_layout.pool_shapes(states.num_slots)
+            self.conv_states = _zeros(conv_shape, torch.float32)
+            self.ssm_states = _zeros(ssm_shape, torch.float32)
+            self.state_caches = [
+                (self.conv_states[i], self.ssm_states[i]) for i in range(state_layout.num_layers)
+            ]
+
+    def sync_states(self) -> None:
+        """Apply the state pool's pending copies (zeroed slots for new requests, snapshots
+        copied in for prefix hits), in the order they were recorded."""
+        if self.states is None:
+            return
+        for src, dst in self.states.take_ops():
+            for pool in (self.conv_states, self.ssm_states):
+                if src is None:
+                    pool[:, dst].zero_()
+                else:
+                    pool[:, dst] = pool[:, src]
+
+    def read_state(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of one slot's conv histories and states in every recurrent layer."""
+        self.sync_states()
+        return self.conv_states[:, slot].clone(), self.ssm_states[:, slot].clone()
+
+    def write_state(self, slot: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Overwrite one slot with states laid out as `read_state` returns them."""
+        self.sync_states()  # (a pending zeroing of the slot must not land after this)
+        self.conv_states[:, slot] = conv
+        self.ssm_states[:, slot] = ssm
 
     @torch.no_grad()
     def warm_up(self) -> None:
@@ -56,6 +110,15 @@ class ModelRunner:
             decode_context_lens=torch.tensor([n + 1], dtype=torch.long),
             prefills=[PrefillChunk(1, n, n, table)] if n else [],
         )
+        if self.states is not None:
+            # both rows in the scratch slot (nothing reads it), the chunk after the decode row
+            scratch = self.states.scratch
+            spans = [[0, 1, scratch]] + ([[1, n, scratch]] if n else [])
+            meta.state = StateMetadata(
+                torch.tensor(spans, dtype=torch.long),
+                torch.empty((0, 3), dtype=torch.long),
+                self.state_caches,
+            )
         ids = torch.zeros(n + 1, dtype=torch.long)
         positions = torch.tensor([n, *range(n)], dtype=torch.long)
         hidden = self.model(ids, positions, self.kv_caches, meta)
@@ -82,6 +145,7 @@ class ModelRunner:
         """Run one forward over all rows. Returns (logits (N, V), the N rows that sample)."""
         decode_rows = [r for r in rows if r.wasted or r.num_new_tokens == 1]
         chunk_rows = [r for r in rows if not r.wasted and r.num_new_tokens > 1]
+        self.sync_states()
 
         input_ids: list[int] = []
         positions: list[int] = []
@@ -142,6 +206,8 @@ class ModelRunner:
             decode_context_lens=decode_lens,
             prefills=prefills,
         )
+        if self.states is not None:
+            meta.state = self._state_metadata(decode_rows, chunk_rows, prefills)
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos_t = torch.tensor(positions, dtype=torch.long)
         hidden = self.model(ids, pos_t, self.kv_caches, meta)  # (T, d)
@@ -151,6 +217,30 @@ class ModelRunner:
             return hidden.new_empty((0, self.model.config.vocab_size)), []
         logits = self.model.compute_logits(hidden[torch.tensor(sample_idx)])  # (N, V)
         return logits, sample_rows
+
+    def _state_metadata(
+        self,
+        decode_rows: list[ScheduledRequest],
+        chunk_rows: list[ScheduledRequest],
+        prefills: list[PrefillChunk],
+    ) -> StateMetadata:
+        """Each sequence's state slot, in the flat batch's order, and its snapshots. (A wasted
+        row, a finished member of a static batch, computes in the slot it still holds.)"""
+        assert self.states is not None
+        seqs: list[list[int]] = []
+        snaps: list[list[int]] = []
+        starts = [*range(len(decode_rows)), *(c.token_start for c in prefills)]
+        for i, r in enumerate([*decode_rows, *chunk_rows]):
+            slot = r.state.state_slot
+            assert slot is not None, "a scheduled request of a hybrid model holds a state slot"
+            n = 1 if r.wasted else r.num_new_tokens
+            seqs.append([starts[i], n, slot])
+            snaps += [[i, after, dst] for after, dst in r.snapshots]
+        return StateMetadata(
+            torch.tensor(seqs, dtype=torch.long).view(-1, 3),
+            torch.tensor(snaps, dtype=torch.long).view(-1, 3),
+            self.state_caches,
+        )
 
 
 def run_full_sequence(model: CausalLM, token_ids: list[int]) -> torch.Tensor:

@@ -107,9 +107,11 @@ class PooledEngine(EngineBase):
             payload = take_payload(state)
             pool.admit_running(state)
             num_blocks = pool.block_manager.blocks_for(state.num_computed_tokens)
-            connector.receive(payload, pool.runner, state.block_ids[:num_blocks])
+            connector.receive(payload, pool.runner, state.block_ids[:num_blocks], state.state_slot)
 
     def _merged_stats(self) -> dict[str, int]:
         """Every pool's `EngineStats` fields, summed."""
         each = [p.stats() for p in self.pools]
-        return {f.name: sum(getattr(s, f.name) for s in each) for f in fields(EngineStats)}
+        merged = {f.name: sum(getattr(s, f.name) for s in each) for f in fields(EngineStats)}
+        merged["state_bytes_per_slot"] = max(s.state_bytes_per_slot for s in each)
+        return merged

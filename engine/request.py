@@ -268,6 +268,7 @@ class RequestState:
         "num_computed_tokens",
         "num_cached_tokens",
         "block_ids",
+        "state_slot",
         "generator",
         "stop_ids",
         "num_preemptions",
@@ -288,6 +289,8 @@ class RequestState:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
+        # A hybrid model's live recurrent state slot while running (engine.state_pool).
+        self.state_slot: int | None = None
         # Every request owns its generator: a seeded request then draws the same numbers
         # whatever else shares its batch.
         self.generator: torch.Generator | None = None

@@ -41,6 +41,9 @@ class ScheduledRequest:
     state: RequestState
     num_new_tokens: int  # tokens fed this step (0 for a wasted row)
     wasted: bool = False  # static batching: a finished member computed for nothing
+    # A hybrid model's state snapshots the forward writes: (tokens of the row after which,
+    # snapshot slot) (`BlockManager.plan_snapshots`).
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -127,6 +130,14 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        out = self._schedule()
+        if self.bm.states is not None:
+            for r in out.rows:
+                if not r.wasted:
+                    r.snapshots = self.bm.plan_snapshots(r.state, r.num_new_tokens)
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         # Finished requests were retired at the end of the step that finished them (`retire`).
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens

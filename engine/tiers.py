@@ -129,7 +129,10 @@ class PrefillEngine(PooledEngine):
             # The blocks that hold the computed tokens (the decode side slices the same way).
             held = self.pool.block_manager.blocks_for(state.num_computed_tokens)
             payload = pack_blocks(
-                self.pool.runner, state.block_ids[:held], state.num_computed_tokens
+                self.pool.runner,
+                state.block_ids[:held],
+                state.num_computed_tokens,
+                state.state_slot,
             )
             self.pool.release(state)
             self._handoffs[state.request_id] = Handoff(RequestSnapshot.of(state), payload)

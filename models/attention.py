@@ -12,9 +12,13 @@ slot is `block_id * block_size + offset`; a sequence's block table lists its blo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from models.state import StateMetadata
 
 
 @dataclass(slots=True)
@@ -44,6 +48,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # (B_dec, max_blocks) long, padded with block 0
     decode_context_lens: torch.Tensor | None  # (B_dec,) long: tokens each decode query attends to
     prefills: list[PrefillChunk]
+    # A hybrid model's recurrent state slots for the step (None: no recurrent layers, or no
+    # pool: a full recompute from zero state).
+    state: StateMetadata | None = None
     # Built by the first layer and reused by the rest (the step's layers all share one layout):
     # which padded key slots each decode row may see.
     decode_mask: torch.Tensor | None = field(default=None, repr=False)  # (B_dec, 1, 1, L) bool

@@ -1,11 +1,13 @@
 """ModelConfig: the shape, special tokens and per-family options of one decoder.
 
 Every loader (TinyGPT, GGUF, Hugging Face directories) produces one of these; the decoder, the
-engine (EOS ids, context length, the KV pool's `KVLayout`) and the server (model name) read it.
+engine (EOS ids, context length, the KV pool's `KVLayout`, a hybrid model's recurrent
+`StateLayout`) and the server (model name) read it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -153,6 +155,81 @@ class KVLayout:
 
 
 @dataclass(frozen=True, slots=True)
+class StateLayout:
+    """The fixed-size recurrent state one request keeps for each recurrent layer, float32: the
+    short convolution's history (`conv_shape`: its last K - 1 inputs, (K - 1, channels)) and the
+    recurrence's state (`ssm_shape`; (0,), no floats, for a layer that is a convolution only,
+    LFM2's)."""
+
+    num_layers: int
+    conv_shape: tuple[int, int]
+    ssm_shape: tuple[int, ...] = (0,)
+
+    @property
+    def floats_per_layer(self) -> int:
+        return math.prod(self.conv_shape) + math.prod(self.ssm_shape)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes of one request's state across all recurrent layers."""
+        return 4 * self.num_layers * self.floats_per_layer
+
+    def pool_shapes(self, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(layers, slots, K - 1, channels) and (layers, slots, *ssm_shape)."""
+        return (
+            (self.num_layers, num_slots, *self.conv_shape),
+            (self.num_layers, num_slots, *self.ssm_shape),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RecurrentConfig:
+    """The recurrent layers of a hybrid model and their mixer's shape.
+
+    `kind`: "short_conv" (LFM2: a gated short convolution, its state the conv history only),
+    "gated_delta" (Qwen3.5, Qwen3-Next: Gated DeltaNet, `num_k_heads` q/k heads of `k_head_dim`
+    and `num_v_heads` value heads of `v_head_dim`, state (v heads, k dim, v dim) each) or
+    "mamba2" (Granite 4.0-H: `num_v_heads` heads of `v_head_dim`, `num_groups` groups of B and C
+    of `state_size`, state (heads, head dim, state size)). `conv_kernel`: the causal
+    convolution's width K. `v_heads_tiled`: value head h reads q/k head h % num_k_heads (the
+    order llama.cpp's converter writes for qwen35), else h // (num_v_heads / num_k_heads)
+    (Hugging Face's). `conv_bias`: the convolution has a bias (Mamba2).
+    """
+
+    kind: str
+    layers: tuple[int, ...]
+    conv_kernel: int
+    num_k_heads: int = 0
+    num_v_heads: int = 0
+    k_head_dim: int = 0
+    v_head_dim: int = 0
+    state_size: int = 0
+    num_groups: int = 0
+    v_heads_tiled: bool = False
+    conv_bias: bool = False
+
+    KINDS = ("short_conv", "gated_delta", "mamba2")
+
+    def conv_channels(self, hidden_size: int) -> int:
+        """Channels of the short convolution (what its history keeps per position)."""
+        if self.kind == "short_conv":
+            return hidden_size
+        if self.kind == "gated_delta":
+            return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+        return self.num_v_heads * self.v_head_dim + 2 * self.num_groups * self.state_size
+
+    def state_layout(self, hidden_size: int) -> StateLayout:
+        conv = (self.conv_kernel - 1, self.conv_channels(hidden_size))
+        if self.kind == "short_conv":
+            ssm: tuple[int, ...] = (0,)
+        elif self.kind == "gated_delta":
+            ssm = (self.num_v_heads, self.k_head_dim, self.v_head_dim)
+        else:
+            ssm = (self.num_v_heads, self.v_head_dim, self.state_size)
+        return StateLayout(len(self.layers), conv, ssm)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     name: str
     vocab_size: int
@@ -235,6 +312,8 @@ class ModelConfig:
     # Per-layer input embeddings (Gemma 4 E2B/E4B): values a layer (0: none) and table rows
     per_layer_input_size: int = 0
     per_layer_vocab_size: int = 0
+    # A hybrid model's recurrent layers (which, and their mixer); None: every layer attends.
+    recurrent: RecurrentConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -272,6 +351,14 @@ class ModelConfig:
                 f"expert size {self.moe_intermediate_size}: not a mixture of experts"
             )
         self._check_per_layer()
+        rec = self.recurrent
+        if rec is not None:
+            if rec.kind not in RecurrentConfig.KINDS:
+                raise ValueError(f"recurrent layer kind {rec.kind!r} is not supported")
+            if not rec.layers or not all(0 <= i < self.num_layers for i in rec.layers):
+                raise ValueError(f"recurrent layers {rec.layers} outside 0..{self.num_layers - 1}")
+            if self.layer_head_dims or self.layer_kv_heads or self.kv_sources:
+                raise ValueError("recurrent layers beside per-layer attention shapes or shared K/V")
         if self.hidden_act not in ("silu", "gelu_tanh", "swiglu_oai"):
             raise ValueError(
                 f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_tanh, swiglu_oai)"
@@ -345,6 +432,19 @@ class ModelConfig:
         return self.kv_cache_dtype or torch.float32
 
     @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that attend (and so have K/V in the pool), in order."""
+        recurrent = set(self.recurrent.layers) if self.recurrent is not None else set()
+        return tuple(i for i in range(self.num_layers) if i not in recurrent)
+
+    @property
+    def state_layout(self) -> StateLayout | None:
+        """The recurrent state a request keeps (None: a model with attention layers only)."""
+        if self.recurrent is None:
+            return None
+        return self.recurrent.state_layout(self.hidden_size)
+
+    @property
     def kv_layout(self) -> KVLayout:
         shapes = None
         if self.layer_head_dims is not None or self.layer_kv_heads is not None:
@@ -352,7 +452,7 @@ class ModelConfig:
                 (self.kv_heads_of(i), self.head_dim_of(i)) for i in range(self.num_layers)
             )
         return KVLayout(
-            self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype,
+            len(self.attention_layers), self.num_kv_heads, self.head_dim, self.kv_dtype,
             self.rope_interleaved, shapes, self.kv_sources,
         )  # fmt: skip
 

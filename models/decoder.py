@@ -582,6 +582,8 @@ class DecoderForCausalLM(nn.Module):
     # Added to every RMSNorm weight a Hugging Face checkpoint holds (Gemma stores w and
     # multiplies by 1 + w; this module multiplies by its weight).
     hf_norm_offset = 0.0
+    # The final norm's Hugging Face name (LFM2 calls it embedding_norm).
+    FINAL_NORM = "model.norm.weight"
 
     @classmethod
     def layer_classes(cls, config: ModelConfig) -> list[type[DecoderLayer]]:
@@ -824,7 +826,7 @@ class DecoderForCausalLM(nn.Module):
     def hf_weight_names(cls, config: ModelConfig) -> set[str]:
         """The Hugging Face tensor names `load_hf_weights` may take for this config: the
         embedding, final norm and head, and each layer's (`DecoderLayer.hf_weight_names`)."""
-        names = {EMBED, "model.norm.weight"}
+        names = {EMBED, cls.FINAL_NORM}
         if not config.tie_word_embeddings:
             names.add("lm_head.weight")
         for i, layer in enumerate(cls.layer_classes(config)):
@@ -848,7 +850,7 @@ class DecoderForCausalLM(nn.Module):
         c = self.config
         loader = HFLoader(dict(self.named_parameters()), tensors, adopt, self.hf_norm_offset)
         loader.put("embed_tokens.weight", loader.take(EMBED))
-        loader.put("norm.weight", loader.norm("model.norm.weight"))
+        loader.put("norm.weight", loader.norm(self.FINAL_NORM))
         if not c.tie_word_embeddings:
             loader.put("lm_head.weight", loader.take("lm_head.weight"))
         for i, layer in enumerate(self.layers):

@@ -102,9 +102,9 @@ def _hf_name(gguf_name: str, path: Path, arch: str, names: GGUFTensorMap) -> str
     m = _BLOCK_RE.fullmatch(gguf_name)
     if m:
         # (a name the map holds with its suffix maps to a whole Hugging Face name: Gemma 4's
-        # layer_output_scale.weight is its layer's layer_scalar)
+        # layer_output_scale.weight is its layer's layer_scalar, Qwen3.5's ssm_dt.bias its dt_bias)
         whole = names.blocks.get(m.group(2) + (m.group(3) or ""))
-        if whole is not None:
+        if whole is not None and m.group(3):
             return f"model.layers.{m.group(1)}.{whole}"
         hf = names.blocks.get(m.group(2))
         if hf is not None:
@@ -196,6 +196,9 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
                     f"{path.name}: tensor {t.name} has type {t.tensor_type.name}, which is not "
                     f"supported (supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
                 )
+            m = _BLOCK_RE.fullmatch(t.name)
+            if m and int(m.group(1)) >= config.num_layers:
+                continue  # a layer past the decoder's (llama.cpp's multi-token-prediction head)
             if "_exps." in t.name:
                 self._tensors.update(_expert_slices(t, path, arch, names.stacked_experts))
             else:

@@ -542,13 +542,16 @@ def _category(name: str) -> str:
 
 def _quantizable(name: str, shape: Sequence[int]) -> bool:
     """llama-quantize's tensor_allows_quantization, for the architectures we write: 2-D and up,
-    a name ending in "weight", no norm, no MoE router, no per-layer input projection."""
+    a name ending in "weight", no norm, no MoE router, no per-layer input projection, no recurrent
+    layer's small conv weight."""
     return (
         _n_dims(shape) >= 2
         and name.endswith("weight")
         and "_norm.weight" not in name
         and "ffn_gate_inp.weight" not in name
         and "per_layer_model_proj" not in name  # (Gemma 4's: "not too big", kept as it is)
+        and "ssm_conv1d" not in name
+        and "shortconv.conv.weight" not in name
     )
 
 

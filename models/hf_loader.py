@@ -151,9 +151,10 @@ class LanguageModelWeights(Mapping[str, torch.Tensor]):
         ("language_model.model.", "model."),
         ("language_model.lm_head.", "lm_head."),
     )
+    # the vision tower and projector; Qwen3.5's multi-token-prediction head (not run)
     _SKIPPED = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
                 "multi_modal_projector.", "model.audio_tower.", "model.embed_vision.",
-                "model.embed_audio.")  # fmt: skip
+                "model.embed_audio.", "model.visual.", "visual.", "mtp.")  # fmt: skip
 
     def __init__(self, inner: Mapping[str, torch.Tensor]) -> None:
         self._inner = inner

@@ -54,6 +54,8 @@ _NAMES = (
     "top_candidates",
     "attention",
     "decoder_layers",
+    "causal_conv1d",
+    "gated_delta_rule",
     "has_int8_dot",
     "has_amx_tiles",
     "enum_values",
@@ -96,6 +98,8 @@ _argmax_rows = _unloaded["argmax_rows"]
 _top_candidates = _unloaded["top_candidates"]
 _attention = _unloaded["attention"]
 _decoder_layers = _unloaded["decoder_layers"]
+_causal_conv1d = _unloaded["causal_conv1d"]
+_gated_delta_rule = _unloaded["gated_delta_rule"]
 _has_int8_dot = _unloaded["has_int8_dot"]
 _has_amx_tiles = _unloaded["has_amx_tiles"]
 _enum_values = _unloaded["enum_values"]
@@ -358,6 +362,44 @@ def decoder_layers(
     )  # fmt: skip
 
 
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_pool: torch.Tensor,
+    seqs: torch.Tensor,
+    snapshots: torch.Tensor,
+    silu: bool,
+) -> torch.Tensor:
+    """A depthwise causal convolution over time of x (T, C) float32 (rows may be strided) with
+    weight (C, K) (w[:, 0] meets the oldest input), each sequence of `seqs` (S, 3) int64 rows
+    [first token, tokens, slot] continuing the K - 1 inputs kept in its slot of `conv_pool`
+    (slots, K - 1, C) float32, which then holds its last K - 1 inputs (IN PLACE); `snapshots`
+    (P, 3) int64 rows [sequence, tokens after which, slot], sorted, copy the inputs kept at that
+    point into another slot; + bias (C,), then SiLU if `silu`. Returns (T, C) float32."""
+    return _causal_conv1d(x, weight, bias, conv_pool, seqs, snapshots, silu)
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    seqs: torch.Tensor,
+    snapshots: torch.Tensor,
+    tiled: bool,
+) -> torch.Tensor:
+    """Gated DeltaNet's recurrence, token by token per value head over the state in each
+    sequence's slot of `ssm_pool` (slots, Hv, dk, dv) float32 (IN PLACE; `seqs` and `snapshots`
+    as `causal_conv1d` takes them): S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q,
+    with q, k (T, Hk, dk) L2-normalised (eps 1e-6) and q scaled by dk^-0.5; v (T, Hv, dv); g, beta
+    (T, Hv). Value head h reads q/k head h % Hk (`tiled`) or h // (Hv / Hk). Returns o (T, Hv, dv)
+    float32."""
+    return _gated_delta_rule(q, k, v, g, beta, ssm_pool, seqs, snapshots, tiled)
+
+
 def enum_values() -> dict[str, int]:
     """The C++ side's codes, {"Kind.F32": 0, ...}: what `Kind`, `Act` and `Layer` must equal."""
     text = _enum_values()
@@ -403,6 +445,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("cbserve::decoder_layers")
     def _(x, *args):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("cbserve::causal_conv1d")
+    def _(x, weight, bias, conv_pool, seqs, snapshots, silu):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("cbserve::gated_delta_rule")
+    def _(q, k, v, g, beta, ssm_pool, seqs, snapshots, tiled):
+        return v.new_empty(v.shape)
 
     @torch.library.register_fake("cbserve::attention")
     def _(qkv, cos, sin, k_cache, v_cache, slots, nd, dt, dl, cm, ct, H, KVH, D, *rest):  # noqa: N803

@@ -226,8 +226,9 @@ class LazyStateDict(Mapping[str, np.ndarray]):
 
 def random_state_dict(arch: str, config: Mapping[str, Any], seed: int = 0) -> LazyStateDict:
     """Random HF-named weights: normal(0, 0.02) matrices and biases, norms 1 + normal(0, 0.02)
-    (norms around 0 where the family's checkpoints store norm - 1, as Gemma's). Each tensor's values depend on the
-    seed and its name only."""
+    (norms around 0 where the family's checkpoints store norm - 1, as Gemma's; the spec's
+    `random` hook fits others to their role). Each tensor's values depend on the seed and its
+    name only."""
     synth = _synth(arch)
     norm_mean = synth.norm_mean
 
@@ -242,6 +243,8 @@ def random_state_dict(arch: str, config: Mapping[str, Any], seed: int = 0) -> La
             x = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
             if (name.endswith("norm.weight") or name.endswith(synth.scales)) and norm_mean:
                 x += np.float32(norm_mean)
+            if synth.random is not None:
+                x = synth.random(name, x)
             return x
 
         return make
@@ -266,19 +269,20 @@ def _metadata(arch: str, config: Mapping[str, Any], vocab: int) -> list[tuple[st
     family's own keys replace the common ones of the same name: per-layer arrays, other head
     sizes)."""
     hd = _head_dim(config)
-    keys: list[tuple[str, Any]] = [
-        ("context_length", int(config["max_position_embeddings"])),
-        ("embedding_length", int(config["hidden_size"])),
-        ("feed_forward_length", int(config["intermediate_size"])),
-        ("block_count", int(config["num_hidden_layers"])),
-        ("attention.head_count", int(config["num_attention_heads"])),
-        ("attention.head_count_kv", int(config["num_key_value_heads"])),
-        ("rope.freq_base", float(_rope(config)["rope_theta"])),
-        ("attention.layer_norm_rms_epsilon", float(config["rms_norm_eps"])),
-    ]
+    keys: dict[str, Any] = {
+        "context_length": int(config["max_position_embeddings"]),
+        "embedding_length": int(config["hidden_size"]),
+        "feed_forward_length": int(config["intermediate_size"]),
+        "block_count": int(config["num_hidden_layers"]),
+        "attention.head_count": int(config["num_attention_heads"]),
+        "attention.head_count_kv": int(config["num_key_value_heads"]),
+        "rope.freq_base": float(_rope(config)["rope_theta"]),
+        "attention.layer_norm_rms_epsilon": float(config.get("rms_norm_eps", 1e-6)),
+    }
     if config.get("head_dim") is not None:
-        keys += [("attention.key_length", hd), ("attention.value_length", hd)]
-    return list(dict([*keys, *_synth(arch).metadata(config)]).items())
+        keys |= {"attention.key_length": hd, "attention.value_length": hd}
+    keys |= dict(_synth(arch).metadata(config))
+    return list(keys.items())
 
 
 def _gguf_tensors(
@@ -289,6 +293,7 @@ def _gguf_tensors(
     names = get_tensor_name_map(_GGUF_ARCH[arch], n_layers)
     tensor_map = SPECS[arch].gguf_tensors
     assert tensor_map is not None
+    synth = _synth(arch)
     n_head = int(config["num_attention_heads"])
     n_kv = int(config["num_key_value_heads"])
     out: dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]] = {}
@@ -310,23 +315,29 @@ def _gguf_tensors(
         if ".mlp.experts." in hf_name:
             out.update(_experts(state_dict, hf_name))
             continue
-        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        gguf_name = tensor_map.gguf_name(hf_name) or names.get_name(
+            hf_name, try_suffixes=(".weight", ".bias")
+        )
         if gguf_name is None:
             raise ValueError(f"no GGUF name for {hf_name!r} in {arch}")
         if _suffixed(gguf_name, tensor_map):  # (a checkpoint name without .weight that the
             gguf_name += ".weight"  # converter writes with it: Gemma 4's layer_scalar)
         shape = _shape(state_dict, hf_name)
+        transform = tensor_map.transform(hf_name)
+        if transform is not None and transform.file_shape is not None:
+            shape = transform.file_shape(shape)
 
-        def values(hf_name: str = hf_name) -> np.ndarray:
+        def values(hf_name: str = hf_name, transform=transform, shape=shape) -> np.ndarray:
             x = _float32(state_dict[hf_name])
             if tensor_map.permuted_qk and hf_name.endswith("q_proj.weight"):
                 x = _permute(x, n_head)
             elif tensor_map.permuted_qk and hf_name.endswith("k_proj.weight"):
                 x = _permute(x, n_kv)
-            transform = tensor_map.transform(hf_name)
+            if synth.reorder is not None:  # e.g. Qwen3.5's value heads, tiled
+                x = synth.reorder(config, hf_name, x)
             if transform is not None:  # e.g. Gemma's norms: weight + 1
                 x = transform.to_file(x)
-            return np.ascontiguousarray(x)
+            return np.ascontiguousarray(x.reshape(shape))
 
         out[gguf_name] = (tuple(int(s) for s in shape), values)
     for name, values in _synth(arch).tensors(config).items():  # (RoPE factor tables)
@@ -428,6 +439,8 @@ def write_gguf(
             w.add_string(full, value)
         elif isinstance(value, list):  # one value a layer (as the converter's add_array)
             w.add_array(full, value)
+        elif isinstance(value, bool):
+            w.add_bool(full, value)
         elif isinstance(value, float):
             w.add_float32(full, value)
         else:

@@ -95,7 +95,10 @@ def gguf_decoder_fields(
         )
     hidden = int(meta.require(a + "embedding_length"))
     n_heads = int(meta.require(a + "attention.head_count"))
-    n_kv = int(meta.get(a + "attention.head_count_kv", n_heads))
+    n_kv = meta.get(a + "attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):  # per layer, a hybrid's recurrent layers 0: its attention layers'
+        n_kv = max(n_kv)
+    n_kv = int(n_kv)
     n_layers = int(meta.require(a + "block_count"))
     head_dim = int(meta.get(a + "attention.key_length", hidden // n_heads))
     if int(meta.get(a + "attention.value_length", head_dim)) != head_dim:

@@ -55,6 +55,9 @@ class ValueTransform:
     applies: Callable[[str], bool]  # by Hugging Face name
     to_file: Callable[[Any], Any]
     from_file: Callable[[Any], Any]
+    # the file's shape for the checkpoint's (a converter that squeezes a conv weight's (C, 1, K)
+    # to (C, K)); None: the same shape
+    file_shape: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +67,10 @@ class GGUFTensorMap:
 
     `blocks`: per-layer names, "attn_q" (of "blk.N.attn_q.weight") -> "self_attn.q_proj" (of
     "model.layers.N.self_attn.q_proj.weight"; the .weight / .bias suffix, where the file's name
-    has one, stays; a name given with its suffix, "layer_output_scale.weight", maps to the
-    whole Hugging Face name below the layer); a tensor in neither `blocks` nor `globals` is
-    refused by name. `stacked_experts`: blk.N.ffn_{gate,up,down}_exps, (experts, rows, in) each,
+    has one, stays), or a name with its suffix -> the whole Hugging Face name below the layer
+    ("ssm_dt.bias" -> "linear_attn.dt_bias", Gemma 4's "layer_output_scale.weight" -> its
+    "layer_scalar"); a tensor in neither `blocks` nor `globals` is refused by name.
+    `stacked_experts`: blk.N.ffn_{gate,up,down}_exps, (experts, rows, in) each,
     read as one Hugging Face tensor an expert (mlp.experts.E.{gate,up,down}_proj).
     `permuted_qk`: the converter permuted q/k rows for GGML's RoPE pairs (the loader undoes it,
     or keeps the file's order and rotates GGML's pairs: `ModelConfig.rope_interleaved`).
@@ -85,6 +89,23 @@ class GGUFTensorMap:
     def transform(self, hf_name: str) -> ValueTransform | None:
         """The value change the converter made to this tensor, if any."""
         return next((t for t in self.transforms if t.applies(hf_name)), None)
+
+    def gguf_name(self, hf_name: str) -> str | None:
+        """The file's name of a Hugging Face tensor, where `blocks` or `globals` give it."""
+        for gguf, hf in self.globals.items():
+            if hf == hf_name:
+                return gguf
+        parts = hf_name.split(".")
+        if parts[:2] != ["model", "layers"] or len(parts) < 4:
+            return None
+        layer, rest = parts[2], ".".join(parts[3:])
+        for gguf, hf in self.blocks.items():
+            if hf == rest:  # (a name given with its suffix)
+                return f"blk.{layer}.{gguf}"
+            for suffix in (".weight", ".bias"):
+                if hf + suffix == rest:
+                    return f"blk.{layer}.{gguf}{suffix}"
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +138,8 @@ class SynthSpec:
     tensor: Callable[..., dict[str, Any] | None] = lambda config, shape_of, read, name: None
     scales: tuple[str, ...] = ()
     fit: Callable[[dict[str, Any]], dict[str, Any]] = lambda config: config
+    reorder: Callable[[Mapping[str, Any], str, Any], Any] | None = None
+    random: Callable[[str, Any], Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,8 +78,25 @@ TORCH_LIBRARY(cbserve, m) {
       "Tensor(b!)[] v_caches, Tensor cos, Tensor sin, Tensor local_cos, Tensor local_sin, Tensor slots, "
       "int num_decode, Tensor dec_tables, Tensor dec_lens, Tensor chunk_meta, Tensor chunk_tables, "
       "int H, int KVH, int D, float scale, float eps, Tensor final_norm, float softcap=0.) -> Tensor");
+  // The recurrent mixers over a step's state slots: per sequence of `seqs` (S, 3) [first token, tokens,
+  // slot], the state in its slot of the pool continued over its tokens and left there; `snapshots`
+  // (P, 3) [sequence, tokens after which, slot] copy the state out on the way (recurrent.cpp).
+  // causal_conv1d: x (T, C) through a depthwise causal conv of weight (C, K) over the K - 1 inputs
+  // kept in conv_pool (slots, K - 1, C), + bias, then SiLU if `silu`.
+  m.def(
+      "causal_conv1d(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_pool, Tensor seqs, "
+      "Tensor snapshots, bool silu) -> Tensor");
+  // gated_delta_rule: q, k (T, Hk, dk) (L2-normalised here, q scaled by dk^-0.5), v (T, Hv, dv),
+  // g (T, Hv) log decay, beta (T, Hv); per value head S (dk, dv) in ssm_pool (slots, Hv, dk, dv):
+  // S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q. Value head h reads q/k head h % Hk
+  // (`tiled`) or h / (Hv / Hk). Returns o (T, Hv, dv).
+  m.def(
+      "gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) ssm_pool, "
+      "Tensor seqs, Tensor snapshots, bool tiled) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(cbserve, CPU, m) {
+  m.impl("causal_conv1d", &cbserve::causal_conv1d);
+  m.impl("gated_delta_rule", &cbserve::gated_delta_rule);
   m.impl("decoder_layers", &cbserve::decoder_layers);
   m.impl("packed_linear", &cbserve::packed_linear);
   m.impl("ggml_linear", &cbserve::ggml_linear);

@@ -50,4 +50,11 @@ at::Tensor output_matrix(int64_t M, int64_t N, const at::TensorOptions& options)
 // (best first, ties by lower id), their ids, and log(sum(exp(x / temps[b]))).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> top_candidates(const at::Tensor& x, const at::Tensor& temps,
                                                               int64_t k);
+// The recurrent mixers' sequence ops over state slots (recurrent.cpp): see their schemas in ops.cpp.
+at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                         const at::Tensor& conv_pool, const at::Tensor& seqs, const at::Tensor& snapshots,
+                         bool silu);
+at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                            const at::Tensor& beta, const at::Tensor& ssm_pool, const at::Tensor& seqs,
+                            const at::Tensor& snapshots, bool tiled);
 }  // namespace cbserve

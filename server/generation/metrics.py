@@ -51,6 +51,26 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             "cbserve_kv_cache_usage_ratio", "Fraction of KV blocks in use (0-1).", s.kv_usage
         )
+        yield GaugeMetricFamily(
+            "cbserve_state_slots_total",
+            "Recurrent state slots for running requests (hybrid models; 0 otherwise).",
+            s.num_state_slots,
+        )
+        yield GaugeMetricFamily(
+            "cbserve_state_slots_used",
+            "Recurrent state slots held by running requests.",
+            s.num_state_slots - s.num_free_state_slots,
+        )
+        yield GaugeMetricFamily(
+            "cbserve_state_snapshots",
+            "Recurrent state snapshots the prefix cache keeps (of its snapshot slots).",
+            s.num_state_snapshots,
+        )
+        yield GaugeMetricFamily(
+            "cbserve_state_pool_bytes",
+            "Bytes of the recurrent state pool (live and snapshot slots).",
+            (s.num_state_slots + s.num_state_snapshot_slots) * s.state_bytes_per_slot,
+        )
         yield CounterMetricFamily(
             "cbserve_num_preemptions", "Requests preempted by recompute.", s.num_preemptions
         )

@@ -1,0 +1,31 @@
+"""Tiny transformers configs of the hybrid families (recurrent layers beside attention layers),
+shared by their oracle tests and the state pool's."""
+
+from __future__ import annotations
+
+VOCAB = 272
+
+
+def lfm2_config():
+    from transformers import Lfm2Config
+
+    # two attention layers among three conv layers: each finds its own K/V and state pools
+    return Lfm2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        layer_types=["conv", "full_attention", "conv", "conv", "full_attention"],
+        block_auto_adjust_ff_dim=False, norm_eps=1e-5, tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+def qwen35_config():
+    from transformers import Qwen3_5TextConfig
+
+    # four value heads to two q/k heads: the grouped (Hugging Face) and tiled (GGUF) head orders
+    # differ; three GDN layers and one gated attention layer, partial rotary 0.25 of 32
+    return Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, tie_word_embeddings=False,
+    )  # fmt: skip
