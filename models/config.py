@@ -41,6 +41,7 @@ class YarnScaling:
     truncate: bool = True
 
 
+@dataclass(frozen=True, slots=True)
 class KVGroup:
     """The layers whose pools have one shape: one tensor of the KV pool holds them all,
     `KVLayout.group_shape`."""

@@ -42,7 +42,7 @@ from models.gguf_reader import GGUFHeaderReader
 from models.hf_loader import check_weight_names
 from models.hf_tokenizer import end_ids, load_gguf_bpe_tokenizer
 from models.packing import pack_for_kernels
-from models.quant import GGML_BLOCKS, GGMLTensor, KernelOptions, _file_view, gguf_rows
+from models.quant import GGML_BLOCKS, GGMLTensor, KernelOptions, file_view, gguf_rows
 from models.registry import gguf_spec
 from models.spm_tokenizer import SPMTokenizer, read_gguf_tokenizer_metadata, uses_spm_tokenizer
 from models.tokenizer import Tokenizer
@@ -282,7 +282,7 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         n, k = (int(d) for d in reversed(t.shape.tolist()))
         typ = int(t.tensor_type)
         if typ in _FLOAT_TYPES:
-            raw = _file_view(np.ascontiguousarray(t.data).view(np.uint8))
+            raw = file_view(np.ascontiguousarray(t.data).view(np.uint8))
             if raw is not None:
                 return raw.view(_FLOAT_TYPES[typ]).view(n, k)
             return _dequantize(t, torch.float32)  # (not a file map: already in memory)

@@ -277,17 +277,17 @@ class GGMLTensor:
 def gguf_rows(data: np.ndarray, ggml_type: int, n: int, k: int) -> GGMLTensor | None:
     """A GGUF tensor's raw blocks (uint8, n rows of k values) as a GGMLTensor, or None for
     formats the kernels do not read. Bytes of a read-only file map (a GGUF reader's) stay where
-    they are (`_file_view`); others are copied."""
+    they are (`file_view`); others are copied."""
     if ggml_type not in GGML_BLOCKS or k % GGML_BLOCKS[ggml_type][0]:
         return None
     values, nbytes = GGML_BLOCKS[ggml_type]
-    raw = _file_view(data)
+    raw = file_view(data)
     if raw is None:
         raw = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
     return GGMLTensor([(ggml_type, raw.view(n, k // values * nbytes))], k)
 
 
-def _file_view(data: np.ndarray) -> torch.Tensor | None:
+def file_view(data: np.ndarray) -> torch.Tensor | None:
     """`data`, bytes of a read-only memory map, as a uint8 tensor over the same memory, sliced
     from one tensor over the whole map so that every tensor of a file shares one storage
     (`pack_rows` then addresses a fused projection's parts by offset, without joining them).
@@ -316,7 +316,7 @@ def _file_view(data: np.ndarray) -> torch.Tensor | None:
 
 
 def _one_storage(raws: list[torch.Tensor]) -> bool:
-    """Every tensor of `raws` is a contiguous view of one storage (the file map, `_file_view`)."""
+    """Every tensor of `raws` is a contiguous view of one storage (the file map, `file_view`)."""
     storage = raws[0].untyped_storage()
     base, size = storage.data_ptr(), storage.nbytes()
     return all(

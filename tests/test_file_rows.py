@@ -1,4 +1,4 @@
-"""GGUF weights computed where the file's map holds them (`models.quant._file_view`), and a tied
+"""GGUF weights computed where the file's map holds them (`models.quant.file_view`), and a tied
 head over the embedding's own rows (int8 activations on AVX2): no second copy of a quantized
 matrix. The oracle is the float model dequantized from the same file (gguf's
 dequantize, pure torch)."""
