@@ -414,9 +414,9 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
         return;
       }
     }
-    // Tokens whose keys all start at the first and whose decode_heads is decode_group (not the
-    // AVX-512 head_dim-64 kernel) go R at a time (prefill_tile, the same results); the rest,
-    // and a chunk's last tokens short of a tile, one at a time. Items: (first row, count).
+    // Tokens whose decode_heads is decode_group (not the AVX-512 head_dim-64 kernel) go R at a
+    // time (prefill_tile, the same results); a chunk's last tokens short of a tile one at a time.
+    // Items: (first row, count).
     const int R = avx512_head64(D, softcap) ? 1 : tile_tokens(G);
     std::vector<int64_t> row, len, chunk, count;
     for (int64_t c = 0; c < NC; ++c) {
@@ -432,31 +432,24 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
     }
     const int64_t NT = static_cast<int64_t>(row.size());
     const int64_t task_grain = std::max<int64_t>(1, (1 << 17) / (max_len * D * G * R));
-    at::parallel_for(0, NT * KVH, task_grain, [&](int64_t i0, int64_t i1) {
-      std::vector<float> s;
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t k = i / KVH, kvh = i % KVH;
-        const int64_t x = (k % 2 == 0) ? k / 2 : NT - 1 - k / 2;  // zigzag
-        const int64_t r = row[x], L = len[x];
-        s.resize(std::max(G * L, prefill_scratch(G, R, L + R)) + 16);
-        const float* q = qp + r * width + kvh * G * D;
-        float* o = op + r * H * D + kvh * G * D;
-        const int64_t* table = ctp + chunk[x] * cmaxb;
-        if (count[x] > 1) {
-          with_tile(G, [&](auto g, auto rr) {
-            constexpr int GC = decltype(g)::value, RC = decltype(rr)::value;
-            auto tile = [&](auto dc) {
-              prefill_tile<C, GC, RC, decltype(dc)::value>(q, width, kbase + kvh * W, vbase + kvh * W, table, L,
-                                                           window, bs, tok_stride, blk_stride, D, scale, softcap, o,
-                                                           H * D, s.data());
-            };
-            if (!with_value<64, 128, 256>(D, tile)) tile(std::integral_constant<int64_t, 0>{});
-          });
-          continue;
-        }
-        decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, table, L, window, bs, tok_stride, blk_stride, D,
-                        scale, softcap, o, s.data(), false);
-      }
+    zigzag_items(NT, KVH, task_grain, [&](int64_t x, int64_t kvh, std::vector<float>& s) {
+      const int64_t r = row[x], L = len[x];
+      s.resize(std::max(G * L, prefill_scratch(G, R, L + R)) + 16);
+      const float* q = qp + r * width + kvh * G * D;
+      float* o = op + r * H * D + kvh * G * D;
+      const int64_t* table = ctp + chunk[x] * cmaxb;
+      if (count[x] == 1)
+        return decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, table, L, window, bs, tok_stride, blk_stride,
+                               D, scale, softcap, o, s.data(), false);
+      with_tile(G, [&](auto g, auto rr) {
+        constexpr int GC = decltype(g)::value, RC = decltype(rr)::value;
+        auto tile = [&](auto dc) {
+          prefill_tile<C, GC, RC, decltype(dc)::value>(q, width, kbase + kvh * W, vbase + kvh * W, table, L, window,
+                                                       bs, tok_stride, blk_stride, D, scale, softcap, o, H * D,
+                                                       s.data());
+        };
+        if (!with_value<64, 128, 256>(D, tile)) tile(std::integral_constant<int64_t, 0>{});
+      });
     });
   }
 }

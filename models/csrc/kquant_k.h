@@ -227,6 +227,14 @@ void rows_of(const uint8_t* first, int64_t stride, int64_t count, const uint8_t*
     for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + i] = res[r];
   }
 }
+// rows_of with K::dot<NR, R> taking NR weight rows a call (4 for up to 2 activation rows, else 2,
+// so that NR x R pairs fit the exact epilogue's lanes) and K::dot<1, R> the last ones.
+template <class K, int R>
+void rows_by(const uint8_t* first, int64_t stride, int64_t count, const uint8_t* end, const Acts& a, int64_t nb,
+             int64_t m0, float* y, int64_t ldy) {
+  constexpr int NR = R <= 2 ? 4 : 2;
+  rows_of<NR, R, K::template dot<NR, R>, K::template dot<1, R>>(first, stride, count, end, a, nb, m0, y, ldy);
+}
 // rows_of's signature: a format's decode rows for one R.
 using RowsFn = void (*)(const uint8_t*, int64_t, int64_t, const uint8_t*, const Acts&, int64_t, int64_t, float*,
                         int64_t);

@@ -138,6 +138,20 @@ inline void prefetch_bytes(const void* first, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
+// A prefill's items, n of them for each of KVH kv heads, dealt to the threads' contiguous shares in
+// zigzag order (first, last, second, ...), so the shares cost about the same although an item's
+// cost grows with its index (later tokens see more keys): f(item, kv head, the thread's scratch).
+template <typename F>
+void zigzag_items(int64_t n, int64_t KVH, int64_t grain, F&& f) {
+  at::parallel_for(0, n * KVH, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> s;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t k = i / KVH;
+      f(k % 2 == 0 ? k / 2 : n - 1 - k / 2, i % KVH, s);
+    }
+  });
+}
+
 
 // The AVX-512 kernels (attention_avx512.cpp), for head_dim 64 and groups of up to 8 query heads.
 template <typename C>
