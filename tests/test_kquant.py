@@ -207,6 +207,24 @@ def test_the_avx2_and_avx512_kernels_give_the_same_bits():
     assert wide == narrow
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("act", [0, 1])
+def test_a_long_prompts_rows_go_in_blocks_that_keep_every_rows_bits(qtype, act):
+    """A call of many int8 rows runs them in blocks that fit L2 (600 rows of 1,024 inputs: three
+    blocks of 200, and 2 + 1 in the shifted batch), for plain and gated outputs alike: each row is
+    the same bits as computed alone, wherever its block boundary falls."""
+    torch.manual_seed(5)
+    packed = pack_rows(random_rows(qtype, 48, 1024, seed=6), True)
+    x = torch.randn(601, 1024)
+    whole = linear(x[:600], packed, act=act)
+    shifted = linear(x[1:601], packed, act=act)
+    for i in (0, 1, 199, 200, 201, 399, 400, 599):
+        alone = linear(x[i : i + 1], packed, act=act)
+        assert torch.equal(whole[i : i + 1], alone), f"row {i} changed in a block"
+        if i:
+            assert torch.equal(shifted[i - 1 : i], alone), f"row {i} changed in the shifted batch"
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("int8", [False, True])
 def test_a_rows_result_does_not_depend_on_the_batch_around_it(qtype, int8):
