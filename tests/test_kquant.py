@@ -121,6 +121,63 @@ def test_amx_tiles_are_used_where_the_cpu_has_them():
     assert kernels.has_amx_tiles() == wanted
 
 
+# Each format's int8 product for several batch sizes, printed as the bytes of its results (run
+# here and under ATEN_CPU_CAPABILITY=avx2 by the test below).
+_WIDTH_SCRIPT = """
+import hashlib, sys, torch
+sys.path[:0] = sys.argv[1:2]
+from test_kquant import TYPES, linear, random_rows
+from models.quant import pack_rows
+torch.manual_seed(4)
+x = torch.randn(55, 512)
+for qtype in TYPES:
+    packed = pack_rows(random_rows(qtype, 40, 512, seed=int(qtype)), True)
+    outs = [linear(x[:m], packed) for m in (1, 2, 5, 9, 16, 40, 55)]
+    print(int(qtype), hashlib.sha256(b"".join(o.numpy().tobytes() for o in outs)).hexdigest())
+"""
+
+
+@pytest.mark.skipif(
+    not kernels.has_int8_dot(),
+    reason="compares the AVX512-VNNI kernels with the AVX2 ones; this CPU runs the AVX2 ones only",
+)
+def test_the_avx2_and_avx512_kernels_give_the_same_bits():
+    """The panels and decode rows are written once over a vector width (models/csrc/simd.h): the
+    256-bit and 512-bit instantiations (and AMX's tiles) sum the same exact integers and take the
+    same float steps, so every format's rows are the same bits with the ISA capped at AVX2 as
+    on this CPU's own kernels, for every batch size."""
+    import subprocess
+    import sys
+
+    def run(env: dict[str, str]) -> str:
+        cmd = [sys.executable, "-c", _WIDTH_SCRIPT, str(Path(__file__).parent)]
+        done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout
+
+    wide, narrow = run({}), run({"ATEN_CPU_CAPABILITY": "avx2"})
+    assert len(wide.splitlines()) == len(TYPES)
+    assert wide == narrow
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("act", [0, 1])
+def test_a_long_prompts_rows_go_in_blocks_that_keep_every_rows_bits(qtype, act):
+    """A call of many int8 rows runs them in blocks that fit L2 (600 rows of 1,024 inputs: three
+    blocks of 200, and 2 + 1 in the shifted batch), for plain and gated outputs alike: each row is
+    the same bits as computed alone, wherever its block boundary falls."""
+    torch.manual_seed(5)
+    packed = pack_rows(random_rows(qtype, 48, 1024, seed=6), True)
+    x = torch.randn(601, 1024)
+    whole = linear(x[:600], packed, act=act)
+    shifted = linear(x[1:601], packed, act=act)
+    for i in (0, 1, 199, 200, 201, 399, 400, 599):
+        alone = linear(x[i : i + 1], packed, act=act)
+        assert torch.equal(whole[i : i + 1], alone), f"row {i} changed in a block"
+        if i:
+            assert torch.equal(shifted[i - 1 : i], alone), f"row {i} changed in the shifted batch"
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("int8", [False, True])
 def test_a_rows_result_does_not_depend_on_the_batch_around_it(qtype, int8):

@@ -1,6 +1,6 @@
 """Model-level benchmark of a real checkpoint (default SmolLM2-135M-Instruct) on this machine.
 
-    python -m tools.bench_model [--model smollm2-135m-instruct] [--prompt-len 512] [--batches 1,8,32]
+    python -m tools.bench_model [--model smollm2-135m-instruct] [--prompt-len 512,2048] [--batches 1,8,32]
                            [--decode-context 128] [--decode-steps 16] [--threads N] [--no-profile]
 
 Owns: measuring the decoder itself, through the same paged-attention path the engine drives but
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--prompt-len", default="512", help="prefill lengths, comma-separated")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--decode-context", type=int, default=128, help="tokens each sequence holds")
     ap.add_argument("--decode-steps", type=int, default=16)
@@ -222,13 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     with torch.inference_mode():
-        pre_s = bench_prefill(model, args.prompt_len)
-        pre_tps = args.prompt_len / pre_s
-        print(
-            f"prefill {args.prompt_len} tokens: {pre_s * 1e3:.0f} ms, {pre_tps:,.0f} tok/s, "
-            f"{pre_tps * flops_per_token / 1e9:.1f} GFLOP/s = "
-            f"{pre_tps * flops_per_token / 1e9 / peak:.0%} of matmul peak\n"
-        )
+        for n in (int(x) for x in args.prompt_len.split(",")):
+            pre_s = bench_prefill(model, n)
+            pre_tps = n / pre_s
+            print(
+                f"prefill {n} tokens: {pre_s * 1e3:.0f} ms, {pre_tps:,.0f} tok/s, "
+                f"{pre_tps * flops_per_token / 1e9:.1f} GFLOP/s = "
+                f"{pre_tps * flops_per_token / 1e9 / peak:.0%} of matmul peak"
+            )
+        print()
         print(
             f"decode (context {args.decode_context}+, {args.decode_steps} steps): "
             f"{'batch':>5} {'step p50 ms':>11} {'tok/s':>8} {'GFLOP/s':>8} {'of peak':>7} "

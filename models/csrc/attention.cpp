@@ -205,89 +205,128 @@ void rope_and_write(float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, in
   });
 }
 
-// One key's scores for a prefill tile's R tokens x G heads (prefill_tile): decode_group's
-// arithmetic per (token, head); tokens below rlo (which do not see the key) skipped when Masked.
-template <typename C, int G, int R, int NA, bool Masked>
-inline void tile_scores(const float* q, int64_t q_stride, const C* kr, int64_t D, float scale, float softcap,
-                        int rlo, float* s, int64_t n, float (&mx)[R][G]) {
+// One key's scores for a prefill tile's tokens rlo .. rhi x G heads (prefill_tile): decode_group's
+// arithmetic per (token, head) up to the soft cap, into srow[r * G + g][j - first[r]] (j the key's
+// index), and their running maxima; the tokens outside [rlo, rhi] do not see the key. DC: head_dim when a compile-time constant (64, 128,
+// 256: the loops unroll and the accumulators stay in registers), else 0 and D at run time.
+template <typename C, int G, int R, int DC, bool Masked>
+inline void tile_scores(const float* q, int64_t q_stride, const C* kr, int64_t D_, float scale, int rlo, int rhi, int64_t j, const int64_t* first, float* const* srow, float (&mx)[R][G]) {
+  constexpr int NA = G <= 2 ? 2 : 1;  // as decode_group
+  const int64_t D = DC ? DC : D_;
   __m256 a[R][G][NA];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < NA; ++c) a[r][g][c] = _mm256_setzero_ps();
+#pragma GCC unroll 32
   for (int64_t i = 0; i < D; i += 8 * NA) {
     for (int c = 0; c < NA; ++c) {
       if (i + 8 * c < D) {
         const __m256 k = row8(kr, i + 8 * c, D);
         for (int r = 0; r < R; ++r)
-          if (!Masked || r >= rlo)
+          if (!Masked || (r >= rlo && r <= rhi))
             for (int g = 0; g < G; ++g)
               a[r][g][c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * q_stride + g * D + i + 8 * c), k, a[r][g][c]);
       }
     }
   }
   for (int r = 0; r < R; ++r) {
-    if (Masked && r < rlo) continue;
+    if (Masked && (r < rlo || r > rhi)) continue;
     for (int g = 0; g < G; ++g) {
       for (int c = 1; c < NA; ++c) a[r][g][0] = _mm256_add_ps(a[r][g][0], a[r][g][c]);
-      const float v = capped(hsum(a[r][g][0]) * scale, softcap);
-      s[(r * G + g) * n] = v;
+      const float v = hsum(a[r][g][0]) * scale;  // (soft-capped by prefill_tile once the row is whole)
+      srow[r * G + g][j - first[r]] = v;
       mx[r][g] = std::max(mx[r][g], v);
     }
   }
 }
 
-// R consecutive tokens of one prefill chunk, each over every key from the first (token r sees
-// L0 + r keys), with one kv head's G query heads: decode_group's arithmetic for every (token,
-// head), step for step in the same order, so each result is bit-identical to the token's own
-// decode_group; but each K and V row is loaded and widened once for the R tokens instead of
-// once each (the widening of int8 rows was ~45% of a long prompt's attention). q, out: token r's
-// heads at + r * q_stride / out_stride. s: R * G * (L0 + R - 1) floats of scratch. sinks: the G
-// heads' sink logits, or nullptr.
-template <typename C, int G, int R>
+// R consecutive tokens of one prefill chunk with one kv head's G query heads: token r (at position
+// L0 - 1 + r) sees keys [first[r], L0 + r) (first[r] = first_key(L0 + r, window)). decode_group's
+// arithmetic for every (token, head), step for step in the same order: its scores from its own
+// first key (so its softmax sums the same 8-lane chunks), its values summed key by key in order;
+// so each result is bit-identical to the token's own decode_group. But each K and V row is loaded
+// and widened once for the R tokens instead of once each (the widening of int8 rows was ~45% of a
+// long prompt's attention), and the value pass reads the tile's probabilities key-major (pt: one
+// pointer, the R x G of a key adjacent) rather than from R x G score rows. q, out: token r's heads
+// at + r * q_stride / out_stride. s: scratch of prefill_scratch(G, R, L0 + R) floats. sinks: the
+// G heads' sink logits, or nullptr.
+template <typename C, int G, int R, int DC>
 void prefill_tile(const float* q, int64_t q_stride, const C* kc, const C* vc, const int64_t* table, int64_t L0,
-                  int64_t bs, int64_t tok_stride, int64_t blk_stride, int64_t D, float scale, float softcap,
-                  const float* sinks, float* out, int64_t out_stride, float* s) {
-  constexpr int NA = G <= 2 ? 2 : 1;  // as decode_group
-  const int64_t n = L0 + R - 1, nb = (n + bs - 1) / bs;
+                  int64_t window, int64_t bs, int64_t tok_stride, int64_t blk_stride, int64_t D_, float scale,
+                  float softcap, const float* sinks, float* out, int64_t out_stride, float* s) {
+  constexpr int RG = R * G;
+  const int64_t D = DC ? DC : D_;
+  int64_t first[R];
+  for (int r = 0; r < R; ++r) first[r] = first_key(L0 + r, window);
+  const int64_t j0 = first[0], end = L0 + R - 1, n = end - j0;  // the keys any token sees: [j0, end)
+  // keys every token sees: [first[R - 1], L0) (the bulk, no tests in its loop)
+  const int64_t all0 = first[R - 1], all1 = L0;
+  float* srow[RG];
+  for (int rg = 0; rg < RG; ++rg) srow[rg] = s + rg * n;
+  float* pt = s + RG * n;  // pt[(j - j0) * RG + r * G + g]
   float mx[R][G];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g) mx[r][g] = -INFINITY;
-  for (int64_t bi = 0, j = 0; bi < nb; ++bi) {
+  for (int64_t bi = j0 / bs, j = j0; j < end; ++bi) {
     const C* kb = kc + table[bi] * blk_stride;
-    for (int64_t t = 0, e = std::min(bs, n - bi * bs); t < e; ++t, ++j) {
+    for (int64_t t = j - bi * bs, e = std::min(bs, end - bi * bs); t < e; ++t, ++j) {
       const C* kr = kb + t * tok_stride;
-      // tokens r >= rlo see key j: all of them before L0 (the bulk, no tests in its loop)
-      const int rlo = j < L0 ? 0 : static_cast<int>(j - L0 + 1);
-      if (rlo == 0)
-        tile_scores<C, G, R, NA, false>(q, q_stride, kr, D, scale, softcap, 0, s + j, n, mx);
-      else
-        tile_scores<C, G, R, NA, true>(q, q_stride, kr, D, scale, softcap, rlo, s + j, n, mx);
+      if (j >= all0 && j < all1) {
+        tile_scores<C, G, R, DC, false>(q, q_stride, kr, D, scale, 0, R - 1, j, first, srow, mx);
+      } else {
+        // tokens r see key j from rlo on (causal) up to rhi (the window)
+        int rlo = 0, rhi = R - 1;
+        while (rlo < R && j >= L0 + rlo) ++rlo;
+        while (rhi >= 0 && j < first[rhi]) --rhi;
+        tile_scores<C, G, R, DC, true>(q, q_stride, kr, D, scale, rlo, rhi, j, first, srow, mx);
+      }
     }
   }
-  float inv[R][G];
+  float inv[RG];
   for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g)
-      inv[r][g] = softmax_inv(s + (r * G + g) * n, L0 + r, mx[r][g], sinks ? sinks + g : nullptr);
+    for (int g = 0; g < G; ++g) {
+      const int64_t nr = L0 + r - first[r];
+      float* row = srow[r * G + g];
+      if (softcap > 0) {  // decode_group's capped scores, and their maximum
+        mx[r][g] = -INFINITY;
+        for (int64_t i = 0; i < nr; ++i) {
+          row[i] = capped(row[i], softcap);
+          mx[r][g] = std::max(mx[r][g], row[i]);
+        }
+      }
+      inv[r * G + g] = softmax_inv(row, nr, mx[r][g], sinks ? sinks + g : nullptr);
+      for (int64_t i = 0; i < nr; ++i) pt[(first[r] + i - j0) * RG + r * G + g] = row[i];
+    }
   for (int r = 0; r < R; ++r)
     for (int64_t i = 0; i < G * D; i += 8) _mm256_storeu_ps(out + r * out_stride + i, _mm256_setzero_ps());
   // values: one 8-value slice of every (token, head) a pass over a block's rows (R * G
   // accumulators in registers); each output value still sums its keys in order
-  for (int64_t bi = 0; bi < nb; ++bi) {
+  for (int64_t bi = j0 / bs; bi * bs < end; ++bi) {
     const C* vb = vc + table[bi] * blk_stride;
-    const int64_t e = std::min(bs, n - bi * bs);
+    const int64_t t0 = std::max<int64_t>(0, j0 - bi * bs), e = std::min(bs, end - bi * bs);
     for (int64_t d0 = 0; d0 < D; d0 += 8) {
       __m256 acc[R][G];
       for (int r = 0; r < R; ++r)
         for (int g = 0; g < G; ++g) acc[r][g] = _mm256_loadu_ps(out + r * out_stride + g * D + d0);
-      for (int64_t t = 0; t < e; ++t) {
+      // the block's keys every token sees, [u0, u1), between the ones only some do
+      const int64_t u0 = std::clamp(all0 - bi * bs, t0, e), u1 = std::clamp(all1 - bi * bs, u0, e);
+      auto some = [&](int64_t t) {
         const int64_t j = bi * bs + t;
-        const int rlo = j < L0 ? 0 : static_cast<int>(j - L0 + 1);
         const __m256 x = row8(vb + t * tok_stride, d0, D);
+        const float* p = pt + (j - j0) * RG;
         for (int r = 0; r < R; ++r)
-          if (r >= rlo)
-            for (int g = 0; g < G; ++g)
-              acc[r][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + (r * G + g) * n + j), x, acc[r][g]);
+          if (j < L0 + r && j >= first[r])
+            for (int g = 0; g < G; ++g) acc[r][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * G + g), x, acc[r][g]);
+      };
+      for (int64_t t = t0; t < u0; ++t) some(t);
+      const C* vr = vb + u0 * tok_stride;
+      const float* p = pt + (bi * bs + u0 - j0) * RG;
+      for (int64_t t = u0; t < u1; ++t, vr += tok_stride, p += RG) {
+        const __m256 x = row8(vr, d0, D);
+        for (int r = 0; r < R; ++r)
+          for (int g = 0; g < G; ++g) acc[r][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * G + g), x, acc[r][g]);
       }
+      for (int64_t t = u1; t < e; ++t) some(t);
       for (int r = 0; r < R; ++r)
         for (int g = 0; g < G; ++g) _mm256_storeu_ps(out + r * out_stride + g * D + d0, acc[r][g]);
     }
@@ -295,10 +334,13 @@ void prefill_tile(const float* q, int64_t q_stride, const C* kc, const C* vc, co
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g) {
       float* o = out + r * out_stride + g * D;
-      const __m256 vinv = _mm256_set1_ps(inv[r][g]);
+      const __m256 vinv = _mm256_set1_ps(inv[r * G + g]);
       for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), vinv));
     }
 }
+
+// prefill_tile's scratch for a tile ending at key `keys`: its score rows and the probabilities.
+inline int64_t prefill_scratch(int64_t G, int64_t R, int64_t keys) { return 2 * G * R * keys + 16; }
 
 // Tokens a prefill tile takes for a group of G query heads a kv head: as many as keep the
 // score accumulators (R x G x NA) within 12 of the 16 vector registers; 1: no tiles.
@@ -322,8 +364,7 @@ bool with_tile(int64_t G, F&& f) {
 // Decode rows of an int8 pool go whole (every kv head in one pass, decode_row_int8_64) from this
 // many on, when each thread has rows enough; fewer go as (row, kv head) items, spread finer.
 // Float16 rows (128 bytes: whole cache lines, no line shared by two kv heads) gain nothing from
-// whole-row items (measured slower from DRAM: docs/benchmarks.md), so they keep the (row, kv head)
-// items.
+// whole-row items (0-10% slower from DRAM, Zen 4), so they keep the (row, kv head) items.
 constexpr int64_t kRowsForWholeRowItems = 8;
 
 // After the K/V are in the pool: decode rows, then prefill chunks, over pool rows of type C.
@@ -392,10 +433,10 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
         return;
       }
     }
-    // Tokens whose keys all start at the first and whose decode_heads is decode_group (not the
-    // AVX-512 head_dim-64 kernel) go R at a time (prefill_tile, the same results); the rest,
-    // and a chunk's last tokens short of a tile, one at a time. Items: (first row, count).
-    const int R = avx512_head64(D, softcap, sinks) || (window > 0 && max_len > window) ? 1 : tile_tokens(G);
+    // Tokens whose decode_heads is decode_group (not the AVX-512 head_dim-64 kernel) go R at a
+    // time (prefill_tile, the same results); a chunk's last tokens short of a tile one at a time.
+    // Items: (first row, count).
+    const int R = avx512_head64(D, softcap, sinks) ? 1 : tile_tokens(G);
     std::vector<int64_t> row, len, chunk, count;
     for (int64_t c = 0; c < NC; ++c) {
       const int64_t start = mp[c * 3], n = mp[c * 3 + 1], L = mp[c * 3 + 2];
@@ -410,28 +451,25 @@ void attend(const float* qp, float* op, const C* kbase, const C* vbase, int64_t 
     }
     const int64_t NT = static_cast<int64_t>(row.size());
     const int64_t task_grain = std::max<int64_t>(1, (1 << 17) / (max_len * D * G * R));
-    at::parallel_for(0, NT * KVH, task_grain, [&](int64_t i0, int64_t i1) {
-      std::vector<float> s;
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t k = i / KVH, kvh = i % KVH;
-        const int64_t x = (k % 2 == 0) ? k / 2 : NT - 1 - k / 2;  // zigzag
-        const int64_t r = row[x], L = len[x];
-        s.resize(G * (L + R) * R + 16);
-        const float* q = qp + r * width + kvh * G * D;
-        float* o = op + r * H * D + kvh * G * D;
-        const int64_t* table = ctp + chunk[x] * cmaxb;
-        if (count[x] > 1) {
-          with_tile(G, [&](auto g, auto rr) {
-            prefill_tile<C, decltype(g)::value, decltype(rr)::value>(q, width, kbase + kvh * W, vbase + kvh * W, table,
-                                                                     L, bs, tok_stride, blk_stride, D, scale,
-                                                                     softcap, sinks ? sinks + kvh * G : nullptr, o,
-                                                                     H * D, s.data());
-          });
-          continue;
-        }
-        decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, table, L, window, bs, tok_stride, blk_stride, D,
-                        scale, softcap, sinks ? sinks + kvh * G : nullptr, o, s.data(), false);
-      }
+    zigzag_items(NT, KVH, task_grain, [&](int64_t x, int64_t kvh, std::vector<float>& s) {
+      const int64_t r = row[x], L = len[x];
+      s.resize(std::max(G * L, prefill_scratch(G, R, L + R)) + 16);
+      const float* q = qp + r * width + kvh * G * D;
+      float* o = op + r * H * D + kvh * G * D;
+      const int64_t* table = ctp + chunk[x] * cmaxb;
+      if (count[x] == 1)
+        return decode_heads<C>(q, G, kbase + kvh * W, vbase + kvh * W, table, L, window, bs, tok_stride, blk_stride,
+                               D, scale, softcap, sinks ? sinks + kvh * G : nullptr, o, s.data(), false);
+      with_tile(G, [&](auto g, auto rr) {
+        constexpr int GC = decltype(g)::value, RC = decltype(rr)::value;
+        auto tile = [&](auto dc) {
+          prefill_tile<C, GC, RC, decltype(dc)::value>(q, width, kbase + kvh * W, vbase + kvh * W, table, L, window,
+                                                       bs, tok_stride, blk_stride, D, scale, softcap,
+                                                       sinks ? sinks + kvh * G : nullptr, o, H * D,
+                                                       s.data());
+        };
+        if (!with_value<64, 128, 256>(D, tile)) tile(std::integral_constant<int64_t, 0>{});
+      });
     });
   }
 }

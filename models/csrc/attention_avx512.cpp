@@ -290,9 +290,9 @@ namespace {
 // its blocks: each 16-key tile's K rows of every kv head, then (after the softmaxes) each block's V
 // rows of every kv head. A token's kv heads are adjacent in the pool (216 bytes at SmolLM2's 3 x
 // 72), so every cache line is used when it arrives. One (row, kv head) at a time instead reads 72
-// of every 216 bytes, and the other heads' items reread the rest, which is slower from DRAM (long
-// contexts; docs/benchmarks.md) and no faster where the pool is cache-resident or the blocks
-// scattered. Every score and every accumulation is decode_group64's
+// of every 216 bytes, and the other heads' items reread the rest, which is slower from DRAM (whole
+// rows take 0.85 of its time at 32 x 1,280 keys, Zen 4) and no faster where the pool is
+// cache-resident or the blocks scattered. Every score and every accumulation is decode_group64's
 // operation in its order (state kept in memory between blocks is exact): the same result either
 // way, so a row's attention does not depend on how many rows share the step.
 template <int G>
@@ -455,20 +455,16 @@ void prefill_groups_int8(const float* qp, float* op, const int8_t* kbase, const 
   }
   const int64_t NG = static_cast<int64_t>(groups.size());
   const int64_t grain = std::max<int64_t>(1, (1 << 17) / (max_len * D * G * kPrefillGroup));
-  at::parallel_for(0, NG * KVH, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> s;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t k = i / KVH, kvh = i % KVH;
-      const Group& gr = groups[(k % 2 == 0) ? k / 2 : NG - 1 - k / 2];  // zigzag
-      s.resize(gr.nq * G * (gr.L0 + gr.nq - 1) + 16);
-      const float* q = qp + gr.row * width + kvh * G * D;
-      float* o = op + gr.row * H * D + kvh * G * D;
-      const int64_t* table = ctp + gr.chunk * cmaxb;
-      with_count<8>(G, [&](auto g) {
-        prefill_group_int8_64<g>(q, width, gr.nq, kbase + kvh * W, vbase + kvh * W, table, gr.L0, bs, tok_stride,
-                                 blk_stride, scale, o, H * D, s.data());
-      });
-    }
+  zigzag_items(NG, KVH, grain, [&](int64_t x, int64_t kvh, std::vector<float>& s) {
+    const Group& gr = groups[x];
+    s.resize(gr.nq * G * (gr.L0 + gr.nq - 1) + 16);
+    const float* q = qp + gr.row * width + kvh * G * D;
+    float* o = op + gr.row * H * D + kvh * G * D;
+    const int64_t* table = ctp + gr.chunk * cmaxb;
+    with_count<8>(G, [&](auto g) {
+      prefill_group_int8_64<g>(q, width, gr.nq, kbase + kvh * W, vbase + kvh * W, table, gr.L0, bs, tok_stride,
+                               blk_stride, scale, o, H * D, s.data());
+    });
   });
 }
 

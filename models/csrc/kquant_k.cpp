@@ -136,13 +136,16 @@ void dot_k(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float
   exact_result<PAIRS>(exact4, exact8, res);
 }
 
-// Decode's rows (rows_of, kquant_k.h) through dot_k.
+// Decode's rows (rows_by, kquant_k.h) through dot_k.
+template <int T>
+struct DotK {
+  template <int NR, int R>
+  static void dot(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float* res, const uint8_t* pf) {
+    dot_k<T, NR, R>(w, a, r0, nb, res, pf);
+  }
+};
 template <int T, int R>
-void rows_k(const uint8_t* first, int64_t stride, int64_t count, const uint8_t* end, const Acts& a, int64_t nb,
-            int64_t m0, float* y, int64_t ldy) {
-  constexpr int NR = R <= 2 ? 4 : 2;
-  rows_of<NR, R, dot_k<T, NR, R>, dot_k<T, 1, R>>(first, stride, count, end, a, nb, m0, y, ldy);
-}
+constexpr RowsFn rows_k = rows_by<DotK<T>, R>;
 
 // Up to MR activation rows (decode) the file's rows, on AVX512-VNNI CPUs in 512-bit vectors where
 // the format has them (the same bits); more meet the panels of the CPU's kind.

@@ -156,7 +156,7 @@ inline void panel_blocks(const Part& p, int64_t t0, int64_t rows, int64_t b, con
 // are contiguous, so `pf` + b * step covers the next group as this one is walked).
 // `to_l2`: into L2 only, for groups too large to sit in L1 beside the group being read (1B-sized
 // down projections: 4 rows of 8,192 values are 18-27 KB; fetched into L1 they evict the current
-// group and stream at ~20 GB/s instead of ~28, docs/benchmarks.md).
+// group and stream at 19.8-20.2 GB/s instead of 27.2-28.9 on Zen 4).
 inline void prefetch_slice(const uint8_t* pf, int64_t b, int64_t step, bool to_l2) {
   if (!pf) return;
   const uint8_t* p = pf + b * step;
@@ -226,6 +226,14 @@ void rows_of(const uint8_t* first, int64_t stride, int64_t count, const uint8_t*
     DOT1(&w, a, m0, nb, res, nullptr);
     for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + i] = res[r];
   }
+}
+// rows_of with K::dot<NR, R> taking NR weight rows a call (4 for up to 2 activation rows, else 2,
+// so that NR x R pairs fit the exact epilogue's lanes) and K::dot<1, R> the last ones.
+template <class K, int R>
+void rows_by(const uint8_t* first, int64_t stride, int64_t count, const uint8_t* end, const Acts& a, int64_t nb,
+             int64_t m0, float* y, int64_t ldy) {
+  constexpr int NR = R <= 2 ? 4 : 2;
+  rows_of<NR, R, K::template dot<NR, R>, K::template dot<1, R>>(first, stride, count, end, a, nb, m0, y, ldy);
 }
 // rows_of's signature: a format's decode rows for one R.
 using RowsFn = void (*)(const uint8_t*, int64_t, int64_t, const uint8_t*, const Acts&, int64_t, int64_t, float*,

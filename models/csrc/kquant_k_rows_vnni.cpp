@@ -209,15 +209,18 @@ CB_VNNI void dot_k16_512(const uint8_t* const* w, const Acts& a, int64_t r0, int
   exact_result<PAIRS>(exact4, exact8, res);
 }
 
+template <int T>
+struct Dot512 {
+  template <int NR, int R>
+  CB_VNNI static void dot(const uint8_t* const* w, const Acts& a, int64_t r0, int64_t nb, float* res, const uint8_t* pf) {
+    if constexpr (scaled16(T))
+      dot_k16_512<T, NR, R>(w, a, r0, nb, res, pf);
+    else
+      dot_k4_512<T, NR, R>(w, a, r0, nb, res, pf);
+  }
+};
 template <int T, int R>
-void rows_k_512(const uint8_t* first, int64_t stride, int64_t count, const uint8_t* end, const Acts& a, int64_t nb,
-                 int64_t m0, float* y, int64_t ldy) {
-  constexpr int NR = R <= 2 ? 4 : 2;
-  if constexpr (scaled16(T))
-    rows_of<NR, R, dot_k16_512<T, NR, R>, dot_k16_512<T, 1, R>>(first, stride, count, end, a, nb, m0, y, ldy);
-  else
-    rows_of<NR, R, dot_k4_512<T, NR, R>, dot_k4_512<T, 1, R>>(first, stride, count, end, a, nb, m0, y, ldy);
-}
+constexpr RowsFn rows_k_512 = rows_by<Dot512<T>, R>;
 
 }  // namespace
 

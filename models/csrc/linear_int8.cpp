@@ -56,8 +56,9 @@ CB_VNNI void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t K, bo
 
 // The weights are one stream a step (panels in order, blocks in order), read once, and the
 // hardware prefetchers stay too close behind it: prefetching each block's lines 4 KB ahead into
-// L2 makes every projection faster, at 1 row and at many (docs/benchmarks.md). `ratio`: the stream's
-// bytes a block over this array's (the scales move 4 KB / ratio ahead, in step with the weights).
+// L2 makes every projection faster, at 1 row and at many (0.93-1.0 of the time at 1 row, 0.85 at
+// 8, Zen 4). `ratio`: the stream's bytes a block over this array's (the scales move 4 KB / ratio
+// ahead, in step with the weights).
 inline void prefetch_ahead(const void* p, int bytes, int ratio = 1) {
   const char* c = static_cast<const char*>(p) + 4096 / ratio;
   for (int l = 0; l < bytes; l += 64) _mm_prefetch(c + l, _MM_HINT_T1);
