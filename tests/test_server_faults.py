@@ -19,26 +19,10 @@ import httpx
 import pytest
 
 from models import ByteTokenizer
-from tests.helpers.servers import StepGate, error_of, run_server, sse_events
+from tests.helpers.servers import FailingStep, StepGate, error_of, run_server, sse_events
 
 ROOT = Path(__file__).resolve().parents[1]
 BODY = {"model": "tinygpt", "prompt": "Hello", "temperature": 0, "ignore_eos": True}
-
-
-class FailingStep:
-    """Fault injection into the real engine: step() raises from its `fail_at`-th call on."""
-
-    def __init__(self, engine, fail_at: int) -> None:
-        self.calls = 0
-        self.fail_at = fail_at
-        self._step = engine.step
-        engine.step = self
-
-    def __call__(self):
-        self.calls += 1
-        if self.calls >= self.fail_at:
-            raise RuntimeError("injected engine fault")
-        return self._step()
 
 
 def test_engine_fault_ends_open_streams_with_an_error_event_and_marks_health_503(tiny_lm, caplog):

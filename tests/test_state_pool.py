@@ -124,7 +124,7 @@ def test_slots_return_on_finish_abort_and_preemption(lfm2):
 
 
 def test_metrics_report_the_state_pool(lfm2):
-    from server.metrics import ServerMetrics
+    from server.generation.metrics import ServerMetrics
 
     from engine import ContinuousBatchEngine
 
