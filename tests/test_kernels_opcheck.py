@@ -44,6 +44,8 @@ def test_every_op_in_the_library_is_wrapped_and_checked_here():
         "has_int8_dot",
         "has_amx_tiles",
         "enum_values",
+        "causal_conv1d",
+        "gated_delta_rule",
     }
     assert checked == set(OP), "a new op needs its opcheck case below"
 
@@ -146,6 +148,29 @@ def test_rms_norm_opcheck():
 def test_head_rms_norm_opcheck():
     qkv = torch.randn(3, 5 * 16)  # 3 q/k heads normed, 2 v heads left
     torch.library.opcheck(OP["head_rms_norm"], (qkv, torch.randn(3, 16), 16, 1e-6))
+
+
+# Two sequences of a step (4 tokens from slot 0, 3 from slot 1), the first snapshotting its state
+# after 2 tokens into slot 2: rows [first token, tokens, slot] and [sequence, after, slot].
+SEQS = torch.tensor([[0, 4, 0], [4, 3, 1]])
+SNAPSHOTS = torch.tensor([[0, 2, 2]])
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_causal_conv1d_opcheck(silu):
+    x, weight, bias = torch.randn(7, 16), torch.randn(16, 4), torch.randn(16)
+    conv_pool = torch.randn(3, 3, 16)  # (slots, K - 1, C): the inputs each slot keeps
+    torch.library.opcheck(OP["causal_conv1d"], (x, weight, bias, conv_pool, SEQS, SNAPSHOTS, silu))
+    torch.library.opcheck(OP["causal_conv1d"], (x, weight, None, conv_pool, SEQS, SNAPSHOTS, silu))
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_gated_delta_rule_opcheck(tiled):
+    q, k = torch.randn(7, 2, 8), torch.randn(7, 2, 8)  # two q/k heads for four value heads
+    v, g, beta = torch.randn(7, 4, 8), -torch.rand(7, 4), torch.rand(7, 4)
+    ssm_pool = torch.randn(3, 4, 8, 8)  # (slots, value heads, dk, dv)
+    args = (q, k, v, g, beta, ssm_pool, SEQS, SNAPSHOTS, tiled)
+    torch.library.opcheck(OP["gated_delta_rule"], args)
 
 
 def test_argmax_rows_opcheck():

@@ -124,9 +124,8 @@ def test_slots_return_on_finish_abort_and_preemption(lfm2):
 
 
 def test_metrics_report_the_state_pool(lfm2):
-    from server.generation.metrics import ServerMetrics
-
     from engine import ContinuousBatchEngine
+    from server.generation.metrics import ServerMetrics
 
     engine = ContinuousBatchEngine(lfm2.model, max_batch_size=4, block_size=4, num_blocks=32)
     text = ServerMetrics(engine.stats, lambda: True).render().decode()
