@@ -605,10 +605,29 @@ class DecoderForCausalLM(nn.Module):
         self._rotaries(config)
 
     def _rotaries(self, config: ModelConfig) -> None:
-        self.rotary = Rotary(config)
+        self.rotary = Rotary(self._global_rope_config(config))
         self.rotary_local = None
         if any(layer.self_attn.local_rope for layer in self.layers):
             self.rotary_local = Rotary(config, local=True)
+
+    def _global_rope_config(self, config: ModelConfig) -> ModelConfig:
+        """The config the global layers' RoPE is built from (a family whose global heads differ
+        from the sliding layers' gives their shape)."""
+        return config
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings (T, d_model), scaled where the family scales them."""
+        x = self.embed_tokens(input_ids)
+        if self.config.embedding_scale is not None:
+            x = x * self._embedding_scale(x.dtype)
+        return x
+
+    def ropes(self, positions: torch.Tensor) -> tuple[RopeTables, RopeTables]:
+        """The global and the sliding-window layers' RoPE tables for `positions` (the same
+        tables where the family has one RoPE)."""
+        rope = self.rotary(positions, halves=self.kernels)
+        local = rope if self.rotary_local is None else self.rotary_local(positions, self.kernels)
+        return rope, local
 
     def forward(
         self,
@@ -618,17 +637,14 @@ class DecoderForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: (T,). Returns final hidden states (T, d_model)."""
-        x = self.embed_tokens(input_ids)  # (T, d)
-        if self.config.embedding_scale is not None:
-            x = x * self._embedding_scale(x.dtype)
+        x = self.embed(input_ids)  # (T, d)
         if self._plan is not None and kv_caches is not None:
             tables = self.rotary.halves(positions)
             local_tables = (
                 tables if self.rotary_local is None else self.rotary_local.halves(positions)
             )
             return self._forward_planned(x, tables, local_tables, kv_caches, meta)
-        rope = self.rotary(positions, halves=self.kernels)
-        local = rope if self.rotary_local is None else self.rotary_local(positions, self.kernels)
+        rope, local = self.ropes(positions)
         for i, layer in enumerate(self.layers):
             layer_rope = local if layer.self_attn.local_rope else rope
             x = layer(x, layer_rope, None if kv_caches is None else kv_caches[i], meta)

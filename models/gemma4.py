@@ -42,7 +42,6 @@ from models.decoder import (
     HFLoader,
     Linear,
     RMSNorm,
-    Rotary,
     apply_rotary,
 )
 from models.gemma3 import Gemma3DecoderLayer
@@ -179,13 +178,10 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
             self.per_layer_model_projection = Linear(config.hidden_size, n * p, bias=False)
             self.per_layer_projection_norm = RMSNorm(p, config.rms_norm_eps)
 
-    def _rotaries(self, config: ModelConfig) -> None:
+    def _global_rope_config(self, config: ModelConfig) -> ModelConfig:
         # The global layers' RoPE spans their own (wider) heads; the sliding layers' theirs.
         glob = next(i for i in range(config.num_layers) if not config.window(i))
-        self.rotary = Rotary(replace(config, head_dim=config.head_dim_of(glob)))
-        self.rotary_local = None
-        if any(layer.self_attn.local_rope for layer in self.layers):
-            self.rotary_local = Rotary(config, local=True)
+        return replace(config, head_dim=config.head_dim_of(glob))
 
     def forward(
         self,
@@ -197,12 +193,9 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
         """input_ids, positions: (T,). Returns final hidden states (T, d_model)."""
         if kv_caches is None:
             kv_caches, meta = self._step_pools(meta)
-        x = self.embed_tokens(input_ids)  # (T, d)
-        if self.config.embedding_scale is not None:
-            x = x * self._embedding_scale(x.dtype)
+        x = self.embed(input_ids)  # (T, d)
         ple = self.per_layer_inputs(input_ids, x)  # (T, layers, P) or None
-        rope = self.rotary(positions, halves=self.kernels)
-        local = rope if self.rotary_local is None else self.rotary_local(positions, self.kernels)
+        rope, local = self.ropes(positions)
         for i, layer in enumerate(self.layers):
             layer_rope = local if layer.self_attn.local_rope else rope
             x = layer(x, layer_rope, kv_caches[i], meta, None if ple is None else ple[:, i])

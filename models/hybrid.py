@@ -82,10 +82,8 @@ class HybridForCausalLM(DecoderForCausalLM):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: (T,). Returns final hidden states (T, d_model)."""
-        x = self.embed_tokens(input_ids)  # (T, d)
-        if self.config.embedding_scale is not None:
-            x = x * self._embedding_scale(x.dtype)
-        rope = self.rotary(positions, halves=self.kernels)
+        x = self.embed(input_ids)  # (T, d)
+        rope, _ = self.ropes(positions)
         state = meta.state if meta.state is not None else self._fresh_state(meta)
         attn = rec = 0
         for layer in self.layers:

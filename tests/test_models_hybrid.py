@@ -22,6 +22,7 @@ import torch
 
 from engine import ContinuousBatchEngine, DisaggregatedEngine, Request, SamplingParams
 from models import kernels, load_model
+from tests.helpers.engine_runs import engine_logits, run_greedy
 from tests.helpers.hybrid_configs import VOCAB, lfm2_config, qwen35_config
 from tests.helpers.model_files import (
     byte_level_tokenizer,
@@ -82,30 +83,6 @@ def _engine(lm, **kw):
     return ContinuousBatchEngine(lm.model, **{**options, **kw})
 
 
-def engine_logits(lm, prompt: list[int], n: int, engine=None):
-    """Greedy continuation in the engine and the logits of every sampled position."""
-    rows: list[torch.Tensor] = []
-    head = lm.model.compute_logits
-
-    def recording(hidden):
-        out = head(hidden)
-        rows.append(out[-1].clone())
-        return out
-
-    engine = engine or _engine(lm)
-    req = Request(prompt_token_ids=prompt, params=SamplingParams(max_tokens=n, ignore_eos=True))
-    engine.add_request(req)
-    out: list[int] = []
-    lm.model.compute_logits = recording
-    try:
-        with torch.inference_mode():
-            while engine.has_work():
-                out += [t for o in engine.step() for t in o.token_ids]
-    finally:
-        del lm.model.compute_logits
-    return out, rows
-
-
 def check_engine(lm, ref, prompt: list[int], n: int, engine=None) -> None:
     got, rows = engine_logits(lm, prompt, n, engine)
     expected = hf_logits(ref, prompt + got)[len(prompt) - 1 : -1]
@@ -155,21 +132,10 @@ def test_preemption_recomputes_the_state(checkpoint, use_kernels):
     lm = _load(hf_dir, use_kernels)
     engine = _engine(lm, num_blocks=16)  # 15 usable blocks of 4: 60 tokens for both requests
     prompts = [random_ids(20, VOCAB, seed=s) for s in (1, 2)]
-    reqs = [
-        Request(prompt_token_ids=p, params=SamplingParams(max_tokens=16, ignore_eos=True))
-        for p in prompts
-    ]
-    for r in reqs:
-        engine.add_request(r)
-    out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-    with torch.inference_mode():
-        while engine.has_work():
-            for o in engine.step():
-                out[o.request_id] += o.token_ids
+    outs = run_greedy(engine, prompts, 16)
     assert engine.stats().num_preemptions > 0
     assert engine.stats().num_free_state_slots == engine.stats().num_state_slots
-    for r, p in zip(reqs, prompts, strict=True):
-        got = out[r.request_id]
+    for got, p in zip(outs, prompts, strict=True):
         expected = hf_logits(ref, p + got)[len(p) - 1 : -1]
         assert expected.argmax(-1).tolist() == got
 
@@ -198,22 +164,13 @@ def test_greedy_32_tokens_equal_transformers_generate(checkpoint):
     lm = load_model(str(hf_dir), activations="float32", kv_cache_dtype="float32")
     prompts = [random_ids(n, VOCAB, seed=10 + n) for n in (3, 11, 17, 26, 40)]
     engine = ContinuousBatchEngine(lm.model, max_batch_size=5, block_size=16)
-    reqs = [
-        Request(prompt_token_ids=p, params=SamplingParams(max_tokens=32, ignore_eos=True))
-        for p in prompts
-    ]
-    for r in reqs:
-        engine.add_request(r)
-    out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    outs = run_greedy(engine, prompts, 32)
     with torch.inference_mode():
-        while engine.has_work():
-            for o in engine.step():
-                out[o.request_id] += o.token_ids
-        for r, p in zip(reqs, prompts, strict=True):
+        for got, p in zip(outs, prompts, strict=True):
             want = ref.generate(
                 torch.tensor([p]), max_new_tokens=32, do_sample=False, min_new_tokens=32
             )[0, len(p) :].tolist()
-            assert out[r.request_id] == want
+            assert got == want
 
 
 def sampled_logits(engine, prompts: list[list[int]], n: int) -> list[list[torch.Tensor]]:

@@ -8,7 +8,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ import httpx
 import pytest
 
 from models import ByteTokenizer
-from tests.helpers.servers import FailingStep, StepGate, error_of, run_server, sse_events
+from tests.helpers.servers import FailingStep, StepGate, error_of, free_port, run_server, sse_events
 
 ROOT = Path(__file__).resolve().parents[1]
 BODY = {"model": "tinygpt", "prompt": "Hello", "temperature": 0, "ignore_eos": True}
@@ -146,15 +145,9 @@ def test_stuck_step_turns_health_503(tiny_lm):
 # -- the process: CLI and SIGTERM --------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def server_process() -> Iterator[tuple[subprocess.Popen, int, list[str]]]:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [

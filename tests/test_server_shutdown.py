@@ -22,20 +22,16 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers.servers import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 # Longer than the drain deadline by far: TinyGPT cannot finish these before it passes.
 LONG = {"model": "tinygpt", "prompt": "Hi", "max_tokens": 2000, "ignore_eos": True}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
     def __init__(self, *flags: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server", "--model", "tinygpt", "--port", str(self.port)]
             + ["--num-threads", "1", *flags],

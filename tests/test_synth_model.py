@@ -22,6 +22,7 @@ from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES, GGMLQuantiza
 
 from models import gguf_loader, kernels, load_model
 from models.hf_tokenizer import load_gguf_tokenizer
+from models.hybrid import HybridForCausalLM
 from tests.helpers.engine_runs import engine_greedy, engine_logits
 from tests.helpers.llama_cpp import llama_cpp_tool, llama_server_greedy
 from tests.helpers.oracles import our_logits
@@ -49,7 +50,9 @@ TINY_EXTRA = {"qwen3moe": TINY_MOE, "gpt-oss": TINY_GPT_OSS, "gemma4": dict(glob
 # Families with recurrent layers: their files' layer pattern, head order and values are checked
 # against transformers in tests/test_models_hybrid.py; the per-architecture checks below assume
 # attention in every layer.
-ATTENTION_ARCHES = tuple(a for a in ARCHES if a not in ("lfm2", "qwen35"))
+ATTENTION_ARCHES = tuple(
+    a for a in ARCHES if not issubclass(synth_model.SPECS[a].model_class, HybridForCausalLM)
+)
 
 
 def tiny(arch: str, **fields) -> dict:

@@ -65,24 +65,31 @@ def serve_individually(model, specs: list[Spec], params=greedy, engine_cls=Conti
 def engine_greedy(lm: LoadedModel, prompts: list[list[int]], n: int) -> list[list[int]]:
     """Greedy continuations of all prompts, batched together in the continuous-batching engine."""
     engine = ContinuousBatchEngine(lm.model, max_batch_size=len(prompts), kv_cache_memory_gib=0.1)
-    ids = []
-    for p in prompts:
-        req = Request(prompt_token_ids=p, params=SamplingParams(max_tokens=n, ignore_eos=True))
-        engine.add_request(req)
-        ids.append(req.request_id)
-    out: dict[str, list[int]] = {i: [] for i in ids}
+    return run_greedy(engine, prompts, n)
+
+
+def run_greedy(engine: ContinuousBatchEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Each prompt's n greedy tokens (EOS ignored), all added to `engine` at once and stepped until
+    it has no work."""
+    reqs = [
+        Request(prompt_token_ids=p, params=SamplingParams(max_tokens=n, ignore_eos=True))
+        for p in prompts
+    ]
+    for r in reqs:
+        engine.add_request(r)
+    out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
     with torch.inference_mode():
         while engine.has_work():
             for o in engine.step():
                 out[o.request_id].extend(o.token_ids)
-    return [out[i] for i in ids]
+    return [out[r.request_id] for r in reqs]
 
 
 def engine_logits(
-    lm: LoadedModel, prompt: list[int], n: int
+    lm: LoadedModel, prompt: list[int], n: int, engine: ContinuousBatchEngine | None = None
 ) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy continuation in the engine (prefill in chunks of 16 over blocks of 4, then decode)
-    and the logits of every sampled position, recorded at the head."""
+    """Greedy continuation in `engine` (by default one that prefills in chunks of 16 over blocks
+    of 4, then decodes) and the logits of every sampled position, recorded at the head."""
     rows: list[torch.Tensor] = []
     head = lm.model.compute_logits
 
@@ -91,7 +98,7 @@ def engine_logits(
         rows.append(out[-1].clone())
         return out
 
-    engine = ContinuousBatchEngine(
+    engine = engine or ContinuousBatchEngine(
         lm.model, max_batch_size=2, block_size=4, max_num_batched_tokens=16, num_blocks=64
     )
     req = Request(prompt_token_ids=prompt, params=SamplingParams(max_tokens=n, ignore_eos=True))

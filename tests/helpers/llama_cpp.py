@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.servers import free_port
 
 DEFAULT_LLAMA_CPP_BIN = "/work/peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 
@@ -29,15 +30,9 @@ def llama_cpp_tool(name: str) -> Path:
     return Path(found)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def llama_server_greedy(model, ids: list[int], n: int, ctx: int = 512) -> list[int]:
     tool = llama_cpp_tool("llama-server")
-    port = _free_port()
+    port = free_port()
     cmd = [str(tool), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
            "-np", "1", "-c", str(ctx), "--no-warmup",
            # (its flash attention takes queries to float16: a random model's near ties flip)

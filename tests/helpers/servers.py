@@ -31,6 +31,13 @@ from server.http.app import ServerSettings, create_app
 from server.openai.protocol import ModelCard
 
 
+def free_port() -> int:
+    """A loopback port free at the moment of asking (for a server started in another process)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @dataclass
 class LiveServer:
     base_url: str
