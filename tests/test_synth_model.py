@@ -44,7 +44,10 @@ TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
 TINY_GPT_OSS = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=256)
 MOE = ("qwen3moe", "gpt-oss")
 # Gemma 4's global layers: heads twice the sliding layers' (E2B: 512 and 256)
-TINY_EXTRA = {"qwen3moe": TINY_MOE, "gpt-oss": TINY_GPT_OSS, "gemma4": dict(global_head_dim=128)}
+# The hybrids cut to enough layers to keep one attention layer (LFM2's third, Qwen3.5's fourth):
+# llama.cpp allocates no KV buffer for a model without one and aborts.
+TINY_EXTRA = {"qwen3moe": TINY_MOE, "gpt-oss": TINY_GPT_OSS, "gemma4": dict(global_head_dim=128),
+              "lfm2": dict(num_hidden_layers=3), "qwen35": dict(num_hidden_layers=4)}  # fmt: skip
 
 
 # Families with recurrent layers: their files' layer pattern, head order and values are checked

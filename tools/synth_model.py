@@ -393,10 +393,20 @@ def _float32(x: Any) -> np.ndarray:
     )
 
 
+# Tensors the converter keeps in float32 whatever --outtype says (a mixture of experts' router,
+# the recurrent layers' convolutions: llama.cpp's convolution ops read float32 only).
+_F32_ALWAYS = ("ffn_gate_inp", "ssm_conv1d", "shortconv.conv", "pos_embd", "token_types")
+
+
 def _f16_source(name: str, shape: tuple[int, ...]) -> bool:
     """The converter writes the tensor in float16 with --outtype f16: 2-D and up, a name ending
-    in .weight, not a router (convert_hf_to_gguf's float32 list)."""
-    return len(shape) >= 2 and name.endswith(".weight") and "ffn_gate_inp" not in name
+    in .weight, not a norm, not in its float32 list."""
+    return (
+        len(shape) >= 2
+        and name.endswith(".weight")
+        and not name.endswith("_norm.weight")
+        and not any(k in name for k in _F32_ALWAYS)
+    )
 
 
 def write_gguf(
