@@ -132,6 +132,47 @@ def test_harmony_turns_end_on_return_and_call_not_on_end(tok):
     assert end_token_ids(phi, []) == (1,)
 
 
+def test_a_gguf_vocabulary_with_harmonys_tokens(tmp_path, monkeypatch):
+    """A gpt-oss GGUF (tools.synth_model) whose vocabulary holds harmony's tokens as control
+    tokens, as converted files do, declaring <|return|> its EOS and <|end|> its EOT: the
+    loaded tokenizer ends turns on <|return|> and <|call|>, not on <|end|>, and keeps each
+    marker one id whose text decodes when asked."""
+    from gguf import GGUFValueType as T
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from models import load_model
+    from tests.test_gpt_oss import VOCAB, write_checkpoint
+    from tools import synth_model
+
+    monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))
+    ref = write_checkpoint(tmp_path / "hf")
+    tokens = [*bytes_to_unicode().values(), "Ġt", *SPECIALS]
+    unused = VOCAB - len(tokens)
+    types = [1] * 257 + [3] * len(SPECIALS) + [5] * unused
+    tokens += [f"<unused{i}>" for i in range(unused)]
+    ids = {t: tokens.index(t) for t in SPECIALS}
+    fields = {
+        "tokenizer.ggml.model": ("gpt2", T.STRING, None),
+        "tokenizer.ggml.pre": ("default", T.STRING, None),
+        "tokenizer.ggml.tokens": (tokens, T.ARRAY, T.STRING),
+        "tokenizer.ggml.token_type": (types, T.ARRAY, T.INT32),
+        "tokenizer.ggml.merges": (["Ġ t"], T.ARRAY, T.STRING),
+        "tokenizer.ggml.bos_token_id": (ids["<|startoftext|>"], T.UINT32, None),
+        "tokenizer.ggml.eos_token_id": (ids["<|return|>"], T.UINT32, None),
+        "tokenizer.ggml.eot_token_id": (ids["<|end|>"], T.UINT32, None),
+    }
+    path = synth_model.write_gguf(tmp_path / "harmony.gguf", "gpt-oss", ref.config.to_dict(),
+                                  ref.state_dict(), synth_model.Tokenizer(fields, "byte-level"),
+                                  "F32")  # fmt: skip
+    t = load_model(str(path), use_kernels=False).tokenizer
+    assert {ids["<|return|>"], ids["<|call|>"]} <= set(t.eos_token_ids)
+    assert ids["<|end|>"] not in t.eos_token_ids
+    assert special_ids(t) == frozenset(ids[m] for m in HARMONY_TOKENS)
+    text = "<|channel|>final<|message|>hi"
+    assert t.decode(t.encode(text), skip_special_tokens=False) == text
+    assert t.decode(t.encode(text)) == "finalhi"
+
+
 # -- the parser on token streams -----------------------------------------------------------------
 
 REASONING_THEN_ANSWER = (
@@ -272,6 +313,34 @@ def test_parallel_calls_render_one_per_turn_each_with_its_result(tok):
     assert text.endswith(want), text
 
 
+def test_a_responses_reasoning_item_renders_as_the_analysis_before_its_call():
+    """Responses input items as the Agents SDK sends output back: the reasoning item becomes
+    the next assistant turn's reasoning, rendered (by the published template) as the analysis
+    before the call it led to."""
+    from server.openai.responses import ResponsesRequest, to_chat
+    from server.tooling.chat_template import ChatTemplate
+
+    req = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Call the tool."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "21C"},
+    ]})  # fmt: skip
+    chat = to_chat(req)
+    text = ChatTemplate(HFTokenizer(harmony_hf_tokenizer(published_template()), (0,))).render(
+        chat.messages, True
+    )
+    assert text.endswith(
+        "<|start|>assistant<|channel|>analysis<|message|>Call the tool.<|end|>"
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+        '{"city": "Paris"}<|call|>'
+        '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"21C"<|end|>'
+        "<|start|>assistant"
+    ), text
+
+
 def test_the_required_grammar_is_a_harmony_call_of_special_tokens(tok):
     """tool_choice "required": a grammar whose markers are the special tokens themselves, that
     llguidance compiles for the tokenizer, accepts a call and refuses the markers' spelling."""
@@ -377,16 +446,22 @@ def test_chat_reasoning_and_answer_whole_and_streamed(client):
     assert msg.reasoning_content == m.group(1)
     assert msg.content == m.group(2)
     assert not msg.tool_calls and choice.finish_reason == "stop"
-    reasoning, content, reasons = "", "", []
+    reasoning, content, reasons, pieces = "", "", [], 0
     for chunk in client.chat.completions.create(
         extra_body={"guided_grammar": SHAPE}, stream=True, **kw
     ):
         for c in chunk.choices:
             d = c.delta
-            reasoning += getattr(d, "reasoning_content", None) or ""
+            r = getattr(d, "reasoning_content", None) or ""
+            assert not (r and content)  # the reasoning comes first, whole
+            reasoning += r
             content += d.content or ""
+            pieces += bool(r)
             reasons.append(c.finish_reason)
+            for part in (r, d.content or ""):
+                assert "<|" not in part
     assert (reasoning, content) == (m.group(1), m.group(2))
+    assert pieces > 1  # streamed as it came, not at the end
     assert reasons[-1] == "stop"
 
 
