@@ -34,12 +34,19 @@ END_TOKENS = (
     "<|eot_id|>",
     "<|eom_id|>",
     "<|end|>",
+    "<|return|>",
+    "<|call|>",
     "<end_of_turn>",
     "<|endoftext|>",
     "<|end_of_text|>",
     "</s>",
 )
 
+# o200k_harmony (gpt-oss): a turn ends with <|return|> (the answer) or <|call|> (a tool call);
+# <|end|> closes one message within it (the reasoning before the answer), so a vocabulary that
+# has both is not ended by <|end|> (llama.cpp drops it from the end tokens for the same reason).
+HARMONY_TURN_ENDS = ("<|return|>", "<|call|>")
+HARMONY_MESSAGE_END = "<|end|>"
 
 # Gemma's turns: "<start_of_turn>{user|model}\n...<end_of_turn>\n" after BOS; a system message
 # has no role of its own and opens the first user turn.
@@ -121,6 +128,8 @@ def end_ids(
     if eos_token_id is not None:
         ids.append(eos_token_id)
     ids.extend(added[text] for text in END_TOKENS if text in added)
+    if all(t in added for t in HARMONY_TURN_ENDS) and HARMONY_MESSAGE_END in added:
+        ids = [i for i in ids if i != added[HARMONY_MESSAGE_END]]
     return tuple(dict.fromkeys(ids))  # dedupe, keep order
 
 

@@ -139,8 +139,16 @@ class IncrementalDetokenizer:
     emitted for the same window, as vLLM and TGI do. Text ending in U+FFFD is held back.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int] | None = None,
+        keep: frozenset[int] = frozenset(),
+    ) -> None:
         self.tokenizer = tokenizer
+        # Special tokens whose text stays in the output (a chat format's structure, such as
+        # harmony's <|channel|>, which its parser reads); every other special token is dropped.
+        self.keep = keep
         # Tokenizers whose tokens are bytes decode exactly with a streaming UTF-8 decoder over
         # them; others use the window.
         self._utf8 = tokenizer.incremental_decoder()
@@ -153,6 +161,30 @@ class IncrementalDetokenizer:
 
     def add(self, new_ids: list[int]) -> str:
         """Append ids; return the newly completed text (possibly empty)."""
+        if not self.keep or self.keep.isdisjoint(new_ids):
+            return self._add(new_ids)
+        # A kept special token is a boundary: the text before it is flushed whole (a byte-level
+        # piece cannot continue across it), then its own text, then decoding starts afresh.
+        out: list[str] = []
+        run: list[int] = []
+        for i in new_ids:
+            if i not in self.keep:
+                run.append(i)
+                continue
+            if run:
+                out.append(self._add(run))
+                run = []
+            out.append(self.flush())
+            special = self.tokenizer.decode([i], skip_special_tokens=False)
+            self.ids.append(i)
+            self.prefix_offset = self.read_offset = len(self.ids)
+            self.text += special
+            out.append(special)
+        if run:
+            out.append(self._add(run))
+        return "".join(out)
+
+    def _add(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
         if self._utf8 is not None:
             piece = self.tokenizer.token_bytes

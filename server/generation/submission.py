@@ -49,6 +49,9 @@ class Submission:
     grammar_param: str | None = None  # the field whose grammar the constraints are
     stops: Sequence[str] = ()
     stop_ids: frozenset[int] = frozenset()  # end the text without being part of it
+    # Special tokens whose text stays in a choice's text, for its parsers (a chat format's
+    # structure: harmony's channels); other special tokens are dropped from it.
+    kept_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
     priority: int = 0
     pooling: Pooling | None = None  # an embedding request: prefill only
@@ -76,6 +79,7 @@ class Submission:
                         prompt_ids=ids,
                         stops=self.stops,
                         stop_ids=self.stop_ids,
+                        kept_ids=self.kept_ids,
                     )
                 )
                 requests.append(

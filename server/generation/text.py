@@ -52,11 +52,12 @@ class Choice:
         prompt_ids: list[int],
         stops: Sequence[str],
         stop_ids: frozenset[int],
+        kept_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.index = index
         self.request_id = request_id
         self.prompt_index = prompt_index
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, keep=kept_ids)
         self.stops = tuple(stops)
         # Streamed text stays this many characters behind, so a stop string that is still being
         # generated is never sent before it is recognised.

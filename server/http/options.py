@@ -54,7 +54,9 @@ def add_options(s: argparse._ArgumentGroup) -> None:
         choices=REASONING_PARSERS,
         default=None,
         help="return <think>...</think> as reasoning_content: qwen3 (when the output opens "
-        "with <think>) or deepseek_r1 (the output starts inside it)",
+        "with <think>) or deepseek_r1 (the output starts inside it); harmony (gpt-oss's "
+        "channels: analysis as reasoning_content, final as content, commentary calls as "
+        "tool_calls) is implied by a harmony chat template",
     )
     # What one request may cost (server.openai.serving, server.grammars.check_worker).
     s.add_argument(

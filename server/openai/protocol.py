@@ -250,6 +250,9 @@ class ChatMessage(Body):
     # Tool calling (server.tooling.plan): an assistant turn's calls, and the call a tool turn answers.
     tool_calls: list[ToolCallParam] | None = None
     tool_call_id: Text | None = None
+    # An assistant turn's reasoning as this server returned it: templates that render
+    # reasoning back (gpt-oss's, before a tool call) read it (server.tooling.chat_template).
+    reasoning_content: Text | None = None
 
     def text(self) -> str:
         if self.content is None:

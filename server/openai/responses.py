@@ -58,7 +58,23 @@ class FunctionCallOutputItem(Body):
     output: Text
 
 
-InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+class ReasoningPart(Body):
+    type: Literal["reasoning_text", "summary_text"]
+    text: Text
+
+
+class ReasoningItem(Body):
+    """A `reasoning` output item sent back as input (as the Agents SDK does): the reasoning of
+    the assistant turn after it, which a template may render back (gpt-oss's, before a call)."""
+
+    type: Literal["reasoning"]
+    id: Text | None = None
+    summary: list[ReasoningPart] = Field(default_factory=list)
+    content: list[ReasoningPart] | None = None
+    encrypted_content: Text | None = None
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 
 class FunctionTool(Body):
@@ -126,8 +142,11 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     items = (
         [InputMessage(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     )
+    reasoning = ""  # a reasoning item's text, for the assistant turn that follows it
     for item in items:
-        if isinstance(item, InputMessage):
+        if isinstance(item, ReasoningItem):
+            reasoning += "".join(p.text for p in item.content or item.summary)
+        elif isinstance(item, InputMessage):
             text = (
                 item.content
                 if isinstance(item.content, str)
@@ -135,6 +154,8 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
             )
             role = "system" if item.role == "developer" else item.role
             messages.append({"role": role, "content": text})
+            if role == "assistant" and reasoning:
+                messages[-1]["reasoning_content"], reasoning = reasoning, ""
         elif isinstance(item, FunctionCallItem):
             call = {
                 "id": item.call_id,
@@ -146,6 +167,8 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
                 last["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                if reasoning:
+                    messages[-1]["reasoning_content"], reasoning = reasoning, ""
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
     if not messages:

@@ -58,6 +58,8 @@ from server.openai.sampling_params import (
     prompt_logprobs_wanted,
 )
 from server.tooling.chat_template import ChatTemplate
+from server.tooling.formats import implied_reasoning
+from server.tooling.output import kept_token_ids
 from server.tooling.plan import ToolPlan, plan_tools
 
 log = logging.getLogger("server.requests")
@@ -93,7 +95,12 @@ class OpenAIServing:
         # --tool-call-parser and --reasoning-parser make of a choice's text follows from it.
         self.chat_template = ChatTemplate(tokenizer, chat_template)
         self.tool_call_parser = tool_call_parser
-        self.reasoning_parser = reasoning_parser
+        # A format whose output carries its reasoning (harmony) implies its parser; the special
+        # tokens that parser reads stay in a chat choice's text.
+        self.reasoning_parser = reasoning_parser or implied_reasoning(
+            tool_call_parser, self.chat_template.source
+        )
+        self.kept_ids = kept_token_ids(self.reasoning_parser, tokenizer)
         self.loop = GenerationLoop(
             client, tokenizer, metrics, ClientSlots(max_concurrent_per_client), stall_timeout
         )
@@ -245,6 +252,7 @@ class OpenAIServing:
             grammar_param=spec.param if spec is not None else None,
             render=lambda gen: render(gen, plan),
             logprobs=req.num_logprobs,
+            kept_ids=self.kept_ids,
         )
 
     def _fields(

@@ -21,7 +21,7 @@ import jinja2
 from models import Tokenizer
 from models.tokenizer import render_chat_template
 from server.errors import APIError
-from server.tooling.formats import GENERIC, detect
+from server.tooling.formats import GENERIC, ToolFormat, detect
 from server.tooling.plan import ToolPlan
 
 # Template variables a request's chat_template_kwargs may not replace (the server sets them).
@@ -45,7 +45,9 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.source: str | None = override or tokenizer.chat_template
         self.override = override
-        self.knows_tools = not detect(self.source)[1]
+        # The format the template itself renders calls in: how its tool turns are shaped.
+        self.format, generic = detect(self.source)
+        self.knows_tools = not generic
 
     def render(
         self,
@@ -70,7 +72,9 @@ class ChatTemplate:
                 code="invalid_chat_template_kwargs",
             )
         generic = plan.generic if plan is not None else not self.knows_tools
-        dicts = [_message_dict(m, generic) for m in messages]
+        dicts = [_message_dict(m, generic, self.format) for m in messages]
+        if not generic and self.format.one_call_per_turn:
+            dicts = one_call_per_turn(dicts)
         tools = None
         if plan is not None and generic:
             dicts = _with_system(dicts, plan.system_prompt or "")
@@ -157,10 +161,16 @@ def _arguments(text: str) -> Any:
         return text
 
 
-def _message_dict(m: Any, generic: bool) -> dict[str, Any]:
+def _message_dict(m: Any, generic: bool, fmt: ToolFormat) -> dict[str, Any]:
     d: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.name is not None:
         d["name"] = m.name
+    if fmt.reasoning_key and m.reasoning_content and m.role == "assistant" and not generic:
+        d[fmt.reasoning_key] = m.reasoning_content
+        if m.tool_calls:
+            # gpt-oss's template refuses a call turn with both: its reasoning is what it renders
+            # (the analysis message before the call), a preamble has no place beside it.
+            d["content"] = ""
     if generic:
         if m.tool_calls:
             blocks = [
@@ -190,6 +200,38 @@ def _message_dict(m: Any, generic: bool) -> dict[str, Any]:
     if m.tool_call_id is not None:
         d["tool_call_id"] = m.tool_call_id
     return d
+
+
+def one_call_per_turn(dicts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For templates that render one call per assistant message and name a tool result by the
+    call just before it (harmony): an assistant message with several calls becomes one message
+    per call (its text and reasoning with the first), each followed by the result that answers
+    it among the tool messages after it; results that answer none keep their place after."""
+    out: list[dict[str, Any]] = []
+    i = 0
+    while i < len(dicts):
+        d = dicts[i]
+        calls = d.get("tool_calls") or []
+        if len(calls) < 2:
+            out.append(d)
+            i += 1
+            continue
+        j = i + 1
+        while j < len(dicts) and dicts[j]["role"] == "tool":
+            j += 1
+        results = dicts[i + 1 : j]
+        for k, call in enumerate(calls):
+            first = {**d, "tool_calls": [call]}
+            out.append(
+                first if k == 0 else {"role": "assistant", "content": "", "tool_calls": [call]}
+            )
+            answer = next((r for r in results if r.get("tool_call_id") == call["id"]), None)
+            if answer is not None:
+                out.append(answer)
+                results = [r for r in results if r is not answer]
+        out.extend(results)
+        i = j
+    return out
 
 
 def _with_system(dicts: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:

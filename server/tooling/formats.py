@@ -17,6 +17,14 @@ The formats:
 - `llama3`: `{"name": ..., "parameters": {...}}` calls separated by `; ` (Llama 3.1/3.2 JSON
   tool calling).
 - `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`.
+- `harmony` (gpt-oss): the output is a sequence of messages in channels, reasoning and answer
+  included; a call is a `commentary` message to `functions.NAME` whose body is the arguments
+  (`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`). Its
+  text is read whole by `server.tooling.harmony` (the row's `reasoning` parser), not by the
+  JSON-call scanner, from its special tokens kept in the text (`special_tokens`); its template
+  renders one call per assistant message and names a tool result by the call just before it
+  (`one_call_per_turn`), and reads an assistant turn's reasoning from `thinking`
+  (`reasoning_key`).
 
 A new format is one row in `FORMATS`. Light on imports: `python -m server --help` reads
 `PARSER_CHOICES` without torch.
@@ -46,6 +54,21 @@ class ToolFormat:
     # How generic mode writes a tool's result back into the conversation (hermes).
     result_open: str = ""
     result_close: str = ""
+    # A format that names the function outside the arguments: the text before a call's
+    # arguments, "{name}" standing for the function (the arguments are the JSON itself, no
+    # call object; `call_close` follows them).
+    call_head: str | None = None
+    # Special tokens the format's text is structured by: kept in the text its parser reads
+    # (a detokenizer drops them otherwise), written as special tokens in its grammar.
+    special_tokens: tuple[str, ...] = ()
+    # The `--reasoning-parser` the format implies (its output carries reasoning, content and
+    # calls together), taken unless the server names another.
+    reasoning: str | None = None
+    # The message key the format's templates read an assistant turn's reasoning from.
+    reasoning_key: str | None = None
+    # Its templates render only the first call of an assistant message and name a tool result
+    # by the call rendered just before it: calls go one per message, each followed by its result.
+    one_call_per_turn: bool = False
 
 
 HERMES = ToolFormat(
@@ -84,9 +107,36 @@ MISTRAL = ToolFormat(
     separator="",
     array=True,
 )
+# The harmony special tokens (o200k_harmony: <|return|> 200002, <|constrain|> 200003,
+# <|channel|> 200005, <|start|> 200006, <|end|> 200007, <|message|> 200008, <|call|> 200012).
+HARMONY_TOKENS = (
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|constrain|>",
+    "<|return|>",
+    "<|call|>",
+)
+HARMONY = ToolFormat(
+    name="harmony",
+    template_marks=("<|channel|>",),
+    triggers=(),  # (parsed by server.tooling.harmony, channel by channel)
+    glue=(),
+    bare_start=None,
+    args_key="",
+    call_open="",
+    call_close="<|call|>",
+    separator="",
+    call_head="<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>",
+    special_tokens=HARMONY_TOKENS,
+    reasoning="harmony",
+    reasoning_key="thinking",
+    one_call_per_turn=True,
+)
 
 # In the order a template is recognised (`detect`).
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (MISTRAL, LLAMA3, HERMES)}
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HARMONY, MISTRAL, LLAMA3, HERMES)}
 # The format of generic mode: the tools are described in a system prompt, calls written as hermes.
 GENERIC = HERMES
 # `--tool-call-parser`: auto (from the chat template), a format, or generic mode.
@@ -110,6 +160,12 @@ def resolve(option: str, template: str | None) -> tuple[ToolFormat, bool]:
     if option == "generic":
         return GENERIC, True
     return FORMATS[option], detect(template)[1]
+
+
+def implied_reasoning(option: str, template: str | None) -> str | None:
+    """The reasoning parser the format of `--tool-call-parser` and the chat template implies
+    (harmony's), or None."""
+    return resolve(option, template)[0].reasoning
 
 
 def held_suffix(text: str, markers: tuple[str, ...]) -> int:

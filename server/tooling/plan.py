@@ -20,13 +20,14 @@ text, so it streams as it comes.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine.errors import InvalidRequestError
 from engine.grammar import StructuredSpec, check_schema_depth, closed_objects, rebase_refs
 from server.errors import APIError
-from server.tooling.formats import FORMATS, GENERIC, resolve
+from server.tooling.formats import FORMATS, GENERIC, ToolFormat, resolve
 
 # Calls one answer may hold when parallel calls are allowed: bounds what a grammar lets a model
 # ramble into (each call is complete, so the answer parses however many it writes).
@@ -227,6 +228,8 @@ def tool_grammar(plan: ToolPlan) -> str | None:
         return None
     fmt = FORMATS[plan.format]
     names = [plan.named] if plan.mode == "named" else list(plan.names)
+    if fmt.call_head is not None:
+        return _headed_grammar(plan, fmt, names)
     one = {"anyOf": [call_schema(plan, n) for n in names]} if len(names) > 1 else None
     schema = one or call_schema(plan, names[0])
     defs = tool_defs(plan, names)
@@ -247,6 +250,35 @@ def tool_grammar(plan: ToolPlan) -> str | None:
     else:
         start = "start: calls"
     return f"{start}\n{seq}\n{call}\n"
+
+
+def _headed_grammar(plan: ToolPlan, fmt: ToolFormat, names: list[str]) -> str:
+    """The grammar of a format that names the function outside its arguments (harmony): one
+    call, its head naming one of `names`, then the arguments as that tool's parameters, then
+    the format's close. One call only: the close of a call ends the turn (harmony's <|call|> is
+    a stop token), so parallel calls come one turn at a time."""
+    alternatives = []
+    for name in names:
+        key = _defs_key(plan, name)
+        schema = {
+            "$ref": f"#/$defs/{key}",
+            "$defs": tool_defs(plan, [name]),
+            "x-guidance": JSON_STYLE,
+        }
+        head = _tokens(fmt.call_head.format(name=name), fmt)  # type: ignore[union-attr]
+        alternatives.append(f"{head} %json {_dumps(schema)} {_tokens(fmt.call_close, fmt)}")
+    rules = "\n".join(f"call_{i}: {a}" for i, a in enumerate(alternatives))
+    return f"start: {' | '.join(f'call_{i}' for i in range(len(names)))}\n{rules}\n"
+
+
+def _tokens(text: str, fmt: ToolFormat) -> str:
+    """`text` as Lark items: the format's special tokens bare (llguidance matches the token
+    itself, `<|channel|>`), the rest as string literals."""
+    if not fmt.special_tokens:
+        return _literal(text)
+    pattern = "(" + "|".join(re.escape(t) for t in fmt.special_tokens) + ")"
+    parts = [p for p in re.split(pattern, text) if p]
+    return " ".join(p if p in fmt.special_tokens else _literal(p) for p in parts)
 
 
 def _literal(text: str) -> str:

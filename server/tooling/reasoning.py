@@ -4,7 +4,10 @@
 Owns `ReasoningSplit`: text in, (reasoning delta, content delta) out, holding back what may still
 become a tag. The parsers (`REASONING_PARSERS`): `qwen3` (reasoning only when the output opens
 with `<think>`) and `deepseek_r1` (the output starts inside the reasoning: its template opens
-`<think>` in the prompt, so everything up to `</think>` is reasoning). Light on imports:
+`<think>` in the prompt, so everything up to `</think>` is reasoning); and `harmony` (gpt-oss:
+the `analysis` channel is the reasoning), whose channels also carry the answer and the tool
+calls, so it is read whole by `server.tooling.harmony` instead of this split, and is what a
+harmony chat template implies (`server.tooling.formats.implied_reasoning`). Light on imports:
 `python -m server --help` reads the names.
 """
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 from server.tooling.formats import held_suffix
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "harmony", "qwen3")
 _OPEN, _CLOSE = "<think>", "</think>"
 
 
