@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request as HTTPRequest
@@ -31,7 +32,6 @@ from server.generation.loop import GenerationLoop
 from server.generation.metrics import ServerMetrics
 from server.generation.submission import Render, Submission
 from server.generation.tenancy import ClientSlots, client_identity
-from server.generation.text import Generation
 from server.grammars.check_worker import CheckBudget
 from server.grammars.compiler import StructuredOutputs
 from server.openai.constraint import constraint_spec
@@ -55,7 +55,7 @@ from server.openai.sampling_params import (
     prompt_logprobs_wanted,
 )
 from server.tooling.chat_template import ChatTemplate
-from server.tooling.plan import ToolPlan, plan_tools
+from server.tooling.plan import plan_tools
 
 log = logging.getLogger("server.requests")
 
@@ -64,8 +64,8 @@ log = logging.getLogger("server.requests")
 # token). About 35 MB of JSON logprobs; a request over it is refused before it runs.
 DEFAULT_RESPONSE_BUDGET = 512 * 1024
 
-# A chat surface's renderer, made for one run once its tool plan is known.
-ChatRenderFactory = Callable[[Generation, ToolPlan | None], Render]
+# A chat surface's renderer, made for one run once its tool plan is known: `factory(gen, plan=)`.
+ChatRenderFactory = Callable[..., Render]
 
 
 class OpenAIServing:
@@ -125,9 +125,7 @@ class OpenAIServing:
         return await self.respond(await self.completion_submission(req, http), http)
 
     async def chat(self, req: ChatCompletionRequest, http: HTTPRequest) -> Response:
-        def render(gen: Generation, plan: ToolPlan | None) -> Render:
-            return ChatRender(gen, self.token_text, plan, self.reasoning_parser)
-
+        render = partial(ChatRender, tokens=self.token_text, reasoning=self.reasoning_parser)
         return await self.respond(await self.chat_submission(req, http, render), http)
 
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
@@ -243,7 +241,8 @@ class OpenAIServing:
             params=params,
             constraints=constraints,
             grammar_param=spec.param if spec is not None else None,
-            render=lambda gen: render(gen, plan),
+            # the loop calls the renderer's own module, not back into this one
+            render=partial(render, plan=plan),
             logprobs=req.num_logprobs,
         )
 
