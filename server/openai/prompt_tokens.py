@@ -4,9 +4,10 @@ Owns `PromptTokenizer`, a request's one pass from its prompts (completions, embe
 messages (chat: the chat template rendered here, in the same thread) to token ids: a cheap bound
 first (a text longer in UTF-8 bytes than the context could hold even if every token were the
 vocabulary's longest is refused before it is tokenized: a 4 MB body costs a length check, not
-seconds of tokenizer time), then the tokenizer in a small thread pool, never on the loop. A `tokenizers` tokenizer holds the GIL in `encode` but not in
-`encode_batch`, so where the tokenizer is backed by one (`backend`) a single text goes through
-`encode_batch`: the same ids, and the loop (/health, other streams) runs meanwhile.
+seconds of tokenizer time), then the tokenizer in a small thread pool, never on the loop. A
+`tokenizers` tokenizer holds the GIL in `encode` but not in `encode_batch`, so where the
+tokenizer is backed by one (`backend`) a single text goes through `encode_batch`: the same ids,
+and the loop (/health, other streams) runs meanwhile.
 """
 
 from __future__ import annotations

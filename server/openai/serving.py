@@ -6,9 +6,10 @@ grammar that constrains the output (`server.openai.constraint`), checked with th
 schemas and compiled, or sent as specs to where the engine runs (`server.grammars.compiler`),
 prompts and chat templates to token ids (`server.openai.prompt_tokens`, off the event loop),
 the sampling parameters of each choice (`server.openai.sampling_params`), stop strings and
-ids, and the body renderer (`server.openai.render`); then `server.generation.loop` runs it. The Responses API (`server.openai.responses`) prepares through `chat_submission` with
-its own renderer, embeddings (`server.openai.embeddings`) through the checks here. Errors leave
-through `server.errors`. It talks to the engine only through an `EngineClient`.
+ids, and the body renderer (`server.openai.render`); then `server.generation.loop` runs it.
+The Responses API (`server.openai.responses`) prepares through `chat_submission` with its own
+renderer, embeddings (`server.openai.embeddings`) through the checks here. Errors leave through
+`server.errors`. It talks to the engine only through an `EngineClient`.
 """
 
 from __future__ import annotations
