@@ -22,7 +22,7 @@ pytest.importorskip("ray.serve", reason="the [ray] extra is not installed")
 
 from ray.serve import context  # noqa: E402
 
-from server.ray.client import call_of_its_own  # noqa: E402
+from server.ray.forwarding import call_of_its_own  # noqa: E402
 from server.ray.keys import Placement  # noqa: E402
 from server.ray.router import PrefixAwareRouter  # noqa: E402
 from server.ray.wire import AbortCall, Probe, ReleaseCall  # noqa: E402

@@ -5,7 +5,8 @@ Owns `GrammarToCompile`, the picklable stand-in a `Request` carries instead of a
 grammar (an `llguidance.LLMatcher` does not pickle, and compiling on the ingress would only be
 thrown away), and `compile_pending`, which a replica runs on a call's requests before they
 reach its engine (in a worker thread: the first compile builds the tokenizer's trie). The
-ingress checks the spec in its grammar check worker and compiles it once itself (cached), so a
+ingress (`server.grammars.compiler.StructuredOutputs.constraints`) checks the spec in its
+grammar check worker and compiles it once itself (cached), so a
 bad schema, regex or grammar, or one that would crash or exhaust a process, is a 400 there
 before anything is sent; a replica compiles within the same parser limits.
 
@@ -20,9 +21,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from engine import InvalidRequestError, Request
+from engine import Request
 from engine.structured import GrammarCompiler, StructuredSpec
 
 
@@ -61,23 +61,3 @@ def compile_pending(requests: Sequence[Request], compiler: GrammarCompiler) -> l
         else r
         for r in requests
     ]
-
-
-async def grammar_constraints(
-    structured: Any, client: Any, spec: StructuredSpec, count: int, http: Any = None
-) -> list[Any]:
-    """`count` constraints for `spec` as `client` takes them: compiled here by `structured`
-    (`server.grammars.compiler.StructuredOutputs`: checked out of process first), or checked and
-    compiled here and sent as specs (a replica compiles only specs that passed here). `http`:
-    the client's request, whose disconnect cancels a check."""
-    placement = getattr(client, "grammar_placement", "local")
-    if placement is None:
-        raise InvalidRequestError(
-            "structured output and tool grammars are not supported by this deployment "
-            "(disaggregated prefill and decode tiers)",
-            spec.param,
-        )
-    if placement == "replica":
-        await structured.constraints(spec, 1, http)  # a bad spec is a 400 here, not there
-        return [GrammarToCompile(spec) for _ in range(count)]
-    return await structured.constraints(spec, count, http)

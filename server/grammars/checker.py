@@ -58,7 +58,6 @@ class GrammarWorker:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # (worker, message) to write
         self._writer: threading.Thread | None = None
         self.checks = 0  # specs sent to the worker (cache misses)
-        self.restarts = 0
 
     # -- public
 
@@ -133,8 +132,6 @@ class GrammarWorker:
             raise WorkerUnavailable("the grammar check worker is stopped")
         if self._proc is not None and self._proc.poll() is None:
             return
-        if self._proc is not None:
-            self.restarts += 1
         env = dict(os.environ)
         # The worker imports this package from wherever the server does.
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

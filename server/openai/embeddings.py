@@ -32,7 +32,6 @@ from server.generation.tenancy import client_identity
 from server.generation.text import Generation, Update
 from server.openai.body import Body
 from server.openai.protocol import Prompt, Text
-from server.openai.sampling_params import check_token_ids
 
 if TYPE_CHECKING:
     from server.openai.serving import OpenAIServing
@@ -113,17 +112,7 @@ async def create_embeddings(
     """The route's work: each input one prefill-only choice of one submission."""
     model = serving.check_model(req.model)
     limit = serving.card.max_model_len
-    for item in req.inputs:  # cheap checks of every input before any is tokenized
-        if isinstance(item, str):
-            serving.prompts.check_size(item, "input")
-        else:
-            check_token_ids(item, serving.vocab_size, "input")
-    prompts: list[list[int]] = await serving.prompts.run(
-        lambda: [
-            serving.prompts.encode_now(item, True) if isinstance(item, str) else list(item)
-            for item in req.inputs
-        ]
-    )
+    prompts, _ = await serving.prompts.encode_prompts(req.inputs, "input", serving.vocab_size)
     for i, ids in enumerate(prompts):
         if not ids:
             raise APIError(400, f"input[{i}] is empty (it encodes to no tokens)", param="input")

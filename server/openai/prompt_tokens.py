@@ -1,22 +1,29 @@
 """Prompt text to token ids without stalling the event loop.
 
-Owns `PromptTokenizer`: a cheap bound first (a text longer in UTF-8 bytes than the context could
-hold even if every token were the vocabulary's longest is refused before it is tokenized: a 4 MB
-body costs a length check, not seconds of tokenizer time), then the tokenizer in a small thread
-pool, never on the loop. A `tokenizers` tokenizer holds the GIL in `encode` but not in
-`encode_batch`, so where the tokenizer is backed by one (`backend`) a single text goes through
-`encode_batch`: the same ids, and the loop (/health, other streams) runs meanwhile.
+Owns `PromptTokenizer`, a request's one pass from its prompts (completions, embeddings) or its
+messages (chat: the chat template rendered here, in the same thread) to token ids: a cheap bound
+first (a text longer in UTF-8 bytes than the context could hold even if every token were the
+vocabulary's longest is refused before it is tokenized: a 4 MB body costs a length check, not
+seconds of tokenizer time), then the tokenizer in a small thread pool, never on the loop. A
+`tokenizers` tokenizer holds the GIL in `encode` but not in `encode_batch`, so where the
+tokenizer is backed by one (`backend`) a single text goes through `encode_batch`: the same ids,
+and the loop (/health, other streams) runs meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from models import Tokenizer
 from server.errors import APIError
+from server.openai.sampling_params import check_token_ids
+
+if TYPE_CHECKING:
+    from server.tooling.chat_template import ChatTemplate
+    from server.tooling.plan import ToolPlan
 
 T = TypeVar("T")
 
@@ -92,6 +99,67 @@ class PromptTokenizer:
         """Token ids of `text` (the request field `param`), bounded, off the loop."""
         self.check_size(text, param)
         return await self.run(self.encode_now, text, add_special_tokens)
+
+    async def encode_prompts(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        param: str,
+        vocab_size: int,
+        decode_ids: bool = False,
+    ) -> tuple[list[list[int]], list[str]]:
+        """Each prompt's ids and text (the request field `param`: texts, or token ids within the
+        vocabulary), every one checked before any is tokenized. A prompt of ids has its text
+        decoded with `decode_ids` (echo), else ""."""
+        for p in prompts:
+            if isinstance(p, str):
+                self.check_size(p, param)
+            else:
+                check_token_ids(p, vocab_size, param)
+        return await self.run(self._encode_prompts, prompts, decode_ids)
+
+    def _encode_prompts(
+        self, prompts: Sequence[str | Sequence[int]], decode_ids: bool
+    ) -> tuple[list[list[int]], list[str]]:
+        ids: list[list[int]] = []
+        texts: list[str] = []
+        for p in prompts:
+            if isinstance(p, str):
+                ids.append(self.encode_now(p, True))
+                texts.append(p)
+            else:
+                ids.append(list(p))
+                texts.append(self.tokenizer.decode(list(p)) if decode_ids else "")
+        return ids, texts
+
+    async def encode_chat(
+        self,
+        template: ChatTemplate,
+        messages: list[Any],
+        add_generation_prompt: bool,
+        plan: ToolPlan | None = None,
+        kwargs: dict[str, Any] | None = None,
+        bound_messages: bool = True,
+    ) -> tuple[str, list[int]]:
+        """The chat prompt `template` renders and its ids, off the loop. With `bound_messages`,
+        messages that alone are more than the context holds are refused before any rendering
+        (`check_parts`); the rendered text is bounded before it is tokenized."""
+        if bound_messages:
+            self.check_parts([m.text() for m in messages], "messages")
+        return await self.run(
+            self._render_and_encode, template, messages, add_generation_prompt, plan, kwargs
+        )
+
+    def _render_and_encode(
+        self,
+        template: ChatTemplate,
+        messages: list[Any],
+        add_generation_prompt: bool,
+        plan: ToolPlan | None,
+        kwargs: dict[str, Any] | None,
+    ) -> tuple[str, list[int]]:
+        text = template.render(messages, add_generation_prompt, plan, kwargs)
+        self.check_size(text, "messages")
+        return text, self.encode_now(text, False)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` in the tokenizer's threads (template rendering and tokenizing together)."""

@@ -1,14 +1,15 @@
 """The OpenAI surfaces' shared preparation: a validated request body in, one `Submission` out.
 
 `OpenAIServing` is what the routes call. For completions and chat it makes the whole
-submission in one pass: prompts and chat templates to token ids (`server.openai.prompt_tokens`,
-off the event loop), the tool plan (`server.tooling.plan`), the sampling parameters of each
-choice (`server.openai.sampling_params`), the one grammar that constrains the output
-(`server.openai.constraint`, compiled here or sent as specs to where the engine runs), stop
-strings and ids, and the body renderer (`server.openai.render`); then `server.generation.loop`
-runs it. The Responses API (`server.openai.responses`) prepares through `chat_submission` with
-its own renderer, embeddings (`server.openai.embeddings`) through the checks here. Errors leave
-through `server.errors`. It talks to the engine only through an `EngineClient`.
+submission in one pass, each helper called once: the tool plan (`server.tooling.plan`), the one
+grammar that constrains the output (`server.openai.constraint`), checked with the tools'
+schemas and compiled, or sent as specs to where the engine runs (`server.grammars.compiler`),
+prompts and chat templates to token ids (`server.openai.prompt_tokens`, off the event loop),
+the sampling parameters of each choice (`server.openai.sampling_params`), stop strings and
+ids, and the body renderer (`server.openai.render`); then `server.generation.loop` runs it.
+The Responses API (`server.openai.responses`) prepares through `chat_submission` with its own
+renderer, embeddings (`server.openai.embeddings`) through the checks here. Errors leave through
+`server.errors`. It talks to the engine only through an `EngineClient`.
 """
 
 from __future__ import annotations
@@ -18,23 +19,20 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response
 
-from engine import InvalidRequestError, SamplingParams
-from engine.request import TokenConstraint
-from engine.structured import StructuredSpec
+from engine import SamplingParams
 from models import Tokenizer
 from server.engine_client.interface import EngineClient
-from server.engine_client.remote_grammar import grammar_constraints
-from server.errors import APIError, grammar_error_code
+from server.errors import APIError
 from server.generation.loop import GenerationLoop
 from server.generation.metrics import ServerMetrics
 from server.generation.submission import Render, Submission
 from server.generation.tenancy import ClientSlots, client_identity
-from server.generation.text import Generation
 from server.grammars.check_worker import CheckBudget
 from server.grammars.compiler import StructuredOutputs
 from server.openai.constraint import constraint_spec
@@ -60,7 +58,7 @@ from server.openai.sampling_params import (
 from server.tooling.chat_template import ChatTemplate
 from server.tooling.formats import implied_reasoning
 from server.tooling.output import kept_token_ids
-from server.tooling.plan import ToolPlan, plan_tools
+from server.tooling.plan import plan_tools
 
 log = logging.getLogger("server.requests")
 
@@ -69,8 +67,8 @@ log = logging.getLogger("server.requests")
 # token). About 35 MB of JSON logprobs; a request over it is refused before it runs.
 DEFAULT_RESPONSE_BUDGET = 512 * 1024
 
-# A chat surface's renderer, made for one run once its tool plan is known.
-ChatRenderFactory = Callable[[Generation, ToolPlan | None], Render]
+# A chat surface's renderer, made for one run once its tool plan is known: `factory(gen, plan=)`.
+ChatRenderFactory = Callable[..., Render]
 
 
 class OpenAIServing:
@@ -114,6 +112,8 @@ class OpenAIServing:
         # Prompts to ids off the event loop, bounded by the context first.
         self.prompts = PromptTokenizer(tokenizer, card.max_model_len)
         self.response_budget = response_budget
+        # Where the engine client compiles grammars (server.engine_client.remote_grammar).
+        self.grammar_placement = getattr(client, "grammar_placement", "local")
 
     def close(self) -> None:
         """Stop the helpers (grammar check worker, tokenizer threads): the app's shutdown."""
@@ -133,21 +133,15 @@ class OpenAIServing:
         return await self.respond(await self.completion_submission(req, http), http)
 
     async def chat(self, req: ChatCompletionRequest, http: HTTPRequest) -> Response:
-        def render(gen: Generation, plan: ToolPlan | None) -> Render:
-            return ChatRender(gen, self.token_text, plan, self.reasoning_parser)
-
+        render = partial(ChatRender, tokens=self.token_text, reasoning=self.reasoning_parser)
         return await self.respond(await self.chat_submission(req, http, render), http)
 
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         self.check_model(req.model)
         if req.messages is not None:
-
-            def render_and_encode() -> list[int]:
-                text = self.chat_template.render(req.messages, req.add_generation_prompt)
-                self.prompts.check_size(text, "messages")
-                return self.prompts.encode_now(text, False)
-
-            ids = await self.prompts.run(render_and_encode)
+            _, ids = await self.prompts.encode_chat(
+                self.chat_template, req.messages, req.add_generation_prompt, bound_messages=False
+            )
         else:
             ids = await self.prompts.encode(req.prompt or "", req.add_special_tokens, "prompt")
         return {"count": len(ids), "max_model_len": self.card.max_model_len, "tokens": ids}
@@ -164,12 +158,9 @@ class OpenAIServing:
         model = self.check_model(req.model)
         if req.suffix is not None:
             raise APIError(400, "suffix is not supported", param="suffix")
-        for p in req.prompts:  # cheap checks of every prompt before any is tokenized
-            if isinstance(p, str):
-                self.prompts.check_size(p, "prompt")
-            else:
-                check_token_ids(p, self.vocab_size, "prompt")
-        prompts, texts = await self.prompts.run(self._completion_prompts, req)
+        prompts, texts = await self.prompts.encode_prompts(
+            req.prompts, "prompt", self.vocab_size, decode_ids=req.echo
+        )
         if not all(prompts):
             raise APIError(
                 400, "prompt must not be empty (it encodes to no tokens)", param="prompt"
@@ -189,7 +180,9 @@ class OpenAIServing:
         shown = (req.prompt_logprobs is not None) + (req.echo and req.logprobs is not None)
         self.check_budget(prompts, params, prompt_renderings=shown)
         spec = constraint_spec(req)
-        constraints = await self.constraints(spec, len(prompts) * len(params), http)
+        constraints = await self.structured.constraints(
+            spec, len(prompts) * len(params), http, placement=self.grammar_placement
+        )
         return Submission(
             **self._fields(req, http, gen_id, model, arrival),
             prompts=prompts,
@@ -215,11 +208,19 @@ class OpenAIServing:
         arrival = time.monotonic()
         model = self.check_model(req.model)
         plan, tool_specs = plan_tools(req, self.tool_call_parser, self.chat_template.source)
-        # The messages alone may be more than the context holds: no template, no tokenizer.
-        self.prompts.check_parts([m.text() for m in req.messages], "messages")
-        for tool_params in tool_specs:  # whatever tool_choice says
-            await self.check_grammar(tool_params, http, code="invalid_tools")
-        text, ids = await self.prompts.run(self._chat_prompt, req, plan)
+        spec = constraint_spec(req, plan)
+        # The grammars before the prompt: the template renders the tools' schemas, which are
+        # checked (whatever tool_choice says) before they go anywhere.
+        constraints = await self.structured.constraints(
+            spec, req.n, http, placement=self.grammar_placement, checks=tool_specs
+        )
+        text, ids = await self.prompts.encode_chat(
+            self.chat_template,
+            req.messages,
+            req.add_generation_prompt,
+            plan,
+            req.chat_template_kwargs,
+        )
         if not ids:
             raise APIError(400, "the rendered chat prompt is empty", param="messages")
         gen_id = self.new_id(prefix, http, [text])
@@ -241,8 +242,6 @@ class OpenAIServing:
         params = chat_sampling_params(req, self.vocab_size, max_tokens, self.defaults)
         self.check_lengths([ids], req.n, params[0].max_tokens)
         self.check_budget([ids], params)
-        spec = constraint_spec(req, plan)
-        constraints = await self.constraints(spec, len(params), http)
         return Submission(
             **self._fields(req, http, gen_id, model, arrival),
             prompts=[ids],
@@ -250,7 +249,8 @@ class OpenAIServing:
             params=params,
             constraints=constraints,
             grammar_param=spec.param if spec is not None else None,
-            render=lambda gen: render(gen, plan),
+            # the loop calls the renderer's own module, not back into this one
+            render=partial(render, plan=plan),
             logprobs=req.num_logprobs,
             kept_ids=self.kept_ids,
         )
@@ -273,29 +273,6 @@ class OpenAIServing:
             "include_usage": req.include_usage,
         }
 
-    def _completion_prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
-        """Each prompt's ids and text (tokenizer threads: `server.openai.prompt_tokens`)."""
-        prompts: list[list[int]] = []
-        texts: list[str] = []
-        for p in req.prompts:
-            if isinstance(p, str):
-                prompts.append(self.prompts.encode_now(p, True))
-                texts.append(p)
-            else:
-                prompts.append(list(p))
-                texts.append(self.tokenizer.decode(list(p)) if req.echo else "")
-        return prompts, texts
-
-    def _chat_prompt(
-        self, req: ChatCompletionRequest, plan: ToolPlan | None
-    ) -> tuple[str, list[int]]:
-        """The rendered chat prompt and its ids (tokenizer threads)."""
-        text = self.chat_template.render(
-            req.messages, req.add_generation_prompt, plan, req.chat_template_kwargs
-        )
-        self.prompts.check_size(text, "messages")
-        return text, self.prompts.encode_now(text, False)
-
     # -- checks every surface shares -------------------------------------------------------------
 
     def check_model(self, name: str | None) -> str:
@@ -312,28 +289,6 @@ class OpenAIServing:
         if self.log_prompts:
             log.info("%s prompt=%r", gen_id, texts if len(texts) > 1 else texts[0])
         return gen_id
-
-    async def check_grammar(self, spec: StructuredSpec, http: HTTPRequest, code: str) -> None:
-        """A spec checked out of harm's way (`server.grammars.compiler`); a 400 with `code` if not."""
-        try:
-            await self.structured.check(spec, http)
-        except InvalidRequestError as e:
-            raise APIError(400, str(e), param=e.param, code=code) from e
-
-    async def constraints(
-        self, spec: StructuredSpec | None, n: int, http: HTTPRequest
-    ) -> list[TokenConstraint | Any] | None:
-        """One grammar state per choice (compiled here, or specs sent to where the engine
-        runs), or None without a spec."""
-        if spec is None:
-            return None
-        try:
-            return await grammar_constraints(self.structured, self.client, spec, n, http)
-        except InvalidRequestError as e:
-            # A grammar, regex or JSON schema that does not parse or compile: a rule the
-            # OpenAPI document does not state (server.http.openapi.UNSTATED_RULE_CODES says
-            # why), so the 400 names itself.
-            raise APIError(400, str(e), param=e.param, code=grammar_error_code(e.param)) from e
 
     def check_budget(
         self,

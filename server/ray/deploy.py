@@ -131,7 +131,7 @@ def build_app(spec: DeploySpec, tokenizer: Any, card: ModelCard, settings: Serve
     from ray.serve.config import RequestRouterConfig
 
     from server.http.app import create_app
-    from server.ray.client import RayEngineClient
+    from server.ray.forwarding import RayEngineClient
 
     engine_options: dict[str, Any] = {
         "name": ENGINE_DEPLOYMENT,

@@ -44,7 +44,7 @@ from typing import Any
 from engine import EngineDeadError
 from engine.tiers import DecodeEngine, Handoff, PrefillEngine
 from server.engine_client.interface import OutputStream
-from server.ray.client import CallGroup, RayEngineClient, call_of_its_own
+from server.ray.forwarding import CallGroup, RayEngineClient, call_of_its_own
 from server.ray.replica import EngineReplica, EngineSpec
 from server.ray.wire import (
     Accepted,

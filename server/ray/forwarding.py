@@ -38,7 +38,7 @@ from server.engine_client.interface import EngineClient, Health, OutputStream
 from server.ray.keys import DEFAULT_ROUTE_BLOCKS, route_key
 from server.ray.wire import AbortCall, Accepted, EngineCall, Refused, StepItem
 
-log = logging.getLogger("server.ray.client")
+log = logging.getLogger("server.ray.forwarding")
 
 _ZERO = EngineStats(*(0,) * len(dataclasses.fields(EngineStats)))
 
