@@ -58,6 +58,9 @@ from tests.helpers.oracles import hf_greedy, hf_logprobs
 from tests.helpers.servers import LiveServer, run_server
 from tools import synth_model
 
+# (tiny models: one intra-op thread for transformers here; the servers' engines step on one)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # -- the families ----------------------------------------------------------------------------------
 
 # Each family's chat-turn format, cut to what a conversation of plain messages uses.
@@ -329,6 +332,7 @@ def test_structured_output_is_json_the_schema_accepts(served):
     jsonschema.validate(json.loads(choice.message.content), SCHEMA)
 
 
+@pytest.mark.slow  # (starts llama-server)
 def test_llama_server_on_the_gguf_gives_our_greedy_tokens(served):
     """llama-server (skipped where it is not built) runs the GGUF to transformers' 32 greedy
     tokens of each prompt, and so does our server (from either source), each with
