@@ -31,12 +31,28 @@ def llama_cpp_tool(name: str) -> Path:
 
 
 def llama_server_greedy(model, ids: list[int], n: int, ctx: int = 512) -> list[int]:
+    return llama_server_greedy_each(model, [ids], n, ctx)[0]
+
+
+def llama_server_greedy_each(
+    model,
+    prompts: list[list[int]],
+    n: int,
+    ctx: int = 512,
+    threads: int = 2,
+    cache_type: str | None = None,
+) -> list[list[int]]:
+    """llama-server's n greedy tokens (EOS ignored: it bans its end-of-generation tokens) after
+    each prompt of token ids, one server started for all of them (a prompt at a time: one slot).
+    `cache_type`: its K/V cache's type (its default: f16)."""
     tool = llama_cpp_tool("llama-server")
     port = free_port()
-    cmd = [str(tool), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
-           "-np", "1", "-c", str(ctx), "--no-warmup",
+    cmd = [str(tool), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+           "-t", str(threads), "-np", "1", "-c", str(ctx), "--no-warmup",
            # (its flash attention takes queries to float16: a random model's near ties flip)
            "-fa", "off"]  # fmt: skip
+    if cache_type is not None:
+        cmd += ["-ctk", cache_type, "-ctv", cache_type]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 60
@@ -50,14 +66,18 @@ def llama_server_greedy(model, ids: list[int], n: int, ctx: int = 512) -> list[i
                 pass
             assert time.time() < deadline, "llama-server did not start"
             time.sleep(0.2)
-        body = {"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1,
-                "return_tokens": True, "ignore_eos": True}  # fmt: skip
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{port}/completion", json.dumps(body).encode(),
-            {"Content-Type": "application/json"},
-        )  # fmt: skip
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return json.loads(r.read())["tokens"]
+        out = []
+        for ids in prompts:
+            body = {"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1,
+                    "return_tokens": True, "ignore_eos": True,
+                    "cache_prompt": False}  # fmt: skip
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/completion", json.dumps(body).encode(),
+                {"Content-Type": "application/json"},
+            )  # fmt: skip
+            with urllib.request.urlopen(req, timeout=120) as r:
+                out.append(json.loads(r.read())["tokens"])
+        return out
     finally:
         proc.terminate()
         proc.wait(10)
