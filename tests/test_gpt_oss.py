@@ -27,8 +27,9 @@ from gguf import GGUFReader, GGUFValueType
 from engine import ContinuousBatchEngine, Request, SamplingParams
 from models import kernels, load_model
 from tests.helpers.engine_runs import engine_logits
+from tests.helpers.family_models import gpt_oss_config, write_gpt_oss
 from tests.helpers.kquant_rows import round_activations
-from tests.helpers.model_files import byte_level_tokenizer, random_ids, write_hf_checkpoint
+from tests.helpers.model_files import byte_level_tokenizer, random_ids
 from tests.helpers.oracles import (
     ATOL,
     assert_logits_match,
@@ -42,43 +43,6 @@ from tools import synth_model
 
 WINDOW = 8
 USE_KERNELS = pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
-
-
-def gpt_oss_config(truncate: bool = True):
-    """A tiny gpt-oss. `truncate`: YaRN's correction range rounded out to whole dims (ggml's
-    rule, which a GGUF gets); the published config says False (transformers' exact range)."""
-    from transformers import GptOssConfig
-
-    yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-            "beta_slow": 1.0, "truncate": truncate, "original_max_position_embeddings": 4096}  # fmt: skip
-    return GptOssConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=131072,
-        sliding_window=WINDOW,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        rms_norm_eps=1e-5,
-        rope_parameters=yarn,
-        tie_word_embeddings=False,
-    )
-
-
-def write_checkpoint(path: Path, truncate: bool = True, seed: int = 5):
-    """The random transformers model saved in `path`, its sinks drawn around 2 (a head's sink
-    then outweighs several keys: without the sinks the logits differ)."""
-    ref = write_hf_checkpoint(path, gpt_oss_config(truncate), seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in ref.model.layers:
-            layer.self_attn.sinks.copy_(2 + torch.randn(layer.self_attn.sinks.shape, generator=g))
-    ref.save_pretrained(path)
-    return ref
 
 
 def byte_level_gguf_tokenizer() -> synth_model.Tokenizer:
@@ -118,7 +82,7 @@ def write_gguf(path: Path, ref, fmt: str = "F32") -> Path:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt_oss")
-    return path, write_checkpoint(path)
+    return path, write_gpt_oss(path)
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +190,7 @@ def test_transformers_exact_yarn_range_and_ggmls_rounding(tmp_path):
     """The published config's truncate=False: the directory gives transformers' logits with the
     exact correction range; its GGUF runs ggml's rounded range (as llama.cpp does), which is
     transformers with truncate=True, a small but real difference from the exact one."""
-    ref = write_checkpoint(tmp_path / "exact", truncate=False, seed=6)
+    ref = write_gpt_oss(tmp_path / "exact", truncate=False, seed=6)
     ids = random_ids(40, VOCAB, seed=14)
     exact = hf_logits(ref, ids)
     lm = load_model(str(tmp_path / "exact"), use_kernels=False)

@@ -141,11 +141,11 @@ def test_a_gguf_vocabulary_with_harmonys_tokens(tmp_path, monkeypatch):
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     from models import load_model
-    from tests.test_gpt_oss import VOCAB, write_checkpoint
+    from tests.helpers.family_models import VOCAB, write_gpt_oss
     from tools import synth_model
 
     monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))
-    ref = write_checkpoint(tmp_path / "hf")
+    ref = write_gpt_oss(tmp_path / "hf")
     tokens = [*bytes_to_unicode().values(), "Ġt", *SPECIALS]
     unused = VOCAB - len(tokens)
     types = [1] * 257 + [3] * len(SPECIALS) + [5] * unused
@@ -376,9 +376,9 @@ def test_the_required_grammar_is_a_harmony_call_of_special_tokens(tok):
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     from models import load_model
+    from tests.helpers.family_models import gpt_oss_config
     from tests.helpers.model_files import write_hf_checkpoint
     from tests.helpers.servers import run_server
-    from tests.test_gpt_oss import gpt_oss_config
 
     template = published_template()
     path = tmp_path_factory.mktemp("gpt_oss_harmony")

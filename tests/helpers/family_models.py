@@ -42,13 +42,14 @@ def gemma4_config(**kw):
     return Gemma4TextConfig(**{**fields, **kw})
 
 
-def gpt_oss_config(**kw):
+def gpt_oss_config(truncate: bool = True, **kw):
     """gpt-oss: windowed, full, windowed layers (window 8), four experts of which two a token,
-    YaRN with ggml's rounded correction range (what a GGUF of it runs)."""
+    YaRN. `truncate`: YaRN's correction range rounded out to whole dims (ggml's rule, which a
+    GGUF gets); the published config says False (transformers' exact range)."""
     from transformers import GptOssConfig
 
     yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-            "beta_slow": 1.0, "truncate": True, "original_max_position_embeddings": 4096}  # fmt: skip
+            "beta_slow": 1.0, "truncate": truncate, "original_max_position_embeddings": 4096}  # fmt: skip
     fields = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=131072,
@@ -74,6 +75,17 @@ def draw_sinks(model, seed: int) -> None:
         for layer in model.model.layers:
             sinks = layer.self_attn.sinks
             sinks.copy_(2 + torch.randn(sinks.shape, generator=g))
+
+
+def write_gpt_oss(path, truncate: bool = True, seed: int = 5):
+    """The random transformers gpt-oss (`gpt_oss_config(truncate)`) saved in `path`, its sinks
+    drawn around 2 (without the sinks the logits then differ)."""
+    from tests.helpers.model_files import write_hf_checkpoint
+
+    ref = write_hf_checkpoint(path, gpt_oss_config(truncate), seed=seed)
+    draw_sinks(ref, seed)
+    ref.save_pretrained(path)
+    return ref
 
 
 def byte_bpe_tokenizer(chat_template: str, extra_specials: tuple[str, ...] = ()):
