@@ -154,6 +154,7 @@ class Mamba2Mixer(nn.Module):
         # gate before norm: y * silu(z), then RMS over each group
         o = rowwise(lambda o, z: o * F.silu(z), o, y[:, :di])
         if use_kernel and o.dtype == torch.float32:  # (a row's groups alone, in one op)
+            o = o.contiguous()
             ops.head_rms_norm(o, self.norm, self.group_size, self.eps)
         else:
             g = o.view(t, self.groups, self.group_size)
