@@ -305,8 +305,9 @@ def fit_random(name: str, x: np.ndarray) -> np.ndarray:
     return x
 
 
-# granite-4.0-h-micro's published config (ibm-granite/granite-4.0-h-micro): 40 layers, the
-# attention ones at 5, 15, 25 and 35
+# granite-4.0-h-micro (ibm-granite/granite-4.0-h-micro): 40 layers, the attention ones at 5, 15,
+# 25 and 35, the shapes and multipliers of ../shared/families-2026.md; residual_multiplier,
+# rms_norm_eps, vocab_size and the context are the published config's as recalled (no hub here)
 _H_MICRO = dict(
     hidden_size=2048, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8,
     intermediate_size=8192, shared_intermediate_size=8192, num_local_experts=0,
