@@ -283,6 +283,9 @@ class ModelConfig:
     # HF "linear" RoPE scaling (positions / factor); Gemma 3 applies it to its global layers only
     rope_linear_factor: float = 1.0
     embedding_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    # Granite 4.0-H: each layer's mixer and MLP outputs times this before their residual adds
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0  # Granite 4.0-H: the logits divided by this
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     # Gemma 2: attention scores (after the scale) = cap * tanh(scores / cap) before the softmax
     attn_logit_softcapping: float | None = None

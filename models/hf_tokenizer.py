@@ -168,6 +168,8 @@ def _gguf_cache_dir(path: Path) -> Path:
 # array), and its tokenizer is Gemma 3's class either way (the builder follows
 # tokenizer.ggml.model).
 GGUF_TOKENIZER_ALIASES = {"smollm3": "llama", "gpt-oss": "llama", "gemma4": "gemma3"}
+# Granite 4.0-H's (transformers reads no granitehybrid file) is a byte-level BPE as well.
+GGUF_TOKENIZER_ALIASES["granitehybrid"] = "llama"
 
 
 def load_gguf_tokenizer(path: Path) -> Any:

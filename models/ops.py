@@ -56,6 +56,7 @@ _NAMES = (
     "decoder_layers",
     "causal_conv1d",
     "gated_delta_rule",
+    "mamba2_scan",
     "has_int8_dot",
     "has_amx_tiles",
     "enum_values",
@@ -100,6 +101,7 @@ _attention = _unloaded["attention"]
 _decoder_layers = _unloaded["decoder_layers"]
 _causal_conv1d = _unloaded["causal_conv1d"]
 _gated_delta_rule = _unloaded["gated_delta_rule"]
+_mamba2_scan = _unloaded["mamba2_scan"]
 _has_int8_dot = _unloaded["has_int8_dot"]
 _has_amx_tiles = _unloaded["has_amx_tiles"]
 _enum_values = _unloaded["enum_values"]
@@ -400,6 +402,27 @@ def gated_delta_rule(
     return _gated_delta_rule(q, k, v, g, beta, ssm_pool, seqs, snapshots, tiled)
 
 
+def mamba2_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    seqs: torch.Tensor,
+    snapshots: torch.Tensor,
+) -> torch.Tensor:
+    """Mamba2's selective scan, token by token per head over the state in each sequence's slot
+    of `ssm_pool` (slots, H, head_dim, N) float32 (IN PLACE; `seqs` and `snapshots` as
+    `causal_conv1d` takes them): dt = softplus(dt + dt_bias); S <- exp(dt A) S + dt x B^T;
+    y = S C + D x, head h reading group h // (H / G) of B and C. x (T, H, head_dim), dt (T, H),
+    a, d, dt_bias (H), b, c (T, G, N), all float32 (rows may be strided). Returns y
+    (T, H, head_dim) float32."""
+    return _mamba2_scan(x, dt, a, b, c, d, dt_bias, ssm_pool, seqs, snapshots)
+
+
 def enum_values() -> dict[str, int]:
     """The C++ side's codes, {"Kind.F32": 0, ...}: what `Kind`, `Act` and `Layer` must equal."""
     text = _enum_values()
@@ -453,6 +476,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("cbserve::gated_delta_rule")
     def _(q, k, v, g, beta, ssm_pool, seqs, snapshots, tiled):
         return v.new_empty(v.shape)
+
+    @torch.library.register_fake("cbserve::mamba2_scan")
+    def _(x, dt, a, b, c, d, dt_bias, ssm_pool, seqs, snapshots):
+        return x.new_empty(x.shape)
 
     @torch.library.register_fake("cbserve::attention")
     def _(qkv, cos, sin, k_cache, v_cache, slots, nd, dt, dl, cm, ct, H, KVH, D, *rest):  # noqa: N803

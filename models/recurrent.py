@@ -131,3 +131,45 @@ def gated_delta_rule(
                 ssm_pool[at[i + 1]] = s
         ssm_pool[slot] = s
     return out
+
+
+def mamba2_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    state: StateMetadata,
+    use_kernel: bool = False,
+) -> torch.Tensor:
+    """Mamba2's selective scan, token by token, per head h (state S (head_dim, N) in its slot
+    of `ssm_pool` (slots, H, head_dim, N)), h reading group g = h // (H / G) of B and C:
+
+        dt_t = softplus(dt_raw + dt_bias);  S <- exp(dt_t A) S + dt_t x_t B_t^T;  y_t = S C_t + D x_t
+
+    x (T, H, head_dim), dt (T, H) raw, a (H) (A = -exp(A_log)), b, c (T, G, N), d, dt_bias (H).
+    -> y (T, H, head_dim)."""
+    if _kernel(use_kernel, x, dt, a, b, c, d, dt_bias, ssm_pool):
+        return ops.mamba2_scan(x, dt, a, b, c, d, dt_bias, ssm_pool, state.seqs, state.snapshots)
+    t, nh, _ = x.shape
+    groups = b.shape[1]
+    heads = torch.arange(nh) // (nh // groups)
+    dt = F.softplus(dt + dt_bias)  # (T, H)
+    decay = torch.exp(dt * a)
+    bh, ch = b[:, heads], c[:, heads]  # (T, H, N)
+    out = torch.empty_like(x)
+    for start, n, slot, snaps in state.rows():
+        s = ssm_pool[slot].clone()  # (H, head_dim, N)
+        at = dict(snaps)
+        for i in range(n):
+            j = start + i
+            s.mul_(decay[j][:, None, None])
+            s.add_((dt[j][:, None] * x[j])[:, :, None] * bh[j][:, None, :])
+            out[j] = torch.einsum("hpn,hn->hp", s, ch[j]) + d[:, None] * x[j]
+            if i + 1 in at:
+                ssm_pool[at[i + 1]] = s
+        ssm_pool[slot] = s
+    return out

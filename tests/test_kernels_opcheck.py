@@ -46,6 +46,7 @@ def test_every_op_in_the_library_is_wrapped_and_checked_here():
         "enum_values",
         "causal_conv1d",
         "gated_delta_rule",
+        "mamba2_scan",
     }
     assert checked == set(OP), "a new op needs its opcheck case below"
 
@@ -171,6 +172,15 @@ def test_gated_delta_rule_opcheck(tiled):
     ssm_pool = torch.randn(3, 4, 8, 8)  # (slots, value heads, dk, dv)
     args = (q, k, v, g, beta, ssm_pool, SEQS, SNAPSHOTS, tiled)
     torch.library.opcheck(OP["gated_delta_rule"], args)
+
+
+def test_mamba2_scan_opcheck():
+    x, dt = torch.randn(7, 4, 8), torch.randn(7, 4)  # four heads of 8 over two groups
+    b, c = torch.randn(7, 2, 16), torch.randn(7, 2, 16)
+    a, d, dt_bias = -torch.rand(4) - 0.5, torch.randn(4), torch.randn(4)
+    ssm_pool = torch.randn(3, 4, 8, 16)  # (slots, heads, head_dim, N)
+    args = (x, dt, a, b, c, d, dt_bias, ssm_pool, SEQS, SNAPSHOTS)
+    torch.library.opcheck(OP["mamba2_scan"], args)
 
 
 def test_argmax_rows_opcheck():

@@ -1,4 +1,4 @@
-"""The hybrid families (LFM2, Qwen3.5) against transformers' own classes on tiny random configs
+"""The hybrid families (LFM2, Qwen3.5, Granite 4.0-H) against transformers' own classes on tiny random configs
 (nothing downloaded): a random model of each is saved as a Hugging Face directory and, written
 by tools.synth_model as llama.cpp's converter writes it, as a GGUF file; both load here and must
 give transformers' logits: a full forward, and through the engine with its recurrent state pool
@@ -23,7 +23,12 @@ import torch
 from engine import ContinuousBatchEngine, DisaggregatedEngine, Request, SamplingParams
 from models import kernels, load_model
 from tests.helpers.engine_runs import engine_logits, run_greedy
-from tests.helpers.hybrid_configs import VOCAB, lfm2_config, qwen35_config
+from tests.helpers.hybrid_configs import (
+    VOCAB,
+    granite_hybrid_config,
+    lfm2_config,
+    qwen35_config,
+)
 from tests.helpers.model_files import (
     byte_level_tokenizer,
     random_ids,
@@ -34,6 +39,8 @@ from tests.helpers.oracles import ATOL, assert_logits_match, hf_logits, our_logi
 
 CONFIGS = {"lfm2": lfm2_config, "qwen35": qwen35_config}
 GGUF_ARCH = {"lfm2": "lfm2", "qwen35": "qwen35"}
+CONFIGS["granitehybrid"] = granite_hybrid_config
+GGUF_ARCH["granitehybrid"] = "granitehybrid"
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -71,7 +78,8 @@ def byte_tokenizer(vocab: int):
 
 def write_gguf(path: Path, arch: str, ref) -> Path:
     """`ref` as a float32 GGUF written by tools.synth_model (the converter's names, keys and
-    value changes: squeezed convs, Qwen3.5's 1 + w norms, -exp(A_log), tiled value heads)."""
+    value changes: squeezed convs, Qwen3.5's 1 + w norms, -exp(A_log), tiled value heads,
+    Granite's split gate/up and (groups, size) norm)."""
     from tools.synth_model import write_gguf as synth_write
 
     state = {k: v.detach() for k, v in ref.state_dict().items()}

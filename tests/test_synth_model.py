@@ -37,17 +37,24 @@ TINY = dict(
 PRESET = {"llama": "smollm2-360m", "qwen2": "qwen2.5-0.5b", "qwen3": "qwen3-0.6b",
           "qwen3moe": "qwen3-30b-a3b", "phi3": "phi-3-mini", "smollm3": "smollm3-3b",
           "gemma2": "gemma-2-2b", "gemma3": "gemma-3-270m", "gpt-oss": "gpt-oss-20b",
-          "gemma4": "gemma-4-e2b", "lfm2": "lfm2-350m", "qwen35": "qwen3.5-0.8b"}  # fmt: skip
+          "gemma4": "gemma-4-e2b", "lfm2": "lfm2-350m", "qwen35": "qwen3.5-0.8b",
+          "granitehybrid": "granite-4.0-h-micro"}  # fmt: skip
 # a mixture of experts' tiny experts (rows of 256 for the K-quant blocks); gpt-oss's size is
 # its intermediate_size
 TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
 TINY_GPT_OSS = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=256)
 MOE = ("qwen3moe", "gpt-oss")
 # Gemma 4's global layers: heads twice the sliding layers' (E2B: 512 and 256)
-# The hybrids cut to enough layers to keep one attention layer (LFM2's third, Qwen3.5's fourth):
-# llama.cpp allocates no KV buffer for a model without one and aborts.
+# The hybrids cut to enough layers to keep one attention layer (LFM2's third, Qwen3.5's fourth,
+# Granite 4.0-H's sixth): llama.cpp allocates no KV buffer for a model without one and aborts.
+# Granite's Mamba2 inner size is twice the hidden size (llama.cpp's rule): 8 heads of 64; its
+# head untied (random layers times residual_multiplier 0.22 leave a tied head's argmax on the
+# input token, embedded times 12: the same token again and again).
+TINY_GRANITE = dict(num_hidden_layers=6, shared_intermediate_size=512, mamba_n_heads=8,
+                    mamba_d_head=64, mamba_d_state=64, tie_word_embeddings=False)  # fmt: skip
 TINY_EXTRA = {"qwen3moe": TINY_MOE, "gpt-oss": TINY_GPT_OSS, "gemma4": dict(global_head_dim=128),
-              "lfm2": dict(num_hidden_layers=3), "qwen35": dict(num_hidden_layers=4)}  # fmt: skip
+              "lfm2": dict(num_hidden_layers=3), "qwen35": dict(num_hidden_layers=4),
+              "granitehybrid": TINY_GRANITE}  # fmt: skip
 
 
 # Families with recurrent layers: their files' layer pattern, head order and values are checked
@@ -459,7 +466,8 @@ GEMMA2_CAPS = (2.0, 1.0)
 @pytest.mark.parametrize(
     "preset,fmt",
     [("phi-3.5-mini", "F32"), ("phi-4-mini", "F32"), ("smollm3-3b", "F32"),
-     ("qwen3-30b-a3b", "F32"), ("gemma-2-2b", "F32"), ("gpt-oss-20b", "F32")],
+     ("qwen3-30b-a3b", "F32"), ("gemma-2-2b", "F32"), ("gpt-oss-20b", "F32"),
+     ("granite-4.0-h-micro", "F32")],
 )  # fmt: skip
 def test_synthetic_files_generate_as_llama_cpp(tmp_path, smol_tokenizer, preset, fmt):
     """Greedy 16 tokens equal to llama-server's on each prompt. LongRoPE (and Phi-4-mini's
@@ -469,7 +477,7 @@ def test_synthetic_files_generate_as_llama_cpp(tmp_path, smol_tokenizer, preset,
     them (softmax, top k, renormalized). Gemma 2: soft caps low enough to bend this model's
     scores and logits, and a window the longer prompt passes. gpt-oss: sinks, biases, YaRN (the
     file's rounded correction range, as ggml's), a window the longer prompt passes, the clamped
-    SwiGLU, in F32. (As published, MXFP4_MOE, the tokens part after a few: this random model's
+    SwiGLU, in F32. Granite 4.0-H: Mamba2 layers, no RoPE, its four multipliers. (As published, MXFP4_MOE, the tokens part after a few: this random model's
     near ties flip under int8 activation rounding, ours against our own float32 activations as
     much as llama.cpp's Q8_0 ones; tests/test_gpt_oss.py checks that file against exact oracles.)"""
     llama_cpp_tool("llama-server")
@@ -483,6 +491,8 @@ def test_synthetic_files_generate_as_llama_cpp(tmp_path, smol_tokenizer, preset,
                       sliding_window=16)  # fmt: skip
     if preset == "gpt-oss-20b":
         shape |= dict(TINY_GPT_OSS, head_dim=64, sliding_window=16)
+    if preset == "granite-4.0-h-micro":  # (five Mamba2 layers, then attention)
+        shape |= dict(TINY_GRANITE, intermediate_size=512)
     arch, config = synth_model.make_config(preset, vocab_size=512, **shape)
     lazy = random_state_dict(arch, config, seed=3)
     state = {name: lazy[name] for name in lazy}

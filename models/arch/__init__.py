@@ -17,7 +17,7 @@ from models.arch.spec import ArchSpec
 # The family modules, in the order lists of supported architectures name them.
 FAMILIES = (
     "tinygpt", "llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "qwen3_moe", "gpt_oss",
-    "gemma4", "lfm2", "qwen35",
+    "gemma4", "lfm2", "qwen35", "granite_hybrid",
 )  # fmt: skip
 
 

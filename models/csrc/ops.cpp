@@ -93,10 +93,17 @@ TORCH_LIBRARY(cbserve, m) {
   m.def(
       "gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) ssm_pool, "
       "Tensor seqs, Tensor snapshots, bool tiled) -> Tensor");
+  // mamba2_scan: x (T, H, head_dim), dt (T, H) before dt_bias (H) and softplus, A (H) = -exp(A_log),
+  // B, C (T, G, N), D (H); per head S (head_dim, N) in ssm_pool (slots, H, head_dim, N), head h reading
+  // group h / (H / G): S <- exp(dt A) S + dt x B^T; y = S C + D x. Returns y (T, H, head_dim).
+  m.def(
+      "mamba2_scan(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, Tensor dt_bias, "
+      "Tensor(a!) ssm_pool, Tensor seqs, Tensor snapshots) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(cbserve, CPU, m) {
   m.impl("causal_conv1d", &cbserve::causal_conv1d);
   m.impl("gated_delta_rule", &cbserve::gated_delta_rule);
+  m.impl("mamba2_scan", &cbserve::mamba2_scan);
   m.impl("decoder_layers", &cbserve::decoder_layers);
   m.impl("packed_linear", &cbserve::packed_linear);
   m.impl("ggml_linear", &cbserve::ggml_linear);

@@ -57,4 +57,7 @@ at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const c1
 at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                             const at::Tensor& beta, const at::Tensor& ssm_pool, const at::Tensor& seqs,
                             const at::Tensor& snapshots, bool tiled);
+at::Tensor mamba2_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+                       const at::Tensor& C, const at::Tensor& D, const at::Tensor& dt_bias, const at::Tensor& ssm_pool,
+                       const at::Tensor& seqs, const at::Tensor& snapshots);
 }  // namespace cbserve

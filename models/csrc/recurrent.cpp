@@ -213,4 +213,75 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+
+// Mamba2's selective scan: per (sequence, head) task, the head's (head_dim, N) state in the
+// sequence's slot, updated in place token by token. Row p of the state meets the token's B and C
+// (N values each) with one decay and one dt x_p: its inner loops run over N, contiguous.
+at::Tensor mamba2_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+                       const at::Tensor& C, const at::Tensor& D, const at::Tensor& dt_bias, const at::Tensor& ssm_pool,
+                       const at::Tensor& seqs, const at::Tensor& snapshots) {
+  for (const auto* t : {&x, &dt, &A, &B, &C, &D, &dt_bias})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "x, dt, A, B, C, D and dt_bias must be float32");
+  TORCH_CHECK(x.dim() == 3, "x must be (T, H, head_dim)");
+  const int64_t T = x.size(0), H = x.size(1), P = x.size(2);
+  TORCH_CHECK(B.dim() == 3 && B.size(0) == T && C.sizes() == B.sizes(), "B and C must be (T, G, N)");
+  const int64_t G = B.size(1), N = B.size(2);
+  TORCH_CHECK(G >= 1 && H % G == 0, "heads must be a multiple of groups");
+  TORCH_CHECK(dt.sizes() == at::IntArrayRef({T, H}), "dt must be (T, H)");
+  TORCH_CHECK(A.numel() == H && D.numel() == H && dt_bias.numel() == H, "A, D and dt_bias must be (H,)");
+  TORCH_CHECK(ssm_pool.dim() == 4 && ssm_pool.size(1) == H && ssm_pool.size(2) == P && ssm_pool.size(3) == N &&
+                  ssm_pool.scalar_type() == at::kFloat && ssm_pool.is_contiguous(),
+              "ssm_pool must be a contiguous (slots, H, head_dim, N) float32 pool");
+  // rows may be strided (views of the conv's output); within a row, heads (groups) back to back
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == P, "x: heads must be contiguous within a row");
+  for (const auto* t : {&B, &C})
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == N, "B, C: groups must be contiguous within a row");
+  const auto dtc = dt.contiguous(), ac = A.contiguous(), dc = D.contiguous(), bc = dt_bias.contiguous();
+  const auto list = read_seqs(seqs, snapshots, T, ssm_pool.size(0));
+  auto out = at::empty({T, H, P}, x.options());
+  const float *xd = x.data_ptr<float>(), *Bd = B.data_ptr<float>(), *Cd = C.data_ptr<float>();
+  const int64_t xs = x.stride(0), Bs = B.stride(0), Cs = C.stride(0);
+  const float *dtd = dtc.data_ptr<float>(), *Ad = ac.data_ptr<float>(), *Dd = dc.data_ptr<float>();
+  const float* biasd = bc.data_ptr<float>();
+  float* pool = ssm_pool.data_ptr<float>();
+  float* od = out.data_ptr<float>();
+  const auto snaps_c = snapshots.contiguous();
+  const int64_t* snaps = snaps_c.data_ptr<int64_t>();
+  const int64_t per_group = H / G, state = P * N;
+  at::parallel_for(0, static_cast<int64_t>(list.size()) * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const Seq& s = list[task / H];
+      const int64_t h = task % H, g = h / per_group;
+      float* S = pool + (s.slot * H + h) * state;  // (head_dim, N), updated in place
+      int64_t snap = s.snap_begin;
+      for (int64_t i = 0; i < s.n; ++i) {
+        const int64_t t = s.start + i;
+        // softplus as torch computes it (threshold 20: the input itself above)
+        const float raw = dtd[t * H + h] + biasd[h];
+        const float dtv = raw > 20.0f ? raw : std::log1p(std::exp(raw));
+        const float decay = std::exp(dtv * Ad[h]), dh = Dd[h];
+        const float* xt = xd + t * xs + h * P;
+        const float* bt = Bd + t * Bs + g * N;
+        const float* ct = Cd + t * Cs + g * N;
+        float* o = od + (t * H + h) * P;
+        for (int64_t p = 0; p < P; ++p) {
+          float* row = S + p * N;
+          const float xp = dtv * xt[p];
+          float acc = 0.0f;
+          for (int64_t n = 0; n < N; ++n) {
+            row[n] = row[n] * decay + xp * bt[n];
+            acc += row[n] * ct[n];
+          }
+          o[p] = acc + dh * xt[p];
+        }
+        while (snap < s.snap_end && snaps[3 * snap + 1] == i + 1) {
+          std::memcpy(pool + (snaps[3 * snap + 2] * H + h) * state, S, state * sizeof(float));
+          ++snap;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace cbserve

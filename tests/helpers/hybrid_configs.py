@@ -29,3 +29,18 @@ def qwen35_config():
         linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
         linear_num_value_heads=4, tie_word_embeddings=False,
     )  # fmt: skip
+
+
+def granite_hybrid_config():
+    from transformers import GraniteMoeHybridConfig
+
+    # dense (no experts), two groups of B and C over eight Mamba2 heads of 16, three Mamba2
+    # layers and one attention layer, Granite's four multipliers away from 1, no RoPE
+    return GraniteMoeHybridConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, shared_intermediate_size=96,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, layer_types=["mamba", "attention", "mamba", "mamba"],
+        mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2,
+        num_local_experts=0, embedding_multiplier=6.0, attention_multiplier=0.125,
+        residual_multiplier=0.4, logits_scaling=2.5, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )  # fmt: skip
