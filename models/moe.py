@@ -31,6 +31,7 @@ from models.decoder import MLP, DecoderForCausalLM, HFLoader, Linear, PackedLine
 from models.llama import LlamaDecoderLayer
 from models.ops import Kind
 from models.quant import F32, pack, quantize
+from models.recurrent import rowwise
 
 if TYPE_CHECKING:
     from models.packing import Packer
@@ -126,7 +127,7 @@ class SparseMoeBlock(nn.Module):
         sigmoids plus the expert bias, weighted by their sigmoids."""
         scores = self.gate(x).float()
         if self.sigmoid:
-            probs = torch.sigmoid(scores)
+            probs = rowwise(torch.sigmoid, scores)  # (vector and scalar lanes round alike)
             choice = probs if self.expert_bias is None else probs + self.expert_bias.float()
             experts = torch.topk(choice, self.top_k, dim=-1).indices
             weights = probs.gather(1, experts)
@@ -147,7 +148,7 @@ class SparseMoeBlock(nn.Module):
         `residual` when given."""
         if self.shared_expert is not None:
             assert self.shared_expert_gate is not None
-            gate = torch.sigmoid(self.shared_expert_gate(x).float()).to(x.dtype)
+            gate = rowwise(torch.sigmoid, self.shared_expert_gate(x).float()).to(x.dtype)
             shared = self.shared_expert(x) * gate
             residual = shared if residual is None else residual + shared
         experts, weights = self.route(x)

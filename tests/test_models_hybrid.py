@@ -1,4 +1,4 @@
-"""The hybrid families (LFM2, Qwen3.5) against transformers' own classes on tiny random configs
+"""The hybrid families (LFM2, Qwen3.5, and their mixtures of experts) against transformers' own classes on tiny random configs
 (nothing downloaded): a random model of each is saved as a Hugging Face directory and, written
 by tools.synth_model as llama.cpp's converter writes it, as a GGUF file; both load here and must
 give transformers' logits: a full forward, and through the engine with its recurrent state pool
@@ -23,7 +23,13 @@ import torch
 from engine import ContinuousBatchEngine, DisaggregatedEngine, Request, SamplingParams
 from models import kernels, load_model
 from tests.helpers.engine_runs import engine_logits, run_greedy
-from tests.helpers.hybrid_configs import VOCAB, lfm2_config, qwen35_config
+from tests.helpers.hybrid_configs import (
+    VOCAB,
+    lfm2_config,
+    lfm2_moe_config,
+    qwen35_config,
+    qwen35_moe_config,
+)
 from tests.helpers.model_files import (
     byte_level_tokenizer,
     random_ids,
@@ -32,8 +38,13 @@ from tests.helpers.model_files import (
 )
 from tests.helpers.oracles import ATOL, assert_logits_match, hf_logits, our_logits
 
-CONFIGS = {"lfm2": lfm2_config, "qwen35": qwen35_config}
-GGUF_ARCH = {"lfm2": "lfm2", "qwen35": "qwen35"}
+CONFIGS = {
+    "lfm2": lfm2_config,
+    "qwen35": qwen35_config,
+    "qwen35_moe": qwen35_moe_config,
+    "lfm2_moe": lfm2_moe_config,
+}
+GGUF_ARCH = {"lfm2": "lfm2", "qwen35": "qwen35", "qwen35_moe": "qwen35moe", "lfm2_moe": "lfm2moe"}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -116,12 +127,20 @@ def test_gguf_reads_the_layer_pattern_and_head_order(checkpoint):
     assert a.config.recurrent is not None
     assert a.config.recurrent.layers == b.config.recurrent.layers
     assert a.config.kv_layout.num_layers == b.config.kv_layout.num_layers
-    if name == "qwen35":  # value heads outnumber q/k heads: the file's order is tiled
+    if name.startswith("qwen35"):  # value heads outnumber q/k heads: the file's order is tiled
         assert (a.config.recurrent.v_heads_tiled, b.config.recurrent.v_heads_tiled) == (False, True)
         assert a.config.rope_dims == b.config.rope_dims == 8
-    if name == "lfm2":
+    if name.startswith("lfm2"):
         assert a.config.recurrent.layers == (0, 2, 3)
         assert a.config.kv_layout.num_layers == 2
+    moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+           "moe_gating", "moe_expert_bias", "moe_shared_expert_size", "moe_dense_layers")  # fmt: skip
+    assert [getattr(a.config, f) for f in moe] == [getattr(b.config, f) for f in moe]
+    if name == "qwen35_moe":
+        assert (a.config.num_experts, a.config.moe_shared_expert_size) == (8, 64)
+    if name == "lfm2_moe":  # the first layer dense, sigmoid gating steered by the expert bias
+        assert (a.config.moe_dense_layers, a.config.moe_gating) == (1, "sigmoid")
+        assert a.config.moe_expert_bias and a.config.intermediate_size == 96
 
 
 @pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])

@@ -34,12 +34,13 @@ def qwen35_config():
 def qwen35_moe_config():
     from transformers import Qwen3_5MoeTextConfig
 
-    # Qwen3.5's tiny shapes with eight experts of 32 (two a token) and a shared expert of 48
+    # Qwen3.5's tiny shapes with eight experts of 32 (two a token) and a shared expert of 64
+    # (widths the kernels pack: a multiple of 32)
     return Qwen3_5MoeTextConfig(
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=512, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-        moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+        moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
         num_experts_per_tok=2, tie_word_embeddings=False,
     )  # fmt: skip
 
