@@ -261,18 +261,27 @@ def test_disaggregated_engine_hands_the_state_over_with_the_kv(checkpoint, use_k
     assert kv > 0  # (K/V blocks and one state slot a request)
 
 
-def test_multimodal_qwen35_directory_loads_its_language_model(tmp_path):
-    """model_type "qwen3_5" (image-text): the decoder is its text_config, its tensors sit under
-    the language model's prefix, and the vision tower's are left out."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_multimodal_qwen35_directory_loads_its_language_model(tmp_path, moe):
+    """model_type "qwen3_5" / "qwen3_5_moe" (image-text): the decoder is its text_config, its
+    tensors sit under the language model's prefix, and the vision tower's are left out."""
+    import transformers as tf
 
+    if moe:
+        config_cls, model_cls, text = (
+            tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration, qwen35_moe_config
+        )  # fmt: skip
+    else:
+        config_cls, model_cls, text = (
+            tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration, qwen35_config
+        )  # fmt: skip
     vision = dict(
         depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64,
         num_position_embeddings=16, patch_size=4,
     )  # fmt: skip
-    cfg = Qwen3_5Config(text_config=qwen35_config().to_dict(), vision_config=vision)
+    cfg = config_cls(text_config=text().to_dict(), vision_config=vision)
     torch.manual_seed(0)
-    ref = Qwen3_5ForConditionalGeneration(cfg).eval()
+    ref = model_cls(cfg).eval()
     randomize_(ref, 5)
     ref.save_pretrained(tmp_path)
     byte_level_tokenizer().save_pretrained(tmp_path)
