@@ -301,6 +301,16 @@ class ModelConfig:
     norm_topk_prob: bool = True
     moe_gating: str = "softmax"
     moe_router_bias: bool = False
+    # Gating "sigmoid" (LFM2-MoE): each expert's score through a sigmoid; the top k by sigmoid
+    # plus `moe_expert_bias` (a learned per-expert bias that steers the choice only), weighted
+    # by their sigmoids (`norm_topk_prob`: rescaled to sum to 1), times `moe_routed_scale`.
+    moe_expert_bias: bool = False
+    moe_routed_scale: float = 1.0
+    # A shared expert beside the routed ones (Qwen3.5-MoE, Qwen3-Next): a gated MLP of this size
+    # every token goes through, times sigmoid of a one-output gate; 0: none.
+    moe_shared_expert_size: int = 0
+    # Leading layers whose MLP is the dense one of `intermediate_size` (LFM2-MoE's first two).
+    moe_dense_layers: int = 0
     # Layers of several attention shapes (Gemma 4: 512-dim heads on its global layers, 256 on
     # the sliding ones): each layer's head_dim and kv heads; None: head_dim and num_kv_heads
     # everywhere.
@@ -367,8 +377,12 @@ class ModelConfig:
             raise ValueError(
                 f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_tanh, swiglu_oai)"
             )
-        if self.moe_gating not in ("softmax", "topk_softmax"):
-            raise ValueError(f"moe_gating {self.moe_gating!r} is not softmax or topk_softmax")
+        if self.moe_gating not in ("softmax", "topk_softmax", "sigmoid"):
+            raise ValueError(
+                f"moe_gating {self.moe_gating!r} is not softmax, topk_softmax or sigmoid"
+            )
+        if self.moe_expert_bias and self.moe_gating != "sigmoid":
+            raise ValueError("an expert bias steers sigmoid gating only")
         if self.rope_yarn is not None and self.rope_scaling is not None:
             raise ValueError("YaRN and Llama 3 RoPE scaling are not supported together")
 

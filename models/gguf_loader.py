@@ -143,10 +143,10 @@ class _ExpertSlice:
         self.data = t.data[expert]
 
 
-def _expert_slices(t: Any, path: Path, arch: str, stacked: bool) -> dict[str, _ExpertSlice]:
+def _expert_slices(t: Any, path: Path, arch: str, names: GGUFTensorMap) -> dict[str, _ExpertSlice]:
     """A stacked expert tensor under its experts' Hugging Face names."""
     m = _EXPERTS_RE.fullmatch(t.name)
-    if m is None or not stacked:
+    if m is None or not names.stacked_experts:
         raise ModelLoadError(f"{path.name}: tensor {t.name!r} has no place in a {arch} decoder")
     layer, proj, suffix = m.groups()
     dims = 3 if suffix == "weight" else 2
@@ -154,7 +154,7 @@ def _expert_slices(t: Any, path: Path, arch: str, stacked: bool) -> dict[str, _E
         what = "(experts, rows, in)" if dims == 3 else "(experts, rows)"
         raise ModelLoadError(f"{path.name}: {t.name} is not {what}")
     return {
-        f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.{suffix}": _ExpertSlice(t, e)
+        f"model.layers.{layer}.{names.expert_names[proj].format(e=e)}.{suffix}": _ExpertSlice(t, e)
         for e in range(int(t.shape[-1]))
     }
 
@@ -200,7 +200,7 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
             if m and int(m.group(1)) >= config.num_layers:
                 continue  # a layer past the decoder's (llama.cpp's multi-token-prediction head)
             if "_exps." in t.name:
-                self._tensors.update(_expert_slices(t, path, arch, names.stacked_experts))
+                self._tensors.update(_expert_slices(t, path, arch, names))
             else:
                 self._tensors[_hf_name(t.name, path, arch, names)] = t
         self._unread = self._in_place_names() if in_place else frozenset()

@@ -161,15 +161,17 @@ def _gguf_cache_dir(path: Path) -> Path:
 
 
 # GGUF architectures transformers does not read, whose tokenizer it converts as another's:
-# SmolLM3's is Llama 3's byte-level BPE (its split rule comes from tokenizer.ggml.pre either way).
+# SmolLM3's, LFM2-MoE's and Granite 4.0-H's are byte-level BPEs as Llama 3's (the split rule
+# comes from tokenizer.ggml.pre either way).
 # gpt-oss's it reads, but its reader of the gpt-oss.rope.scaling.* keys (which every gpt-oss file
 # has) takes each field's first part, the key's length, for the value and fails: the tokenizer is
 # a byte-level BPE like any other. Gemma 4's config reader refuses its per-layer FFN widths (an
 # array), and its tokenizer is Gemma 3's class either way (the builder follows
 # tokenizer.ggml.model).
-GGUF_TOKENIZER_ALIASES = {"smollm3": "llama", "gpt-oss": "llama", "gemma4": "gemma3"}
-# Granite 4.0-H's (transformers reads no granitehybrid file) is a byte-level BPE as well.
-GGUF_TOKENIZER_ALIASES["granitehybrid"] = "llama"
+GGUF_TOKENIZER_ALIASES = {
+    "smollm3": "llama", "gpt-oss": "llama", "gemma4": "gemma3", "lfm2moe": "llama",
+    "granitehybrid": "llama",
+}  # fmt: skip
 
 
 def load_gguf_tokenizer(path: Path) -> Any:

@@ -2,8 +2,11 @@
 and the sparse MLP gpt-oss's layer (`models.gpt_oss`) builds on.
 
 Owns: the sparse MLP (`SparseMoeBlock`: a router scoring every expert, the top k per token by the
-config's gating, each expert a gated MLP of `moe_intermediate_size`, with biases where the
-config has them), its decoder class and what differs in its tensor names and packing. Attention,
+config's gating (softmax, top-k-then-softmax, or sigmoid with an expert bias steering the
+choice), each expert a gated MLP of `moe_intermediate_size`, with biases where the config has
+them, and a shared expert behind a sigmoid gate where it has one), its decoder class and what
+differs in its tensor names and packing. The hybrid families' sparse layers (`models.qwen35`,
+`models.lfm2`) use the same block. Attention,
 norms and RoPE are the Llama layer's (`models.llama`).
 
 Tokens are grouped by expert: each expert that has tokens in the step multiplies just their rows
@@ -28,6 +31,7 @@ from models.decoder import MLP, DecoderForCausalLM, HFLoader, Linear, PackedLine
 from models.llama import LlamaDecoderLayer
 from models.ops import Kind
 from models.quant import F32, pack, quantize
+from models.recurrent import rowwise
 
 if TYPE_CHECKING:
     from models.packing import Packer
@@ -90,15 +94,27 @@ class SparseMoeBlock(nn.Module):
     in the checkpoint, `experts.{e}` the gated MLPs)."""
 
     ROUTER = "gate"  # the router's name in the checkpoint
+    EXPERT_BIAS = "expert_bias"  # (sigmoid gating's choice bias)
+    SHARED = "shared_expert"  # the shared expert and its gate ("shared_expert_gate")
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.topk_softmax = config.moe_gating == "topk_softmax"
+        self.sigmoid = config.moe_gating == "sigmoid"
+        self.routed_scale = config.moe_routed_scale
         self.gate = Linear(config.hidden_size, self.num_experts, bias=config.moe_router_bias)
+        self.expert_bias = (
+            nn.Parameter(torch.zeros(self.num_experts)) if config.moe_expert_bias else None
+        )
         expert = replace(config, intermediate_size=config.moe_intermediate_size)
         self.experts = nn.ModuleList(MLP(expert) for _ in range(self.num_experts))
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: nn.Module | None = None
+        if config.moe_shared_expert_size:
+            self.shared_expert = MLP(config, config.moe_shared_expert_size)
+            self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
         self.fused: FusedExperts | None = None  # set by `fuse` once the experts are packed
 
     def fuse(self) -> None:
@@ -107,8 +123,17 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, k) expert ids and their weights: softmax over every expert's score, the k best;
-        or (`topk_softmax`) the k best scores, softmax over them."""
+        or (`topk_softmax`) the k best scores, softmax over them; or (`sigmoid`) the k best
+        sigmoids plus the expert bias, weighted by their sigmoids."""
         scores = self.gate(x).float()
+        if self.sigmoid:
+            probs = rowwise(torch.sigmoid, scores)  # (vector and scalar lanes round alike)
+            choice = probs if self.expert_bias is None else probs + self.expert_bias.float()
+            experts = torch.topk(choice, self.top_k, dim=-1).indices
+            weights = probs.gather(1, experts)
+            if self.norm_topk_prob:  # (transformers' epsilon)
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+            return experts, (weights * self.routed_scale).to(x.dtype)
         if self.topk_softmax:
             top, experts = torch.topk(scores, self.top_k, dim=-1)
             return experts, torch.softmax(top, dim=-1).to(x.dtype)
@@ -119,7 +144,13 @@ class SparseMoeBlock(nn.Module):
         return experts, weights.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x (T, d) -> the experts' weighted sum (T, d), plus `residual` when given."""
+        """x (T, d) -> the experts' weighted sum (T, d) (and the gated shared expert's), plus
+        `residual` when given."""
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None
+            gate = rowwise(torch.sigmoid, self.shared_expert_gate(x).float()).to(x.dtype)
+            shared = self.shared_expert(x) * gate
+            residual = shared if residual is None else residual + shared
         experts, weights = self.route(x)
         if self.fused is not None and x.dtype == torch.float32:
             out = ops.moe_experts(x, experts, weights, *self.fused)
@@ -148,26 +179,57 @@ class SparseMoeBlock(nn.Module):
         names = {f"{prefix}{cls.ROUTER}.weight"}
         if config.moe_router_bias:
             names.add(f"{prefix}{cls.ROUTER}.bias")
+        if config.moe_expert_bias:
+            names.add(f"{prefix}{cls.EXPERT_BIAS}")
+        if config.moe_shared_expert_size:
+            names |= MLP.hf_weight_names(config, f"{prefix}{cls.SHARED}.")
+            names.add(f"{prefix}{cls.SHARED}_gate.weight")
         for e in range(config.num_experts):
-            names |= MLP.hf_weight_names(config, f"{prefix}experts.{e}.")
+            names |= cls.expert_weight_names(config, f"{prefix}experts.{e}.")
         return names
+
+    @classmethod
+    def expert_weight_names(cls, config: ModelConfig, prefix: str) -> set[str]:
+        """One expert's tensors below `prefix` ("...mlp.experts.E.")."""
+        return MLP.hf_weight_names(config, prefix)
+
+    def load_expert(self, expert: MLP, loader: HFLoader, src: str, dst: str) -> None:
+        expert.load(loader, src, dst)
+
+    def pack_expert(self, expert: MLP, packer: Packer, src: str) -> None:
+        # the file's rows in every format (no panels of Q4_0/Q8_0 experts): one op takes them all
+        expert.pack(packer, src, rows=True)
 
     def load(self, loader: HFLoader, src: str, dst: str) -> None:
         loader.put(f"{dst}gate.weight", loader.take(f"{src}{self.ROUTER}.weight"))
         if self.gate.bias is not None:
             loader.put(f"{dst}gate.bias", loader.take(f"{src}{self.ROUTER}.bias"))
+        if self.expert_bias is not None:
+            loader.put(f"{dst}expert_bias", loader.take(f"{src}{self.EXPERT_BIAS}"))
+        if self.shared_expert is not None:
+            self.shared_expert.load(loader, f"{src}{self.SHARED}.", f"{dst}shared_expert.")
+            gate = loader.take(f"{src}{self.SHARED}_gate.weight")
+            loader.put(f"{dst}shared_expert_gate.weight", gate.reshape(1, -1))
         for e, expert in enumerate(self.experts):
-            expert.load(loader, f"{src}experts.{e}.", f"{dst}experts.{e}.")
+            self.load_expert(expert, loader, f"{src}experts.{e}.", f"{dst}experts.{e}.")
 
     def pack(self, packer: Packer, src: str) -> None:
-        if not isinstance(self.gate, PackedLinear):
-            # the router in float32 panels whatever the scheme: its scores pick the experts
-            weights = pack(quantize(self.gate.weight.float(), F32))
-            self.gate = PackedLinear(weights, self.gate.bias)
-        # the file's rows in every format (no panels of Q4_0/Q8_0 experts): one op takes them all
+        # the router (and the shared expert's gate) in float32 panels whatever the scheme: its
+        # scores pick the experts
+        self.gate = _f32_panels(self.gate)
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None
+            self.shared_expert_gate = _f32_panels(self.shared_expert_gate)
+            self.shared_expert.pack(packer, f"{src}{self.SHARED}.")
         for e, expert in enumerate(self.experts):
-            expert.pack(packer, f"{src}experts.{e}.", rows=True)
+            self.pack_expert(expert, packer, f"{src}experts.{e}.")
         self.fuse()
+
+
+def _f32_panels(linear: nn.Module) -> nn.Module:
+    if isinstance(linear, PackedLinear):
+        return linear
+    return PackedLinear(pack(quantize(linear.weight.float(), F32)), linear.bias)
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):

@@ -15,6 +15,10 @@ norms zero-centred (x / rms(x) * (1 + w); the loaders hand this module 1 + w).
 
 The projections are fused for one matmul each: q/k/v (with the gates), in_proj_qkv with
 in_proj_z, in_proj_b with in_proj_a, gate/up.
+
+Qwen3.5-MoE (35B-A3B, 122B-A10B, 397B-A17B; `Qwen35MoeForCausalLM`): the same layers with a
+sparse MLP in every one (`models.moe.SparseMoeBlock`: softmax over the experts, the top k
+renormalized, plus a shared expert times sigmoid of its gate).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from models.config import ModelConfig
 from models.decoder import MLP, Attention, HFLoader, Linear, RMSNorm
 from models.hybrid import HybridForCausalLM, RecurrentLayer, conv_parameter, take_conv_weight
 from models.llama import LlamaDecoderLayer
+from models.moe import SparseMoeBlock
 from models.recurrent import causal_conv1d, gated_delta_rule, rowwise
 
 if TYPE_CHECKING:
@@ -170,3 +175,28 @@ class Qwen35ForCausalLM(HybridForCausalLM):
     attention_layer = Qwen35AttentionLayer
     recurrent_layer = Qwen35DeltaLayer
     hf_norm_offset = 1.0  # zero-centred norms (the GDN output norm is loaded without it)
+
+
+class Qwen35MoeAttentionLayer(Qwen35AttentionLayer):
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+        super().__init__(config, layer)
+        self.mlp = SparseMoeBlock(config)
+
+    @classmethod
+    def mlp_weight_names(cls, config: ModelConfig, prefix: str) -> set[str]:
+        return SparseMoeBlock.hf_weight_names(config, f"{prefix}mlp.")
+
+
+class Qwen35MoeDeltaLayer(Qwen35DeltaLayer):
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+        super().__init__(config, layer)
+        self.mlp = SparseMoeBlock(config)
+
+    @classmethod
+    def mlp_weight_names(cls, config: ModelConfig, prefix: str) -> set[str]:
+        return SparseMoeBlock.hf_weight_names(config, f"{prefix}mlp.")
+
+
+class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
+    attention_layer = Qwen35MoeAttentionLayer
+    recurrent_layer = Qwen35MoeDeltaLayer

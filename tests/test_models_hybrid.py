@@ -1,4 +1,4 @@
-"""The hybrid families (LFM2, Qwen3.5, Granite 4.0-H) against transformers' own classes on tiny random configs
+"""The hybrid families (LFM2, Qwen3.5, their mixtures of experts, Granite 4.0-H) against transformers' own classes on tiny random configs
 (nothing downloaded): a random model of each is saved as a Hugging Face directory and, written
 by tools.synth_model as llama.cpp's converter writes it, as a GGUF file; both load here and must
 give transformers' logits: a full forward, and through the engine with its recurrent state pool
@@ -27,7 +27,9 @@ from tests.helpers.hybrid_configs import (
     VOCAB,
     granite_hybrid_config,
     lfm2_config,
+    lfm2_moe_config,
     qwen35_config,
+    qwen35_moe_config,
 )
 from tests.helpers.model_files import (
     byte_level_tokenizer,
@@ -37,10 +39,15 @@ from tests.helpers.model_files import (
 )
 from tests.helpers.oracles import ATOL, assert_logits_match, hf_logits, our_logits
 
-CONFIGS = {"lfm2": lfm2_config, "qwen35": qwen35_config}
-GGUF_ARCH = {"lfm2": "lfm2", "qwen35": "qwen35"}
-CONFIGS["granitehybrid"] = granite_hybrid_config
-GGUF_ARCH["granitehybrid"] = "granitehybrid"
+CONFIGS = {
+    "lfm2": lfm2_config,
+    "qwen35": qwen35_config,
+    "qwen35_moe": qwen35_moe_config,
+    "lfm2_moe": lfm2_moe_config,
+    "granitehybrid": granite_hybrid_config,
+}
+GGUF_ARCH = {"lfm2": "lfm2", "qwen35": "qwen35", "qwen35_moe": "qwen35moe", "lfm2_moe": "lfm2moe",
+             "granitehybrid": "granitehybrid"}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -124,12 +131,20 @@ def test_gguf_reads_the_layer_pattern_and_head_order(checkpoint):
     assert a.config.recurrent is not None
     assert a.config.recurrent.layers == b.config.recurrent.layers
     assert a.config.kv_layout.num_layers == b.config.kv_layout.num_layers
-    if name == "qwen35":  # value heads outnumber q/k heads: the file's order is tiled
+    if name.startswith("qwen35"):  # value heads outnumber q/k heads: the file's order is tiled
         assert (a.config.recurrent.v_heads_tiled, b.config.recurrent.v_heads_tiled) == (False, True)
         assert a.config.rope_dims == b.config.rope_dims == 8
-    if name == "lfm2":
+    if name.startswith("lfm2"):
         assert a.config.recurrent.layers == (0, 2, 3)
         assert a.config.kv_layout.num_layers == 2
+    moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+           "moe_gating", "moe_expert_bias", "moe_shared_expert_size", "moe_dense_layers")  # fmt: skip
+    assert [getattr(a.config, f) for f in moe] == [getattr(b.config, f) for f in moe]
+    if name == "qwen35_moe":
+        assert (a.config.num_experts, a.config.moe_shared_expert_size) == (8, 64)
+    if name == "lfm2_moe":  # the first layer dense, sigmoid gating steered by the expert bias
+        assert (a.config.moe_dense_layers, a.config.moe_gating) == (1, "sigmoid")
+        assert a.config.moe_expert_bias and a.config.intermediate_size == 96
 
 
 @pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
@@ -250,18 +265,27 @@ def test_disaggregated_engine_hands_the_state_over_with_the_kv(checkpoint, use_k
     assert kv > 0  # (K/V blocks and one state slot a request)
 
 
-def test_multimodal_qwen35_directory_loads_its_language_model(tmp_path):
-    """model_type "qwen3_5" (image-text): the decoder is its text_config, its tensors sit under
-    the language model's prefix, and the vision tower's are left out."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_multimodal_qwen35_directory_loads_its_language_model(tmp_path, moe):
+    """model_type "qwen3_5" / "qwen3_5_moe" (image-text): the decoder is its text_config, its
+    tensors sit under the language model's prefix, and the vision tower's are left out."""
+    import transformers as tf
 
+    if moe:
+        config_cls, model_cls, text = (
+            tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration, qwen35_moe_config
+        )  # fmt: skip
+    else:
+        config_cls, model_cls, text = (
+            tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration, qwen35_config
+        )  # fmt: skip
     vision = dict(
         depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64,
         num_position_embeddings=16, patch_size=4,
     )  # fmt: skip
-    cfg = Qwen3_5Config(text_config=qwen35_config().to_dict(), vision_config=vision)
+    cfg = config_cls(text_config=text().to_dict(), vision_config=vision)
     torch.manual_seed(0)
-    ref = Qwen3_5ForConditionalGeneration(cfg).eval()
+    ref = model_cls(cfg).eval()
     randomize_(ref, 5)
     ref.save_pretrained(tmp_path)
     byte_level_tokenizer().save_pretrained(tmp_path)

@@ -38,7 +38,8 @@ PRESET = {"llama": "smollm2-360m", "qwen2": "qwen2.5-0.5b", "qwen3": "qwen3-0.6b
           "qwen3moe": "qwen3-30b-a3b", "phi3": "phi-3-mini", "smollm3": "smollm3-3b",
           "gemma2": "gemma-2-2b", "gemma3": "gemma-3-270m", "gpt-oss": "gpt-oss-20b",
           "gemma4": "gemma-4-e2b", "lfm2": "lfm2-350m", "qwen35": "qwen3.5-0.8b",
-          "granitehybrid": "granite-4.0-h-micro"}  # fmt: skip
+          "granitehybrid": "granite-4.0-h-micro", "qwen35moe": "qwen3.5-35b-a3b",
+          "lfm2moe": "lfm2-8b-a1b"}  # fmt: skip
 # a mixture of experts' tiny experts (rows of 256 for the K-quant blocks); gpt-oss's size is
 # its intermediate_size
 TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
@@ -54,7 +55,9 @@ TINY_GRANITE = dict(num_hidden_layers=6, shared_intermediate_size=512, mamba_n_h
                     mamba_d_head=64, mamba_d_state=64, tie_word_embeddings=False)  # fmt: skip
 TINY_EXTRA = {"qwen3moe": TINY_MOE, "gpt-oss": TINY_GPT_OSS, "gemma4": dict(global_head_dim=128),
               "lfm2": dict(num_hidden_layers=3), "qwen35": dict(num_hidden_layers=4),
-              "granitehybrid": TINY_GRANITE}  # fmt: skip
+              "granitehybrid": TINY_GRANITE,
+              "qwen35moe": dict(TINY_MOE, num_hidden_layers=4, shared_expert_intermediate_size=256),
+              "lfm2moe": dict(TINY_MOE, num_hidden_layers=3, num_dense_layers=1)}  # fmt: skip
 
 
 # Families with recurrent layers: their files' layer pattern, head order and values are checked
@@ -467,7 +470,7 @@ GEMMA2_CAPS = (2.0, 1.0)
     "preset,fmt",
     [("phi-3.5-mini", "F32"), ("phi-4-mini", "F32"), ("smollm3-3b", "F32"),
      ("qwen3-30b-a3b", "F32"), ("gemma-2-2b", "F32"), ("gpt-oss-20b", "F32"),
-     ("granite-4.0-h-micro", "F32")],
+     ("granite-4.0-h-micro", "F32"), ("qwen3.5-35b-a3b", "F32"), ("lfm2-8b-a1b", "F32")],
 )  # fmt: skip
 def test_synthetic_files_generate_as_llama_cpp(tmp_path, smol_tokenizer, preset, fmt):
     """Greedy 16 tokens equal to llama-server's on each prompt. LongRoPE (and Phi-4-mini's
@@ -486,6 +489,10 @@ def test_synthetic_files_generate_as_llama_cpp(tmp_path, smol_tokenizer, preset,
     # (a small vocabulary: a random model's top logits stand further apart than over 49k)
     if preset == "qwen3-30b-a3b":
         shape |= TINY_MOE
+    if preset == "qwen3.5-35b-a3b":  # (Gated DeltaNet layers 0-2, attention at 3)
+        shape |= dict(TINY_MOE, shared_expert_intermediate_size=256)
+    if preset == "lfm2-8b-a1b":  # (conv, conv, attention, conv; the first layer dense)
+        shape |= dict(TINY_MOE, num_dense_layers=1)
     if preset == "gemma-2-2b":
         shape |= dict(attn_logit_softcapping=GEMMA2_CAPS[0], final_logit_softcapping=GEMMA2_CAPS[1],
                       sliding_window=16)  # fmt: skip

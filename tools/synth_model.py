@@ -272,13 +272,14 @@ def _metadata(arch: str, config: Mapping[str, Any], vocab: int) -> list[tuple[st
     keys: dict[str, Any] = {
         "context_length": int(config["max_position_embeddings"]),
         "embedding_length": int(config["hidden_size"]),
-        "feed_forward_length": int(config["intermediate_size"]),
         "block_count": int(config["num_hidden_layers"]),
         "attention.head_count": int(config["num_attention_heads"]),
         "attention.head_count_kv": int(config["num_key_value_heads"]),
         "rope.freq_base": float(_rope(config)["rope_theta"]),
         "attention.layer_norm_rms_epsilon": float(config.get("rms_norm_eps", 1e-6)),
     }
+    if config.get("intermediate_size") is not None:  # (a mixture of experts may have none)
+        keys["feed_forward_length"] = int(config["intermediate_size"])
     if config.get("head_dim") is not None:
         keys |= {"attention.key_length": hd, "attention.value_length": hd}
     keys |= dict(_synth(arch).metadata(config))

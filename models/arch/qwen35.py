@@ -11,6 +11,12 @@ value heads outnumber q/k heads, the value heads of every GDN tensor reordered f
 (value head h reads q/k head h // (Hv / Hk)) to tiled (h % Hk): the loader keeps the file's
 order and the kernels read it so (`RecurrentConfig.v_heads_tiled`). Its layers past
 `block_count - nextn_predict_layers` (the multi-token-prediction head) are not run.
+
+Qwen3.5-MoE (HF `qwen3_5_moe_text`, or the text model of a `qwen3_5_moe` checkpoint; GGUF
+`qwen35moe`): the same, with a sparse MLP in every layer (softmax over the experts, the top k
+renormalized; a shared expert times sigmoid of `shared_expert_gate`). The converter stacks the
+experts as blk.N.ffn_{gate,up,down}_exps, keeps the router (ffn_gate_inp) and the shared
+expert's gate (ffn_gate_inp_shexp) in float32, and names the shared expert ffn_*_shexp.
 """
 
 from __future__ import annotations
@@ -24,10 +30,10 @@ import numpy as np
 from models.arch.llama import LLAMA_BLOCKS, QK_NORM_BLOCKS
 from models.arch.readers import GGUFMeta, gguf_decoder_fields, hf_decoder_fields, hf_rope
 from models.arch.spec import ArchSpec, Fields, GGUFTensorMap, SynthSpec, ValueTransform
-from models.arch.synth import head_dim
+from models.arch.synth import head_dim, n_experts_of
 from models.base import ModelLoadError
 from models.config import RecurrentConfig
-from models.qwen35 import Qwen35ForCausalLM
+from models.qwen35 import Qwen35ForCausalLM, Qwen35MoeForCausalLM
 
 QWEN35_BLOCKS = {
     **{k: v for k, v in LLAMA_BLOCKS.items() if k != "ffn_norm"},
@@ -58,6 +64,19 @@ _GROUPS = (
     ("in_proj_b", "in_proj_a"),
 )
 QWEN35_FUSED = {p: g for g in _GROUPS for p in g}
+
+QWEN35_MOE_BLOCKS = {
+    **{k: v for k, v in QWEN35_BLOCKS.items() if k not in ("ffn_gate", "ffn_up", "ffn_down")},
+    "ffn_gate_inp": "mlp.gate",  # the router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+QWEN35_MOE_PROJECTIONS = re.compile(
+    rf"model\.layers\.(\d+)\.(self_attn|mlp|linear_attn|mlp\.experts\.\d+|mlp\.shared_expert)\."
+    rf"({_PROJ})\.weight"
+)
 
 # Zero-centred norms (x * (1 + w)) stored as 1 + w, but for the GDN output norm (a plain w).
 ZERO_CENTRED_NORMS = ValueTransform(
@@ -133,12 +152,12 @@ def hf_qwen35_fields(cfg: dict, where: str) -> Fields:
     )
 
 
-def gguf_qwen35_fields(meta: GGUFMeta, tensors: Mapping[str, Any]) -> Fields:
+def gguf_qwen35_fields(meta: GGUFMeta, tensors: Mapping[str, Any], experts: bool = False) -> Fields:
     """llama.cpp's qwen35 keys: the GDN shape from `ssm.*` (state size = key head size, group
     count = key heads, time-step rank = value heads, inner size = value heads x value head
     size), recurrent layers by `attention.recurrent_layers` or `full_attention_interval`."""
     a = meta.arch + "."
-    base = gguf_decoder_fields(meta, tensors)
+    base = gguf_decoder_fields(meta, tensors, experts=experts)
     nextn = int(meta.get(a + "nextn_predict_layers") or 0)
     n = base["num_layers"] - nextn
     flags = meta.get(a + "attention.recurrent_layers")
@@ -158,6 +177,80 @@ def gguf_qwen35_fields(meta: GGUFMeta, tensors: Mapping[str, Any]) -> Fields:
         tiled=True,
     )
     return dict(base, num_layers=n, qk_norm=True, recurrent=rec if layers else None)
+
+
+def hf_qwen35_moe_fields(cfg: dict, where: str) -> Fields:
+    """Qwen3.5's fields and the experts (every layer sparse, with a shared expert)."""
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    size = int(cfg["moe_intermediate_size"])
+    dense = {**cfg, "intermediate_size": cfg.get("intermediate_size") or shared or size}
+    return dict(
+        hf_qwen35_fields(dense, where),
+        num_experts=n_experts_of(cfg),
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=size,
+        norm_topk_prob=True,  # (transformers' router always renormalizes)
+        moe_shared_expert_size=shared,
+    )
+
+
+def gguf_qwen35_moe_fields(meta: GGUFMeta, tensors: Mapping[str, Any]) -> Fields:
+    """The qwen35 keys and llama.cpp's expert keys (softmax gating, the top k renormalized,
+    no expert weight scale); a shared expert where the file holds its tensors."""
+    a = meta.arch + "."
+    scale = float(meta.get(a + "expert_weights_scale") or 0.0)
+    if scale not in (0.0, 1.0):
+        raise ModelLoadError(f"{meta.path.name}: expert weight scale {scale} is not supported")
+    shared = int(meta.get(a + "expert_shared_feed_forward_length") or 0)
+    if "blk.0.ffn_up_shexp.weight" not in tensors:
+        shared = 0
+    elif not shared:
+        shared = int(tensors["blk.0.ffn_up_shexp.weight"].shape[-1])
+    size = int(meta.require(a + "expert_feed_forward_length"))
+    base = gguf_qwen35_fields(meta, tensors, experts=True)
+    return dict(
+        base,
+        intermediate_size=base["intermediate_size"] or shared or size,
+        num_experts=int(meta.require(a + "expert_count")),
+        num_experts_per_tok=int(meta.require(a + "expert_used_count")),
+        moe_intermediate_size=size,
+        norm_topk_prob=True,
+        moe_shared_expert_size=shared,
+    )
+
+
+def qwen35_moe_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Qwen3.5's tensors with each MLP a router, the experts stacked as transformers holds them,
+    and the shared expert with its gate."""
+    shapes = {
+        n: s
+        for n, s in qwen35_shapes({**config, "intermediate_size": 1}).items()
+        if ".mlp." not in n
+    }
+    d, n_experts = int(config["hidden_size"]), n_experts_of(config)
+    eff, shared = (
+        int(config["moe_intermediate_size"]),
+        int(config["shared_expert_intermediate_size"]),
+    )
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}.mlp."
+        shapes[p + "gate.weight"] = (n_experts, d)
+        shapes[p + "experts.gate_up_proj"] = (n_experts, 2 * eff, d)
+        shapes[p + "experts.down_proj"] = (n_experts, d, eff)
+        shapes[p + "shared_expert.gate_proj.weight"] = (shared, d)
+        shapes[p + "shared_expert.up_proj.weight"] = (shared, d)
+        shapes[p + "shared_expert.down_proj.weight"] = (d, shared)
+        shapes[p + "shared_expert_gate.weight"] = (1, d)
+    return shapes
+
+
+def qwen35_moe_metadata(config: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    return qwen35_metadata(config) + [
+        ("expert_count", n_experts_of(config)),
+        ("expert_used_count", int(config["num_experts_per_tok"])),
+        ("expert_feed_forward_length", int(config["moe_intermediate_size"])),
+        ("expert_shared_feed_forward_length", int(config["shared_expert_intermediate_size"])),
+    ]
 
 
 def qwen35_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -305,6 +398,45 @@ SPECS = (
             },  # fmt: skip
             hf_shapes=qwen35_shapes,
             metadata=qwen35_metadata,
+            norm_mean=0.0,
+            reorder=tiled_value_heads,
+            random=fit_random,
+        ),
+    ),
+    ArchSpec(
+        name="qwen3_5_moe",
+        model_class=Qwen35MoeForCausalLM,
+        describes="Qwen3.5-MoE",
+        hf_model_types=("qwen3_5_moe_text",),
+        hf_wrapper_types=("qwen3_5_moe",),
+        hf_config=hf_qwen35_moe_fields,
+        gguf_architecture="qwen35moe",
+        gguf_config=gguf_qwen35_moe_fields,
+        gguf_tensors=GGUFTensorMap(
+            blocks=QWEN35_MOE_BLOCKS,
+            stacked_experts=True,
+            transforms=(ZERO_CENTRED_NORMS, NEGATIVE_EXP_A, SQUEEZED_CONV1D),
+            projections=QWEN35_MOE_PROJECTIONS,
+            fused=QWEN35_FUSED,
+        ),
+        synth=SynthSpec(
+            presets={
+                # Qwen3.5-35B-A3B's layers (40 of them: ~35B parameters; --layers for fewer)
+                "qwen3.5-35b-a3b": dict(
+                    {k: v for k, v in _QWEN35.items() if k != "tie_word_embeddings"},
+                    hidden_size=2048,
+                    num_hidden_layers=40,
+                    num_attention_heads=16,
+                    linear_num_value_heads=32,
+                    moe_intermediate_size=512,
+                    shared_expert_intermediate_size=512,
+                    num_experts=256,
+                    num_experts_per_tok=8,
+                    tie_word_embeddings=False,
+                ),
+            },  # fmt: skip
+            hf_shapes=qwen35_moe_shapes,
+            metadata=qwen35_moe_metadata,
             norm_mean=0.0,
             reorder=tiled_value_heads,
             random=fit_random,

@@ -44,6 +44,10 @@ DECODER_FUSED = {
     "up_proj": ("gate_proj", "up_proj"),
 }
 
+# A stacked expert projection's (gate, up, down of blk.N.ffn_*_exps) Hugging Face name per expert,
+# below the layer ("{e}": the expert).
+EXPERT_NAMES = {p: f"mlp.experts.{{e}}.{p}_proj" for p in ("gate", "up", "down")}
+
 
 @dataclass(frozen=True, slots=True)
 class ValueTransform:
@@ -71,7 +75,9 @@ class GGUFTensorMap:
     ("ssm_dt.bias" -> "linear_attn.dt_bias", Gemma 4's "layer_output_scale.weight" -> its
     "layer_scalar"); a tensor in neither `blocks` nor `globals` is refused by name.
     `stacked_experts`: blk.N.ffn_{gate,up,down}_exps, (experts, rows, in) each,
-    read as one Hugging Face tensor an expert (mlp.experts.E.{gate,up,down}_proj).
+    read as one Hugging Face tensor an expert (mlp.experts.E.{gate,up,down}_proj; `expert_names`:
+    another family's names below the layer, "{e}" the expert, as LFM2-MoE's
+    feed_forward.experts.{e}.w1).
     `permuted_qk`: the converter permuted q/k rows for GGML's RoPE pairs (the loader undoes it,
     or keeps the file's order and rotates GGML's pairs: `ModelConfig.rope_interleaved`).
     `projections`, `fused`: which Hugging Face tensors the model packs, and which of them it
@@ -81,6 +87,7 @@ class GGUFTensorMap:
     blocks: Mapping[str, str]
     globals: Mapping[str, str] = field(default_factory=lambda: dict(GLOBAL_NAMES))
     stacked_experts: bool = False
+    expert_names: Mapping[str, str] = field(default_factory=lambda: dict(EXPERT_NAMES))
     permuted_qk: bool = False
     transforms: tuple[ValueTransform, ...] = ()
     projections: re.Pattern[str] = DECODER_PROJECTIONS

@@ -54,6 +54,9 @@ def randomize_(model, seed: int) -> None:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():  # (LFM2-MoE's expert bias, a buffer, steers routing)
+            if name.endswith("expert_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
 def write_hf_checkpoint(tmp_path: Path, config, seed: int = 0, **save_kw):
