@@ -43,6 +43,22 @@ def smol_tokenizer(smollm2_file):
     return read_tokenizer(smollm2_file)
 
 
+@pytest.fixture(scope="session")
+def written_files_cache(tmp_path_factory) -> Path:
+    """A model cache for the model files tests write, shared by the session. A GGUF's converted
+    tokenizer is cached by the file's content (models/hf_tokenizer.py), and converting it costs a
+    child process that imports transformers (~4 s): a file that several tests write with the same
+    bytes (one architecture's checkpoint, loaded with and without the kernels) is converted once."""
+    return tmp_path_factory.mktemp("model-cache")
+
+
+@pytest.fixture
+def model_cache(written_files_cache: Path, monkeypatch) -> Path:
+    """CBSERVE_MODEL_DIR set to the session's cache for written files (never the user's)."""
+    monkeypatch.setenv("CBSERVE_MODEL_DIR", str(written_files_cache))
+    return written_files_cache
+
+
 @pytest.fixture(scope="module")
 def server(tiny_lm: LoadedModel) -> Iterator[LiveServer]:
     """A TinyGPT server with default settings, shared by a test module."""
