@@ -6,6 +6,7 @@ tests/helpers/, which test modules import; no test module imports another.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,13 @@ import torch
 from models import LoadedModel, load_model
 from tests.helpers.real_models import SMOLLM2, require_model
 from tests.helpers.servers import AbortRecorder, LiveServer, run_server
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # Under pytest-xdist (`-n N`) the workers share the cores: each worker's torch gets its share
+    # of intra-op threads, since OpenMP threads spinning past the cores' count slow every op.
+    torch.set_num_threads(
+        max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    )
 
 
 @pytest.fixture(scope="session")
@@ -81,3 +89,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# The two tests that take minutes each (a venv installed by scripts/docker-install.sh, a Ray
+# cluster in a network namespace) run first: under pytest-xdist (`make test` runs `-n auto
+# --dist loadfile --no-loadscope-reorder`) each then starts on its own worker at once and
+# overlaps the rest of the suite, instead of being handed out last and running alone.
+FIRST = ("tests/test_server_docker.py", "tests/test_ray_serve.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    def rank(item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return FIRST.index(path) if path in FIRST else len(FIRST)
+
+    items.sort(key=rank)  # stable: every other test keeps its place
