@@ -20,9 +20,8 @@ from tests.helpers.servers import AbortRecorder, LiveServer, run_server
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     # Under pytest-xdist (`-n N`) the workers share the cores: each worker's torch gets its share
     # of intra-op threads, since OpenMP threads spinning past the cores' count slow every op.
-    torch.set_num_threads(
-        max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
-    )
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cpus or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture(scope="session")
@@ -92,7 +91,7 @@ def one_thread():
 
 
 # The two tests that take minutes each (a venv installed by scripts/docker-install.sh, a Ray
-# cluster in a network namespace) run first: under pytest-xdist (`make test` runs `-n auto
+# cluster in a network namespace) run first: under pytest-xdist (`make test` runs `-n logical
 # --dist loadfile --no-loadscope-reorder`) each then starts on its own worker at once and
 # overlaps the rest of the suite, instead of being handed out last and running alone.
 FIRST = ("tests/test_server_docker.py", "tests/test_ray_serve.py")
