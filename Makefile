@@ -42,9 +42,13 @@ browser:
 		echo "make: could not install chromium; the browser test will skip"; \
 	fi
 
+# The suite over one pytest-xdist worker per logical CPU, a test module per worker at a time (so
+# each module's fixtures, e.g. its server, are built once); tests/conftest.py hands out the two
+# minutes-long tests first. PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= logical
 test: install browser
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

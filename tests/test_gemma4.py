@@ -180,10 +180,10 @@ def test_hf_directory_matches_transformers(checkpoint, use_kernels):
 
 
 @pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
-def test_gguf_file_matches_transformers(checkpoint, use_kernels, tmp_path, monkeypatch):
+@pytest.mark.usefixtures("model_cache")  # the GGUF tokenizer's conversions
+def test_gguf_file_matches_transformers(checkpoint, use_kernels, tmp_path):
     _kernels(use_kernels)
     _, ref = checkpoint
-    monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))
     path = write_gguf(tmp_path / "g4.gguf", ref)
     lm = load_model(str(path), use_kernels=use_kernels, activations="float32")
     assert lm.config.kv_sources == (0, 1, 2, 3, 4, 5, 4, 5)
@@ -309,6 +309,7 @@ def test_engines_that_move_kv_between_pools_refuse_it_plainly(checkpoint):
 # -- GGUF tables ----------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("model_cache")  # the GGUF tokenizer's conversions
 def test_the_per_layer_table_is_read_by_rows_where_it_lies(checkpoint, tmp_path, monkeypatch):
     """In a Q8_0 file the per-layer table stays the file's blocks: loading never dequantizes it
     (and, with the kernels, no tensor held in blocks: a shared layer's lone q, the per-layer
@@ -318,7 +319,6 @@ def test_the_per_layer_table_is_read_by_rows_where_it_lies(checkpoint, tmp_path,
     from models.quant import GGMLTensor
 
     _, ref = checkpoint
-    monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))
     path = write_gguf(tmp_path / "q8.gguf", ref, "Q8_0")
     dequantized: list[tuple[str, str]] = []
     real = gguf_loader._dequantize
@@ -372,7 +372,8 @@ def llama_style_tokenizer():
                                    pad_token="<pad>", unk_token="<unk>")  # fmt: skip
 
 
-def test_llama_cpp_converters_file_matches_transformers(checkpoint, tmp_path, monkeypatch):
+@pytest.mark.usefixtures("model_cache")  # the GGUF tokenizer's conversions
+def test_llama_cpp_converters_file_matches_transformers(checkpoint, tmp_path):
     """llama.cpp's own convert_hf_to_gguf.py (outside CI: skipped where it is not built) writes
     the checkpoint as F32 with a Gemma-style vocabulary ("gemma4" BPE): our loader reads it to
     transformers' logits and greedy tokens, with the CPU kernels and without, and tokenizes as
@@ -396,7 +397,6 @@ def test_llama_cpp_converters_file_matches_transformers(checkpoint, tmp_path, mo
     env = {**os.environ, "PYTHONPATH": str(root / "gguf-py")}
     cmd = [sys.executable, str(script), str(hf), "--outfile", str(out), "--outtype", "f32"]
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
-    monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))
     for use_kernels in (False, True):
         if use_kernels and not kernels.available():
             continue

@@ -92,8 +92,8 @@ def gguf_file(checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _model_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))  # the GGUF tokenizer's
+def _model_cache(model_cache):
+    """The GGUF tokenizer's cache: the session's for written files (each file converted once)."""
 
 
 def _load(path: Path, use_kernels: bool, **kw):

@@ -327,11 +327,11 @@ def write_gguf_from_hf(path: Path, arch: str, ref, experts_q8_0: bool = False) -
 
 @on(arch_names(lambda arch: arch.gguf_arch is not None))
 @pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
+@pytest.mark.usefixtures("model_cache")  # the GGUF tokenizer's conversions
 def test_gguf_file_matches_transformers(checkpoint, use_kernels, tmp_path, monkeypatch):
     name, _, ref = checkpoint
     if use_kernels and not kernels.available():
         pytest.skip(kernels.unavailable_reason() or "no kernels")
-    monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))
     path = write_gguf_from_hf(tmp_path / f"{name}.gguf", ARCHS[name].gguf_arch, ref)
     lm = load_model(str(path), use_kernels=use_kernels)
     short = _short(name, path, use_kernels)
@@ -543,6 +543,7 @@ def test_moe_rows_do_not_depend_on_the_batch(checkpoint):
 
 
 @on(arch_names(lambda arch: arch.moe))
+@pytest.mark.usefixtures("model_cache")  # the GGUF tokenizer's conversions
 def test_moe_experts_in_a_quantized_file_run_as_one_op(checkpoint, tmp_path, monkeypatch):
     """Experts stored in a block format run through `ops.moe_experts`; the model's logits are
     those of the same experts run one at a time (the sparse MLP's torch loop over the packed
@@ -550,7 +551,6 @@ def test_moe_experts_in_a_quantized_file_run_as_one_op(checkpoint, tmp_path, mon
     _, _, ref = checkpoint
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason() or "no kernels")
-    monkeypatch.setenv("CBSERVE_MODEL_DIR", str(tmp_path / "cache"))
     path = write_gguf_from_hf(tmp_path / "q8.gguf", "qwen3moe", ref, experts_q8_0=True)
     lm = load_model(str(path))
     mlps = [layer.mlp for layer in lm.model.layers]

@@ -64,7 +64,8 @@ if not IN_NAMESPACE:
             from models.kernels import cache_dir
 
             env = {
-                **os.environ,
+                # not this run's pytest-xdist worker variables: the inner run is a session of its own
+                **{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")},
                 "CBSERVE_KERNEL_DIR": str(cache_dir()),
                 "CBSERVE_MODEL_DIR": str(model_dir()),
                 "CBSERVE_RAY_NETNS": "1",
