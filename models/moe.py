@@ -232,16 +232,20 @@ def _f32_panels(linear: nn.Module) -> nn.Module:
     return PackedLinear(pack(quantize(linear.weight.float(), F32)), linear.bias)
 
 
-class MoeDecoderLayer(LlamaDecoderLayer):
-    """The Llama layer with a sparse MLP."""
+class SparseMlp:
+    """Mixed in before a decoder layer class: the layer's MLP is a `SparseMoeBlock`."""
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
-        super().__init__(config, layer)
+        super().__init__(config, layer)  # type: ignore[call-arg]
         self.mlp = SparseMoeBlock(config)
 
     @classmethod
     def mlp_weight_names(cls, config: ModelConfig, prefix: str) -> set[str]:
         return SparseMoeBlock.hf_weight_names(config, f"{prefix}mlp.")
+
+
+class MoeDecoderLayer(SparseMlp, LlamaDecoderLayer):
+    """The Llama layer with a sparse MLP."""
 
 
 class MoeForCausalLM(DecoderForCausalLM):

@@ -34,7 +34,7 @@ from models.config import ModelConfig
 from models.decoder import MLP, Attention, HFLoader, Linear, RMSNorm
 from models.hybrid import HybridForCausalLM, RecurrentLayer, conv_parameter, take_conv_weight
 from models.llama import LlamaDecoderLayer
-from models.moe import SparseMoeBlock
+from models.moe import SparseMlp
 from models.recurrent import causal_conv1d, gated_delta_rule, rowwise
 
 if TYPE_CHECKING:
@@ -177,24 +177,12 @@ class Qwen35ForCausalLM(HybridForCausalLM):
     hf_norm_offset = 1.0  # zero-centred norms (the GDN output norm is loaded without it)
 
 
-class Qwen35MoeAttentionLayer(Qwen35AttentionLayer):
-    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
-        super().__init__(config, layer)
-        self.mlp = SparseMoeBlock(config)
-
-    @classmethod
-    def mlp_weight_names(cls, config: ModelConfig, prefix: str) -> set[str]:
-        return SparseMoeBlock.hf_weight_names(config, f"{prefix}mlp.")
+class Qwen35MoeAttentionLayer(SparseMlp, Qwen35AttentionLayer):
+    pass
 
 
-class Qwen35MoeDeltaLayer(Qwen35DeltaLayer):
-    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
-        super().__init__(config, layer)
-        self.mlp = SparseMoeBlock(config)
-
-    @classmethod
-    def mlp_weight_names(cls, config: ModelConfig, prefix: str) -> set[str]:
-        return SparseMoeBlock.hf_weight_names(config, f"{prefix}mlp.")
+class Qwen35MoeDeltaLayer(SparseMlp, Qwen35DeltaLayer):
+    pass
 
 
 class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
