@@ -1,11 +1,13 @@
 """In-process decode benchmark: tokens/s and step time at several batch sizes.
 
     python -m tools.bench_engine [--model tinygpt] [--batch-sizes 1,8,32] [--steps 64] [--threads N]
+                           [--prompt-len 64]
                            [--dtype float32|bfloat16] [--temperature 0.2 --top-p 0.9]
 
-Each batch size gets a fresh continuous-batching engine with that many requests (prompt 64
-tokens, ignore_eos). After every request has prefilled, `--steps` pure decode steps are timed one
-by one; the median step time and decode tokens/s (batch / median step) are printed with the
+Each batch size gets a fresh continuous-batching engine with that many requests (prompts of
+`--prompt-len` tokens, 64 by default, none a prefix of another; ignore_eos), prefilled in one
+step: at batch 1 and 512 tokens the prefill figure is what `llama-bench -p 512` measures.
+After every request has prefilled, `--steps` pure decode steps are timed one by one; the median step time and decode tokens/s (batch / median step) are printed with the
 conditions. Greedy unless `--temperature` is given (SmolLM2's preset, what a client that sends no
 sampling fields gets from the server, is `--temperature 0.2 --top-p 0.9`). No HTTP: this is the
 engine's ceiling, not what a client sees.
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="tinygpt")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{'batch':>5} {'prefill tok/s':>14} {'step p50 ms':>12} {'step p90 ms':>12} {'decode tok/s':>13}"
     )
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        r = bench_decode(lm.model, b, args.steps, **sampling)
+        r = bench_decode(lm.model, b, args.steps, args.prompt_len, **sampling)
         print(
             f"{b:>5} {r['prefill_tok_s']:>14.0f} {r['step_ms_p50']:>12.2f} "
             f"{r['step_ms_p90']:>12.2f} {r['decode_tok_s']:>13.0f}"
