@@ -38,6 +38,8 @@ from tests.helpers.attention_refs import (
     to_pool,
 )
 from tests.helpers.engine_runs import engine_greedy
+from tests.helpers.family_models import FULL, SLIDING, draw_layer_scalars
+from tests.helpers.family_models import gemma4_config as family_gemma4_config
 from tests.helpers.llama_cpp import llama_cpp_tool, llama_server_greedy
 from tests.helpers.model_files import byte_level_tokenizer, random_ids, randomize_
 from tests.helpers.oracles import (
@@ -50,22 +52,11 @@ from tests.helpers.oracles import (
 from tools import synth_model
 
 VOCAB, WINDOW, CAP = 272, 8, 1.5
-SLIDING, FULL = "sliding_attention", "full_attention"
-TYPES = [SLIDING] * 5 + [FULL, SLIDING, FULL]  # layers 6, 7 share 4's and 5's K/V
 
 
 def gemma4_config(**kw):
-    from transformers import Gemma4TextConfig
-
-    fields = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64,
-        max_position_embeddings=256, rms_norm_eps=1e-6, layer_types=TYPES,
-        num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=16,
-        vocab_size_per_layer_input=VOCAB, final_logit_softcapping=CAP, sliding_window=WINDOW,
-        pad_token_id=0, eos_token_id=1, bos_token_id=2,
-    )  # fmt: skip
-    return Gemma4TextConfig(**{**fields, **kw})
+    """The served-families test's tiny Gemma 4 with this module's token ids."""
+    return family_gemma4_config(**{"eos_token_id": 1, "bos_token_id": 2, **kw})
 
 
 def write_checkpoint(path: Path, config, seed: int):
@@ -76,10 +67,7 @@ def write_checkpoint(path: Path, config, seed: int):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     randomize_(model, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=g))
+    draw_layer_scalars(model, seed)
     model.save_pretrained(path)
     byte_level_tokenizer("{% for m in messages %}{{ m['content'] }}{% endfor %}").save_pretrained(
         path

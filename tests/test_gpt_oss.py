@@ -24,9 +24,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType
 
-from engine import ContinuousBatchEngine, Request, SamplingParams
+from engine import ContinuousBatchEngine
 from models import kernels, load_model
-from tests.helpers.engine_runs import engine_logits
+from tests.helpers.engine_runs import engine_logits, run_greedy
 from tests.helpers.family_models import gpt_oss_config, write_gpt_oss
 from tests.helpers.kquant_rows import round_activations
 from tests.helpers.model_files import byte_level_tokenizer, random_ids
@@ -168,16 +168,7 @@ def test_greedy_in_the_engine_through_preemption_and_prefix_hits_is_transformers
     )  # fmt: skip
 
     def run(batch: list[list[int]]) -> list[list[int]]:
-        reqs = [Request(prompt_token_ids=p, params=SamplingParams(max_tokens=32, ignore_eos=True))
-                for p in batch]  # fmt: skip
-        for r in reqs:
-            engine.add_request(r)
-        out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-        with torch.inference_mode():
-            while engine.has_work():
-                for o in engine.step():
-                    out[o.request_id].extend(o.token_ids)
-        return [out[r.request_id] for r in reqs]
+        return run_greedy(engine, batch, 32)
 
     assert run(prompts) == want
     assert engine.stats().num_preemptions > 0

@@ -358,20 +358,14 @@ def test_fused_attention_takes_attention_sinks_as_the_reference(pool_dtype, shap
         check_fused_attention(pool_dtype, *shape, window=window, sinks=sinks, ref_sinks=None)
 
 
-@pytest.mark.parametrize("pool_dtype", [torch.float16, torch.int8])
-@pytest.mark.parametrize("window", [0, 5])
-@pytest.mark.parametrize("heads", [(4, 2), (8, 1), (6, 2)])
-def test_with_sinks_a_prefill_chunk_and_decode_rows_give_the_same_bits(pool_dtype, window, heads):
-    """The sinks enter every path's softmax alike: a prompt as one chunk, as chunks of 3 and
-    token by token gives bit-identical outputs."""
-    H, KVH = heads  # noqa: N806
-    D, n = 64, 29  # noqa: N806
-    torch.manual_seed(9)
-    table = torch.tensor([5, 2, 9, 17, 3, 30, 22, 11])  # 8 blocks of 4
-    qkv = torch.randn(n, (H + 2 * KVH) * D)
+def assert_chunks_and_decode_rows_agree(
+    qkv, table, H, KVH, D, pool_dtype, window, softcap=0.0, sinks=None
+):  # noqa: N803
+    """The fused attention of qkv's tokens (positions 0..n-1 over `table`'s blocks) prefilled
+    as one chunk, as chunks of 3, and as 4 tokens then decode rows: bit-identical outputs."""
+    n = qkv.shape[0]
     cos, sin = rope_tables(torch.arange(n), D)
     slots = table[torch.arange(n) // BS] * BS + torch.arange(n) % BS
-    sinks = torch.randn(H) + 1
     none2, none1 = torch.empty(0, 1, dtype=torch.long), torch.empty(0, dtype=torch.long)
 
     def run(pieces):
@@ -387,13 +381,28 @@ def test_with_sinks_a_prefill_chunk_and_decode_rows_give_the_same_bits(pool_dtyp
                 args = (0, none2, none1, torch.tensor([[0, size, start + size]]), table.view(1, -1))
             outs.append(ops.attention(
                 qkv[sl].clone(), cos[sl], sin[sl], k, v, slots[sl], *args, H, KVH, D, D**-0.5,
-                window, sinks=sinks,
+                window, False, softcap, sinks,
             ))  # fmt: skip
         return torch.cat(outs)
 
     whole = run([(0, n, False)])
     assert torch.equal(run([(i, min(3, n - i), False) for i in range(0, n, 3)]), whole)
     assert torch.equal(run([(0, 4, False)] + [(i, 1, True) for i in range(4, n)]), whole)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float16, torch.int8])
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("heads", [(4, 2), (8, 1), (6, 2)])
+def test_with_sinks_a_prefill_chunk_and_decode_rows_give_the_same_bits(pool_dtype, window, heads):
+    """The sinks enter every path's softmax alike: a prompt as one chunk, as chunks of 3 and
+    token by token gives bit-identical outputs."""
+    H, KVH = heads  # noqa: N806
+    D, n = 64, 29  # noqa: N806
+    torch.manual_seed(9)
+    table = torch.tensor([5, 2, 9, 17, 3, 30, 22, 11])  # 8 blocks of 4
+    qkv = torch.randn(n, (H + 2 * KVH) * D)
+    sinks = torch.randn(H) + 1
+    assert_chunks_and_decode_rows_agree(qkv, table, H, KVH, D, pool_dtype, window, sinks=sinks)
 
 
 def test_int8_rounding_ties_extremes_and_denormals_in_pool_rows_and_queries():
@@ -539,45 +548,7 @@ def test_a_tokens_attention_is_the_same_in_a_prefill_chunk_and_as_a_decode_row(
     torch.manual_seed(8)
     n, table = 37, torch.tensor([5, 2, 9, 17, 3, 30, 22, 11, 26, 38])  # 10 blocks of 4
     qkv = torch.randn(n, (H + 2 * KVH) * D)
-    cos, sin = rope_tables(torch.arange(n), D)
-    slots = table[torch.arange(n) // BS] * BS + torch.arange(n) % BS
-    none2, none1 = torch.empty(0, 1, dtype=torch.long), torch.empty(0, dtype=torch.long)
-
-    def run(pieces):
-        k = to_pool(torch.zeros(NB, BS, KVH, D), pool_dtype)
-        v = to_pool(torch.zeros(NB, BS, KVH, D), pool_dtype)
-        outs = []
-        for start, size, as_decode in pieces:
-            sl = slice(start, start + size)
-            if as_decode:
-                args = (1, table.view(1, -1), torch.tensor([start + 1]), torch.empty(0, 3,
-                        dtype=torch.long), none2)  # fmt: skip
-            else:
-                meta = torch.tensor([[0, size, start + size]])
-                args = (0, none2, none1, meta, table.view(1, -1))
-            outs.append(
-                ops.attention(
-                    qkv[sl].clone(),
-                    cos[sl],
-                    sin[sl],
-                    k,
-                    v,
-                    slots[sl],
-                    *args,
-                    H,
-                    KVH,
-                    D,
-                    D**-0.5,
-                    window,
-                    False,
-                    softcap,
-                )  # fmt: skip
-            )
-        return torch.cat(outs)
-
-    whole = run([(0, n, False)])
-    assert torch.equal(run([(i, min(3, n - i), False) for i in range(0, n, 3)]), whole)
-    assert torch.equal(run([(0, 4, False)] + [(i, 1, True) for i in range(4, n)]), whole)
+    assert_chunks_and_decode_rows_agree(qkv, table, H, KVH, D, pool_dtype, window, softcap)
 
 
 @pytest.mark.slow

@@ -242,23 +242,11 @@ def test_disaggregated_engine_hands_the_state_over_with_the_kv(checkpoint, use_k
     lm = _load(hf_dir, use_kernels)
     prompts = [random_ids(n, VOCAB, seed=30 + n) for n in (7, 19, 33)]
 
-    def run(engine) -> list[list[int]]:
-        reqs = [
-            Request(prompt_token_ids=p, params=SamplingParams(max_tokens=10, ignore_eos=True))
-            for p in prompts
-        ]
-        for r in reqs:
-            engine.add_request(r)
-        out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-        with torch.inference_mode():
-            while engine.has_work():
-                for o in engine.step():
-                    out[o.request_id] += o.token_ids
-        return [out[r.request_id] for r in reqs]
-
     options = dict(max_batch_size=3, block_size=4, max_num_batched_tokens=16, num_blocks=64)
     disagg = DisaggregatedEngine(lm.model, **options)
-    assert run(disagg) == run(ContinuousBatchEngine(lm.model, **options))
+    assert run_greedy(disagg, prompts, 10) == run_greedy(
+        ContinuousBatchEngine(lm.model, **options), prompts, 10
+    )
     assert disagg.transfers == len(prompts)
     layout = lm.config.state_layout
     kv = disagg.transferred_bytes - len(prompts) * layout.bytes_per_slot

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine import ContinuousBatchEngine, Request, SamplingParams
+from engine import ContinuousBatchEngine, EngineBase, Request, SamplingParams
 from models import LoadedModel
 
 Spec = tuple[list[int], int]  # (prompt token ids, max_tokens)
@@ -68,7 +68,7 @@ def engine_greedy(lm: LoadedModel, prompts: list[list[int]], n: int) -> list[lis
     return run_greedy(engine, prompts, n)
 
 
-def run_greedy(engine: ContinuousBatchEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
+def run_greedy(engine: EngineBase, prompts: list[list[int]], n: int) -> list[list[int]]:
     """Each prompt's n greedy tokens (EOS ignored), all added to `engine` at once and stepped until
     it has no work."""
     reqs = [
